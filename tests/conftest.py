@@ -1,0 +1,31 @@
+"""Test setup: 8 simulated CPU devices, and random keys whose seed is printed."""
+
+import os
+import random
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def seed(request) -> int:
+  """A fresh seed per test, printed so a failure reproduces (``ULA_TEST_SEED`` pins it)."""
+  value = int(os.environ.get("ULA_TEST_SEED", random.SystemRandom().randrange(2**31)))
+  print(f"\n[{request.node.name}] seed={value} (rerun with ULA_TEST_SEED={value})")
+  return value
+
+
+@pytest.fixture
+def key(seed) -> jax.Array:
+  return jax.random.key(seed)
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+  return np.random.default_rng(seed)

@@ -1,0 +1,37 @@
+"""Memory systems: where each KV entry lives, behind one interface (``base.MemorySystem``)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ula_jax.memory.base import (INVALID, CapacityReport, KVGeometry, MemorySystem,
+                                 MeshInfo, Resolution, parse_size)
+
+# name -> "module:Class"; imported lazily so one system's import cost is paid only when used.
+SYSTEMS: dict[str, str] = {
+    "resident": "ula_jax.memory.resident:Resident",
+    "ula": "ula_jax.memory.ula:Ula",
+    "hisparse": "ula_jax.memory.hisparse:HiSparse",
+    "far_tier": "ula_jax.memory.far_tier:FarTier",
+}
+
+
+def system_class(name: str) -> type[MemorySystem]:
+  if name not in SYSTEMS:
+    raise ValueError(f"memory.system={name!r}: expected one of {sorted(SYSTEMS)}")
+  module, cls = SYSTEMS[name].split(":")
+  return getattr(importlib.import_module(module), cls)
+
+
+def build_memory_system(cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
+                        max_batch: int, page_size: int, max_context: int) -> MemorySystem:
+  """Instantiates ``cfg.system`` and validates its sizes (before any compute)."""
+  system = system_class(cfg.system)(cfg, geometry, mesh_info, max_batch=max_batch,
+                                    page_size=page_size, max_context=max_context)
+  system.validate()
+  return system
+
+
+__all__ = ["INVALID", "CapacityReport", "KVGeometry", "MemorySystem", "MeshInfo",
+           "Resolution", "SYSTEMS", "build_memory_system", "parse_size", "system_class"]

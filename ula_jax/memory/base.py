@@ -1,0 +1,342 @@
+"""The memory-system interface: the seam every KV placement strategy implements.
+
+Vocabulary (DESIGN.md §3):
+
+* **entry**: one token's KV for one *layer group* (consecutive layers sharing one
+  indexer selection). Its data is ``group_size`` rows of ``entry_width`` values, one
+  row per layer, stored in per-layer pools at the same slot index.
+* **logical address**: a stable int per (request, position) on a dp rank, handed out
+  by the engine in pages. Memory systems never see requests, only addresses.
+* **slot**: a physical row of a pool (device or host tier).
+
+Execution model. Every transition is a pure function over the system's state pytree
+and runs *inside* ``shard_map`` over the ``('dp', 'tp')`` mesh: it sees one device's
+local arrays (no leading dp axis). The engine adds and strips the leading ``dp`` axis
+at the shard_map boundary. ``init_state`` builds the global, sharded arrays; the
+default ``state_specs`` shards every leaf's leading axis over ``dp``.
+
+Per decode step and layer group ``g`` the model calls, in this order::
+
+    state = write_index_keys(state, g, new_addr, key)         # first layer of g
+    keys  = read_index_keys(state, g)                          # indexer scores them
+    state, res = resolve(state, g, sel_addr, sel_valid, new_addr, active)
+    for l in layers(g): state = move_layer(state, l, res)      # exact layer-wise prefetch
+    for l in layers(g):
+        state = write_token(state, l, res, entry_l)            # the new token's KV
+        out   = attention(read_pool(state, l), res.slots, res.valid)
+
+``resolve`` only plans (dedupe, hit detection, victims, table update); ``move_layer``
+moves the data for one layer (write back victims, fetch misses). Pools are one array
+per layer, so the copy for a later layer of the group depends on nothing the current
+layer computes and can overlap it. Attention reads a slot only through ``res.slots``,
+which is data-dependent on the copies: it never sees a half-moved entry.
+
+``res.slots[b, i]`` is the device slot of ``sel_addr[b, i]``: aligned with the logical
+selection order, so every system hands attention the same values in the same order.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import re
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+INVALID = -1  # an unused address or slot
+
+
+# ----------------------------------------------------------------------------------
+# Static geometry
+# ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KVGeometry:
+  """What a memory system must know about the model's KV (hashable, static)."""
+
+  num_layers: int
+  group_size: int  # layers per index-sharing group; the last group may be shorter
+  entry_width: int  # values per layer per token: kv_lora_rank + qk_rope_head_dim
+  index_dim: int  # width of one indexer key
+  top_k: int
+  kv_dtype: str = "bfloat16"
+  index_dtype: str = "bfloat16"
+
+  @property
+  def num_groups(self) -> int:
+    return -(-self.num_layers // self.group_size)
+
+  def group_layers(self, g: int) -> range:
+    return range(g * self.group_size, min((g + 1) * self.group_size, self.num_layers))
+
+  def layer_group(self, layer: int) -> int:
+    return layer // self.group_size
+
+  @property
+  def row_bytes(self) -> int:
+    """Bytes of one layer's row of one entry."""
+    return self.entry_width * jnp.dtype(self.kv_dtype).itemsize
+
+  @property
+  def token_bytes(self) -> int:
+    """Bytes of one token's KV over all layers (what a pool "entry" of every group costs)."""
+    return self.num_layers * self.row_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshInfo:
+  """The mesh a system is laid out on (static)."""
+
+  dp: int
+  tp: int
+
+  @property
+  def num_devices(self) -> int:
+    return self.dp * self.tp
+
+
+# ----------------------------------------------------------------------------------
+# Per-step values
+# ----------------------------------------------------------------------------------
+
+
+@struct.dataclass
+class Resolution:
+  """What ``resolve`` publishes for one layer group (local to one device).
+
+  slots:    [B, k] int32 device slot of each selected entry (INVALID where not valid)
+  valid:    [B, k] bool, the selection's validity (same as ``sel_valid``)
+  new_slot: [B]    int32 device slot where the new token's entry is written
+            (INVALID for inactive rows)
+  plan:     system-specific pytree consumed by ``move_layer`` / ``write_token``
+  stats:    dict of scalar int32 counters for this group and step (e.g. ``hits``,
+            ``misses``, ``evictions``, ``fetched``); the model sums them over groups
+            and the engine reports them per step. Empty for systems that move nothing.
+  """
+
+  slots: jax.Array
+  valid: jax.Array
+  new_slot: jax.Array
+  plan: Any = None
+  stats: dict = struct.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityReport:
+  """Physical and logical accounting, host-side numpy (units: group-entries).
+
+  Every count is summed over layer groups; per-device arrays are ``[dp, tp]``.
+  ``distinct`` counts distinct (logical address, group) pairs per dp rank.
+  """
+
+  system: str
+  device_capacity: np.ndarray  # [dp, tp] slots in device pools
+  device_used: np.ndarray  # [dp, tp]
+  host_capacity: np.ndarray  # [dp, tp] slots in host pools attached to each device
+  host_used: np.ndarray  # [dp, tp]
+  distinct: np.ndarray  # [dp]
+  entry_bytes: int  # bytes of one group-entry's rows in one group (group_size rows)
+  extra: dict = dataclasses.field(default_factory=dict)  # system-specific figures
+
+  @property
+  def physical_used(self) -> int:
+    return int(self.device_used.sum() + self.host_used.sum())
+
+  @property
+  def distinct_total(self) -> int:
+    return int(self.distinct.sum())
+
+  @property
+  def duplicates(self) -> int:
+    return self.physical_used - self.distinct_total
+
+  @property
+  def distinct_fraction(self) -> float:
+    return self.distinct_total / self.physical_used if self.physical_used else 1.0
+
+  def as_dict(self) -> dict:
+    return {
+        "system": self.system,
+        "device_capacity": self.device_capacity.tolist(),
+        "device_used": self.device_used.tolist(),
+        "host_capacity": self.host_capacity.tolist(),
+        "host_used": self.host_used.tolist(),
+        "distinct": self.distinct.tolist(),
+        "physical_used": self.physical_used,
+        "distinct_total": self.distinct_total,
+        "duplicates": self.duplicates,
+        "distinct_fraction": self.distinct_fraction,
+        "entry_bytes": self.entry_bytes,
+        **self.extra,
+    }
+
+
+# ----------------------------------------------------------------------------------
+# Sizes
+# ----------------------------------------------------------------------------------
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: int | str, *, field: str, token_bytes: int) -> int:
+  """Pool sizes in tokens (an int) or bytes (``"8GiB"``, ``"512MB"``) -> tokens."""
+  if isinstance(value, bool):
+    raise ValueError(f"{field}={value!r}: expected a token count or a size like '8GiB'")
+  if isinstance(value, int):
+    if value < 0:
+      raise ValueError(f"{field}={value}: must be >= 0 tokens")
+    return value
+  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+  if not m or m.group(2).lower() not in _UNITS:
+    raise ValueError(
+        f"{field}={value!r}: expected a token count (int) or bytes with a unit "
+        f"({', '.join(u for u in _UNITS if u)}), e.g. '8GiB'")
+  nbytes = float(m.group(1)) * _UNITS[m.group(2).lower()]
+  return int(nbytes // token_bytes)
+
+
+# ----------------------------------------------------------------------------------
+# The interface
+# ----------------------------------------------------------------------------------
+
+
+class MemorySystem(abc.ABC):
+  """Owns pools, mapping tables and placement for one configuration.
+
+  Instances are static (hashable by identity) and hold no arrays: all mutable data
+  is in the state pytree. Subclasses set ``name`` and implement the abstract methods.
+
+  Sizes every subclass defines in ``__init__``:
+    num_logical: logical addresses per dp rank (a multiple of ``page_size``)
+    capacity_tokens: tokens a dp rank can hold (admission budget, per rank)
+  """
+
+  name: ClassVar[str]
+
+  def __init__(self, cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
+               max_batch: int, page_size: int, max_context: int):
+    """cfg: the ``memory`` config section; max_batch: decode rows per dp rank;
+    page_size: logical addresses per page; max_context: tokens per request at most."""
+    self.cfg = cfg
+    self.geo = geometry
+    self.mesh_info = mesh_info
+    self.max_batch = max_batch
+    self.page_size = page_size
+    self.max_context = max_context
+    self.num_logical: int = 0
+    self.capacity_tokens: int = 0
+
+  # -- layout ----------------------------------------------------------------------
+
+  @abc.abstractmethod
+  def init_state(self, mesh: Mesh) -> Any:
+    """Allocates the global state (leading ``dp`` axis, sharded; pools with memory kinds)."""
+
+  def state_specs(self, state: Any) -> Any:
+    """PartitionSpecs of the state for shard_map (default: leading axis over ``dp``)."""
+    return jax.tree.map(lambda _: P("dp"), state)
+
+  # -- transitions (local, inside shard_map) ----------------------------------------
+
+  @abc.abstractmethod
+  def write_prefill(self, state: Any, addrs: jax.Array, valid: jax.Array,
+                    entries: tuple[jax.Array, ...]) -> Any:
+    """Stores prefill KV.
+
+    addrs:   [C] int32 logical addresses of a chunk of one request's prompt
+    valid:   [C] bool
+    entries: per layer, [C, W] rows (len == num_layers)
+    """
+
+  @abc.abstractmethod
+  def resolve(self, state: Any, group: int, sel_addr: jax.Array, sel_valid: jax.Array,
+              new_addr: jax.Array, active: jax.Array) -> tuple[Any, Resolution]:
+    """Logical top-k of one layer group -> device slots (plans the data movement).
+
+    sel_addr:  [B, k] int32 logical addresses selected by the indexer
+    sel_valid: [B, k] bool
+    new_addr:  [B] int32 logical address of the token being decoded (its entry is
+               placed on the device; it may also appear in ``sel_addr``)
+    active:    [B] bool rows that decode this step
+    """
+
+  def move_layer(self, state: Any, layer: int, res: Resolution) -> Any:
+    """Moves the data that ``res`` planned for one layer (default: nothing moves)."""
+    del layer, res
+    return state
+
+  @abc.abstractmethod
+  def write_token(self, state: Any, layer: int, res: Resolution, entry: jax.Array,
+                  active: jax.Array) -> Any:
+    """Writes the new token's row for one layer. entry: [B, W]."""
+
+  @abc.abstractmethod
+  def read_pool(self, state: Any, layer: int) -> jax.Array:
+    """The device pool attention reads for ``layer``: [S, W] (indexed by ``res.slots``)."""
+
+  @abc.abstractmethod
+  def release(self, state: Any, addrs: jax.Array, valid: jax.Array) -> Any:
+    """Frees every entry (all groups) of the given logical addresses. addrs: [N]."""
+
+  # -- indexer keys (device resident, by logical address) ---------------------------
+
+  def init_index_keys(self, mesh: Mesh) -> tuple[jax.Array, ...]:
+    shape = (self.mesh_info.dp, self.num_logical, self.geo.index_dim)
+    return tuple(
+        device_zeros(mesh, shape, self.geo.index_dtype, "device")
+        for _ in range(self.geo.num_groups))
+
+  def write_index_keys(self, state: Any, group: int, addrs: jax.Array,
+                       keys: jax.Array) -> Any:
+    """keys: [N, index_dim] at logical ``addrs`` [N] (INVALID addresses are dropped)."""
+    table = state.index_keys[group]
+    idx = jnp.where(addrs >= 0, addrs, table.shape[0])
+    new = table.at[idx].set(keys.astype(table.dtype), mode="drop")
+    return state.replace(index_keys=replace_at(state.index_keys, group, new))
+
+  def read_index_keys(self, state: Any, group: int) -> jax.Array:
+    """[num_logical, index_dim] keys of one group, by logical address."""
+    return state.index_keys[group]
+
+  # -- accounting (host side) -------------------------------------------------------
+
+  @abc.abstractmethod
+  def report(self, state: Any) -> CapacityReport:
+    """Physical slots in use, distinct entries and duplicates, per tier and device."""
+
+  def validate(self) -> None:
+    """Raises ValueError for sizes that can never work (called before any compute)."""
+
+
+# ----------------------------------------------------------------------------------
+# Helpers shared by systems
+# ----------------------------------------------------------------------------------
+
+
+def replace_at(t: tuple, i: int, v: Any) -> tuple:
+  """``t`` with element ``i`` replaced (pools are tuples of per-layer arrays)."""
+  return t[:i] + (v,) + t[i + 1:]
+
+
+def device_zeros(mesh: Mesh, shape: tuple[int, ...], dtype: Any, memory_kind: str,
+                 fill: Any = 0) -> jax.Array:
+  """A global array of ``shape`` (leading axis = dp) sharded over ``dp``, created in
+  place on the devices (no host staging), in the given memory kind."""
+  sharding = NamedSharding(mesh, P("dp"), memory_kind=memory_kind)
+  return jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)()
+
+
+def memory_kind_of(x: jax.Array) -> str:
+  return x.sharding.memory_kind
+
+
+def tp_replicated(counts_dp: np.ndarray, tp: int) -> np.ndarray:
+  """[dp] -> [dp, tp], the same count on every tp rank (replicated layouts)."""
+  return np.repeat(np.asarray(counts_dp)[:, None], tp, axis=1)
