@@ -247,12 +247,14 @@ class MemorySystem(abc.ABC):
 
   @abc.abstractmethod
   def write_prefill(self, state: Any, addrs: jax.Array, valid: jax.Array,
-                    entries: tuple[jax.Array, ...]) -> Any:
+                    entries: tuple[jax.Array, ...], row: jax.Array) -> Any:
     """Stores prefill KV.
 
     addrs:   [C] int32 logical addresses of a chunk of one request's prompt
     valid:   [C] bool
     entries: per layer, [C, W] rows (len == num_layers)
+    row:     [] int32 the decode batch row the request occupies on this dp rank
+             (systems with per-request quotas key them by row)
     """
 
   @abc.abstractmethod
@@ -282,8 +284,11 @@ class MemorySystem(abc.ABC):
     """The device pool attention reads for ``layer``: [S, W] (indexed by ``res.slots``)."""
 
   @abc.abstractmethod
-  def release(self, state: Any, addrs: jax.Array, valid: jax.Array) -> Any:
-    """Frees every entry (all groups) of the given logical addresses. addrs: [N]."""
+  def release(self, state: Any, addrs: jax.Array, valid: jax.Array, row: jax.Array) -> Any:
+    """Frees every entry (all groups) of the given logical addresses.
+
+    addrs: [N] int32; valid: [N] bool; row: [] int32 the batch row being vacated.
+    """
 
   # -- indexer keys (device resident, by logical address) ---------------------------
 

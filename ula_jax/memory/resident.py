@@ -65,7 +65,8 @@ class Resident(MemorySystem):
     idx = jnp.where(valid & (addrs >= 0), addrs, self.num_logical)
     return tuple(l.at[idx].set(value, mode="drop") for l in live)
 
-  def write_prefill(self, state: ResidentState, addrs, valid, entries) -> ResidentState:
+  def write_prefill(self, state: ResidentState, addrs, valid, entries, row) -> ResidentState:
+    del row
     idx = jnp.where(valid & (addrs >= 0), addrs, self.num_logical)
     pools = tuple(p.at[idx].set(e.astype(p.dtype), mode="drop")
                   for p, e in zip(state.pools, entries))
@@ -88,7 +89,8 @@ class Resident(MemorySystem):
   def read_pool(self, state: ResidentState, layer) -> jax.Array:
     return state.pools[layer]
 
-  def release(self, state: ResidentState, addrs, valid) -> ResidentState:
+  def release(self, state: ResidentState, addrs, valid, row) -> ResidentState:
+    del row
     return state.replace(live=self._mark(state.live, addrs, valid, False))
 
   # -- accounting -------------------------------------------------------------------
