@@ -1,0 +1,429 @@
+"""The serving engine: queue, admission, chunked prefill, continuous-batching decode.
+
+The Python loop only schedules. Each engine step runs at most three jitted functions,
+each one ``shard_map`` over the ``('dp', 'tp')`` mesh so that every dp rank serves its
+own requests from its own pools:
+
+* ``prefill``: one chunk of one request per dp rank (ranks with nothing to prefill skip);
+* ``decode``: one token for every decoding row of every dp rank, greedy;
+* ``release``: frees the logical addresses of one finished request per dp rank.
+
+Admission is by logical pages: a dp rank has ``memory.num_logical // page_size`` pages
+(the memory system sizes its logical space to what it can physically hold), and a
+request is admitted only when its whole context (prompt + max_new_tokens) fits in free
+pages and a decode row is free. Otherwise it waits. A request that could never fit is
+rejected with a message and the run goes on. Nothing is dropped, nothing runs out of
+memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ula_jax import compat
+from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
+from ula_jax.memory import INVALID, MeshInfo, build_memory_system
+from ula_jax.memory.addressing import PageAllocator, addrs_of_positions, all_addrs
+from ula_jax.models import transformer as tfm
+
+
+def resolve_max_context(cfg: Any, requests: list[Request] | None = None) -> int:
+  """Tokens per request the engine is built for (``engine.max_context`` or derived).
+
+  Derived: the longest request of the workload (given requests, else the synthetic
+  workload's upper bounds), rounded up to a page.
+  """
+  page = cfg.engine.page_size
+  if cfg.engine.max_context is not None:
+    n = cfg.engine.max_context
+  elif requests:
+    n = max(r.total_len for r in requests)
+  else:
+    w = cfg.workload
+    n = (max(1, math.ceil(w.prompt_len[1] * w.length_scale))
+         + max(1, math.ceil(w.output_len[1] * w.output_scale)))
+  return -(-n // page) * page
+
+
+@dataclasses.dataclass
+class _Live:
+  """A request occupying a decode row of a dp rank."""
+
+  req: Request
+  device: int
+  row: int
+  pages: np.ndarray
+  admitted_step: int
+  admitted_time: float
+  prefilled: int = 0  # prompt tokens written
+  generated: list[int] = dataclasses.field(default_factory=list)
+  first_token_step: int | None = None
+  ttft_s: float | None = None
+  decode_time_s: float = 0.0
+
+  @property
+  def prefill_done(self) -> bool:
+    return self.prefilled >= self.req.prompt_len
+
+  @property
+  def finished(self) -> bool:
+    return len(self.generated) >= self.req.max_new_tokens
+
+
+class Engine:
+  """Decodes requests with a model and a memory system on a ``('dp', 'tp')`` mesh."""
+
+  def __init__(self, cfg: Any, mesh: Mesh, *, max_context: int | None = None):
+    self.cfg = cfg
+    self.mesh = mesh
+    ecfg = cfg.engine
+    self.dp, self.tp = mesh.shape["dp"], mesh.shape["tp"]
+    self.max_batch = ecfg.max_batch
+    self.page_size = ecfg.page_size
+    self.max_context = max_context or resolve_max_context(cfg)
+    self.pages_per_row = self.max_context // self.page_size
+    self.chunk = min(ecfg.prefill_chunk, self.max_context)
+    self.geo = cfg.model.kv_geometry()
+    self.mem = build_memory_system(cfg.memory, self.geo, MeshInfo(self.dp, self.tp),
+                                   max_batch=self.max_batch, page_size=self.page_size,
+                                   max_context=self.max_context)
+    self.attention_impl = cfg.kernels.attention
+    self.report_every = max(1, int(getattr(ecfg, "report_every", 1)))
+
+    model = tfm.Transformer(cfg.model, rngs=nnx.Rngs(cfg.model.param_seed))
+    self.graphdef, params = nnx.split(model)
+    self.params = jax.device_put(params, NamedSharding(mesh, P()))
+    self.state = self.mem.init_state(mesh)
+    self.workspace = self._init_workspace()
+    self._build_steps()
+
+  # ------------------------------------------------------------------------------
+  # jitted steps
+  # ------------------------------------------------------------------------------
+
+  def _init_workspace(self):
+    ws = tfm.init_workspace(self.cfg.model, self.max_context)
+    sharding = NamedSharding(self.mesh, P("dp"))
+    return jax.tree.map(
+        lambda x: jax.jit(lambda: jnp.zeros((self.dp, *x.shape), x.dtype),
+                          out_shardings=sharding)(), ws)
+
+  def _build_steps(self) -> None:
+    mesh, mem, graphdef = self.mesh, self.mem, self.graphdef
+    sq = lambda t: jax.tree.map(lambda x: x[0], t)
+    ex = lambda t: jax.tree.map(lambda x: x[None], t)
+    state_specs = mem.state_specs(self.state)
+    ws_specs = jax.tree.map(lambda _: P("dp"), self.workspace)
+    param_specs = jax.tree.map(lambda _: P(), self.params)
+    attention = self.attention_impl
+    page_size = self.page_size
+    geo = self.geo
+
+    def decode_local(params, state, tokens, positions, page_table, active):
+      model = nnx.merge(graphdef, params)
+      logits, state, stats = tfm.decode_step(
+          model, mem, sq(state), tokens[0], positions[0], page_table[0], active[0],
+          attention=attention)
+      next_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      return next_tok[None], ex(state), ex(stats)
+
+    def decode(params, state, tokens, positions, page_table, active):
+      return compat.shard_map(
+          decode_local, mesh=mesh,
+          in_specs=(param_specs, state_specs, P("dp"), P("dp"), P("dp"), P("dp")),
+          out_specs=(P("dp"), state_specs, P("dp")))(
+              params, state, tokens, positions, page_table, active)
+
+    def prefill_local(params, state, ws, tokens, start, length, page_row, row, do):
+      model = nnx.merge(graphdef, params)
+      state, ws = sq(state), sq(ws)
+      tokens, start, length, page_row, row, do = (
+          tokens[0], start[0], length[0], page_row[0], row[0], do[0])
+
+      def run(state, ws):
+        entries, keys, last_logits, ws = tfm.prefill_chunk(model, ws, tokens, start, length)
+        pos = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        valid = jnp.arange(tokens.shape[0]) < length
+        addrs = jnp.where(valid, addrs_of_positions(page_row, pos, page_size), INVALID)
+        state = mem.write_prefill(state, addrs, valid, entries, row)
+        for g in range(geo.num_groups):
+          state = mem.write_index_keys(state, g, addrs, keys[g])
+        return state, ws, jnp.argmax(last_logits).astype(jnp.int32)
+
+      def skip(state, ws):
+        return state, ws, jnp.int32(0)
+
+      state, ws, tok = jax.lax.cond(do, run, skip, state, ws)
+      return ex(state), ex(ws), tok[None]
+
+    def prefill(params, state, ws, tokens, start, length, page_row, row, do):
+      return compat.shard_map(
+          prefill_local, mesh=mesh,
+          in_specs=(param_specs, state_specs, ws_specs) + (P("dp"),) * 6,
+          out_specs=(state_specs, ws_specs, P("dp")))(
+              params, state, ws, tokens, start, length, page_row, row, do)
+
+    def release_local(state, page_row, length, row):
+      addrs = all_addrs(page_row[0], page_size)
+      valid = jnp.arange(addrs.shape[0]) < length[0]
+      return ex(mem.release(sq(state), addrs, valid, row[0]))
+
+    def release(state, page_row, length, row):
+      return compat.shard_map(
+          release_local, mesh=mesh,
+          in_specs=(state_specs, P("dp"), P("dp"), P("dp")),
+          out_specs=state_specs)(state, page_row, length, row)
+
+    self._decode = jax.jit(decode, donate_argnums=(1,))
+    self._prefill = jax.jit(prefill, donate_argnums=(1, 2))
+    self._release = jax.jit(release, donate_argnums=(0,))
+
+  def _put(self, x: np.ndarray) -> jax.Array:
+    return jax.device_put(x, NamedSharding(self.mesh, P("dp")))
+
+  # ------------------------------------------------------------------------------
+  # scheduling
+  # ------------------------------------------------------------------------------
+
+  def _reject_reason(self, r: Request) -> str | None:
+    if r.prompt_len < 1:
+      return "empty prompt"
+    if r.max_new_tokens < 1:
+      return f"max_new_tokens={r.max_new_tokens} must be >= 1"
+    if r.total_len > self.cfg.model.max_position:
+      return (f"prompt {r.prompt_len} + output {r.max_new_tokens} tokens exceeds "
+              f"model.max_position={self.cfg.model.max_position}")
+    if r.total_len > self.max_context:
+      return (f"prompt {r.prompt_len} + output {r.max_new_tokens} tokens exceeds "
+              f"engine.max_context={self.max_context}")
+    need = -(-r.total_len // self.page_size)
+    if need > self.mem.num_logical // self.page_size:
+      return (f"needs {need * self.page_size} KV tokens; a dp rank of memory.system="
+              f"{self.mem.name} holds at most {self.mem.num_logical}")
+    return None
+
+  def run(self, requests: list[Request],
+          on_step: Callable[[StepMetrics], None] | None = None) -> RunResult:
+    """Serves ``requests`` to completion (or ``engine.max_steps``)."""
+    dp, B = self.dp, self.max_batch
+    alloc = [PageAllocator(self.mem.num_logical // self.page_size) for _ in range(dp)]
+    rows: list[list[_Live | None]] = [[None] * B for _ in range(dp)]
+    pending = collections.deque(sorted(requests, key=lambda r: r.arrival_step))
+    queue: collections.deque[Request] = collections.deque()
+    results: dict[str, RequestResult] = {}
+    steps: list[StepMetrics] = []
+    totals: collections.Counter = collections.Counter()
+    peak = {"device_used": -1, "report": None}
+    max_steps = self.cfg.engine.max_steps
+    t_run = time.perf_counter()
+    step = 0
+    finished_count = 0
+    last_report = None
+
+    while pending or queue or any(l is not None for rank in rows for l in rank):
+      if max_steps is not None and step >= max_steps:
+        break
+      t0 = time.perf_counter()
+      while pending and pending[0].arrival_step <= step:
+        r = pending.popleft()
+        reason = self._reject_reason(r)
+        if reason is not None:
+          results[r.id] = RequestResult(r.id, r.prompt_len, r.max_new_tokens, "rejected",
+                                        [], reason=reason, arrival_step=r.arrival_step)
+        else:
+          queue.append(r)
+
+      # Admission: FIFO; a request goes to the rank with the most free pages that has a free row.
+      while queue:
+        r = queue[0]
+        need = -(-r.total_len // self.page_size)
+        cands = [(alloc[d].free_pages, -d) for d in range(dp)
+                 if alloc[d].free_pages >= need and any(l is None for l in rows[d])]
+        if not cands:
+          break
+        d = -max(cands)[1]
+        row = next(i for i, l in enumerate(rows[d]) if l is None)
+        rows[d][row] = _Live(r, d, row, alloc[d].allocate(need), step, time.perf_counter())
+        queue.popleft()
+
+      # Prefill: the oldest not-yet-prefilled request of each rank runs one chunk.
+      n_prefill, prefill_tokens = self._prefill_round(rows, step)
+
+      # Decode: every prefilled, unfinished row.
+      t_dec = time.perf_counter()
+      n_decode, stats = self._decode_round(rows, step)
+      decode_time = time.perf_counter() - t_dec if n_decode else 0.0
+      for k, v in stats.items():
+        totals[k] += v
+
+      # Release finished requests.
+      done = [l for rank in rows for l in rank if l is not None and l.finished]
+      if done:
+        self._release_round(done)
+        for l in done:
+          alloc[l.device].free(l.pages)
+          rows[l.device][l.row] = None
+          results[l.req.id] = RequestResult(
+              l.req.id, l.req.prompt_len, l.req.max_new_tokens, "finished",
+              l.generated, device=l.device, arrival_step=l.req.arrival_step,
+              admitted_step=l.admitted_step, first_token_step=l.first_token_step,
+              finished_step=step, ttft_s=l.ttft_s, decode_time_s=l.decode_time_s)
+          finished_count += 1
+
+      if step % self.report_every == 0 or not (pending or queue or done):
+        last_report = self.mem.report(self.state)
+      rep = last_report
+      dev_used = int(rep.device_used.sum())
+      if dev_used > peak["device_used"]:
+        peak = {"device_used": dev_used, "report": rep}
+      kind = ("mixed" if n_prefill and n_decode else "prefill" if n_prefill
+              else "decode" if n_decode else "idle")
+      m = StepMetrics(
+          step=step, kind=kind, running=n_decode, prefilling=n_prefill,
+          waiting=len(queue) + sum(1 for rank in rows for l in rank
+                                   if l is not None and not l.prefill_done),
+          finished=finished_count, decode_tokens=n_decode, prefill_tokens=prefill_tokens,
+          step_time_s=time.perf_counter() - t0, decode_time_s=decode_time,
+          tokens_per_s=n_decode / decode_time if decode_time > 0 else 0.0,
+          device_used=dev_used, host_used=int(rep.host_used.sum()),
+          distinct=rep.distinct_total, extra=dict(stats))
+      steps.append(m)
+      if on_step is not None:
+        on_step(m)
+      step += 1
+
+    # Anything still queued or running when max_steps stops the run is reported, not lost.
+    for rank in rows:
+      for l in rank:
+        if l is not None:
+          results[l.req.id] = RequestResult(
+              l.req.id, l.req.prompt_len, l.req.max_new_tokens, "rejected", l.generated,
+              reason=f"engine.max_steps={max_steps} reached while running",
+              device=l.device, arrival_step=l.req.arrival_step, admitted_step=l.admitted_step)
+    for r in list(queue) + list(pending):
+      results[r.id] = RequestResult(r.id, r.prompt_len, r.max_new_tokens, "rejected", [],
+                                    reason=f"engine.max_steps={max_steps} reached while waiting",
+                                    arrival_step=r.arrival_step)
+
+    ordered = [results[r.id] for r in requests]
+    wall = time.perf_counter() - t_run
+    summary = self._summary(steps, ordered, totals, wall)
+    capacity = peak["report"].as_dict() if peak["report"] is not None else {}
+    return RunResult(steps=steps, requests=ordered, capacity=capacity, summary=summary)
+
+  def _prefill_round(self, rows, step) -> tuple[int, int]:
+    dp, C = self.dp, self.chunk
+    tokens = np.zeros((dp, C), np.int32)
+    start = np.zeros((dp,), np.int32)
+    length = np.zeros((dp,), np.int32)
+    page_row = np.full((dp, self.pages_per_row), INVALID, np.int32)
+    row = np.zeros((dp,), np.int32)
+    do = np.zeros((dp,), bool)
+    chosen: list[_Live | None] = [None] * dp
+    for d in range(dp):
+      cands = [l for l in rows[d] if l is not None and not l.prefill_done]
+      if not cands:
+        continue
+      l = min(cands, key=lambda l: (l.admitted_step, l.row))
+      n = min(C, l.req.prompt_len - l.prefilled)
+      tokens[d, :n] = l.req.prompt[l.prefilled:l.prefilled + n]
+      start[d], length[d], row[d], do[d] = l.prefilled, n, l.row, True
+      page_row[d, :len(l.pages)] = l.pages
+      chosen[d] = l
+    if not do.any():
+      return 0, 0
+    self.state, self.workspace, tok = self._prefill(
+        self.params, self.state, self.workspace, self._put(tokens), self._put(start),
+        self._put(length), self._put(page_row), self._put(row), self._put(do))
+    tok = np.asarray(tok)
+    now = time.perf_counter()
+    for d, l in enumerate(chosen):
+      if l is None:
+        continue
+      l.prefilled += int(length[d])
+      if l.prefill_done:
+        l.generated.append(int(tok[d]))
+        l.first_token_step, l.ttft_s = step, now - l.admitted_time
+    return int(do.sum()), int(length.sum())
+
+  def _decode_round(self, rows, step) -> tuple[int, dict]:
+    dp, B = self.dp, self.max_batch
+    tokens = np.zeros((dp, B), np.int32)
+    positions = np.zeros((dp, B), np.int32)
+    page_table = np.full((dp, B, self.pages_per_row), INVALID, np.int32)
+    active = np.zeros((dp, B), bool)
+    live = []
+    for d in range(dp):
+      for b, l in enumerate(rows[d]):
+        if l is None or not l.prefill_done or l.finished or l.first_token_step == step:
+          continue
+        tokens[d, b] = l.generated[-1]
+        positions[d, b] = l.req.prompt_len + len(l.generated) - 1
+        page_table[d, b, :len(l.pages)] = l.pages
+        active[d, b] = True
+        live.append(l)
+    if not live:
+      return 0, {}
+    t0 = time.perf_counter()
+    self.state, nxt, stats = self._decode(
+        self.params, self.state, self._put(tokens), self._put(positions),
+        self._put(page_table), self._put(active))
+    nxt = np.asarray(nxt)
+    dt = time.perf_counter() - t0
+    for l in live:
+      l.generated.append(int(nxt[l.device, l.row]))
+      l.decode_time_s += dt
+    return len(live), {k: int(np.asarray(v).sum()) for k, v in stats.items()}
+
+  def _release_round(self, done: list[_Live]) -> None:
+    by_rank: dict[int, list[_Live]] = collections.defaultdict(list)
+    for l in done:
+      by_rank[l.device].append(l)
+    while any(by_rank.values()):
+      page_row = np.full((self.dp, self.pages_per_row), INVALID, np.int32)
+      length = np.zeros((self.dp,), np.int32)
+      row = np.zeros((self.dp,), np.int32)
+      for d, ls in by_rank.items():
+        if ls:
+          l = ls.pop()
+          page_row[d, :len(l.pages)] = l.pages
+          # Entries written: the prompt and every generated token but the last.
+          length[d] = l.req.prompt_len + len(l.generated) - 1
+          row[d] = l.row
+      self.state = self._release(self.state, self._put(page_row), self._put(length),
+                                 self._put(row))
+
+  def _summary(self, steps, reqs, totals, wall) -> dict:
+    decode_time = sum(s.decode_time_s for s in steps)
+    gen = sum(len(r.output_tokens) for r in reqs if r.status == "finished")
+    dec_tokens = sum(s.decode_tokens for s in steps)
+    out = {
+        "memory_system": self.mem.name,
+        "dp": self.dp, "tp": self.tp,
+        "max_batch": self.max_batch, "max_context": self.max_context,
+        "requests": len(reqs),
+        "finished": sum(r.status == "finished" for r in reqs),
+        "rejected": sum(r.status == "rejected" for r in reqs),
+        "steps": len(steps),
+        "generated_tokens": gen,
+        "wall_time_s": wall,
+        "decode_time_s": decode_time,
+        "decode_tokens_per_s": dec_tokens / decode_time if decode_time else 0.0,
+        "tokens_per_s": gen / wall if wall else 0.0,
+        "peak_running": max((s.running for s in steps), default=0),
+        "capacity_tokens_per_rank": self.mem.capacity_tokens,
+    }
+    out.update({f"total_{k}": v for k, v in totals.items()})
+    if totals.get("hits", 0) + totals.get("misses", 0):
+      out["hit_rate"] = totals["hits"] / (totals["hits"] + totals["misses"])
+    return out
