@@ -1,0 +1,364 @@
+"""The experiment schema: one frozen pydantic model per config section.
+
+YAML files and command-line overrides only set values; every field, its type, default
+and allowed range is declared here. Models are frozen (hashable, usable as static jit
+arguments) and reject unknown keys (``extra='forbid'``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ula_jax.memory.base import parse_size
+from ula_jax.models.config import ModelConfig
+
+BLOCK_SECTIONS = ("model", "memory", "mesh", "workload", "engine", "kernels")
+"""Sections that have building blocks under ``configs/<section>/<name>.yaml``."""
+
+
+class Section(BaseModel):
+  model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+def _check_size(value: Any, field: str, *, allow_none: bool) -> Any:
+  """Pool sizes are a token count (int >= 0) or bytes with a unit ('8GiB')."""
+  if value is None:
+    if allow_none:
+      return None
+    raise ValueError(f"{field}=None: expected a token count (int) or a size like '8GiB'")
+  if isinstance(value, float) and value.is_integer():
+    value = int(value)
+  if isinstance(value, bool) or not isinstance(value, (int, str)):
+    raise ValueError(f"{field}={value!r}: expected a token count (int) or a size like '8GiB'")
+  # token_bytes=1 only checks the spelling; the model's token size converts it later.
+  parse_size(value, field=field, token_bytes=1)
+  return value
+
+
+def _check_pair(value: Any, field: str) -> Any:
+  """``[min, max]`` length ranges: two integers, 1 <= min <= max."""
+  ok = (isinstance(value, (list, tuple)) and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
+  if not ok or not 1 <= value[0] <= value[1]:
+    raise ValueError(f"{field}={_plain(value)!r}: expected a pair [min, max] of integers "
+                     f"with 1 <= min <= max")
+  return tuple(value)
+
+
+def _plain(value: Any) -> Any:
+  return list(value) if isinstance(value, tuple) else value
+
+
+def scaled_range(pair: tuple[int, int], scale: float) -> tuple[int, int]:
+  """``pair`` times ``scale``, rounded, each end at least 1 and ``min <= max``."""
+  lo = max(1, round(pair[0] * scale))
+  hi = max(lo, round(pair[1] * scale))
+  return lo, hi
+
+
+# ----------------------------------------------------------------------------------
+# memory
+# ----------------------------------------------------------------------------------
+
+
+class HiSparseConfig(Section):
+  """HiSparse (SGLang ``--hisparse-config``): host holds every entry, device a buffer."""
+
+  top_k: int | None = Field(
+      None, ge=1,
+      description="entries selected per request and layer group; None = model.index_topk")
+  device_buffer_size: int = Field(
+      4096, ge=1, description="device slots per (request, layer group) buffer; must be >= top-k")
+  host_to_device_ratio: float = Field(
+      2.0, gt=0, description="host pool size as a multiple of the device pool")
+
+
+class FarTierConfig(Section):
+  """SAC: KV in a disaggregated far pool, fetched per layer."""
+
+  mode: Literal["on_demand", "full_prefetch"] = Field(
+      "on_demand", description="fetch only the selected top-k entries, or every entry of "
+      "the request (RDMA-style)")
+  link: Literal["dram", "cxl", "rdma"] = Field(
+      "cxl", description="the far link modelled: local DRAM, CXL memory pool or RDMA")
+  num_far_devices: int = Field(
+      1, ge=1, description="far memory devices entries are interleaved over")
+  far_pool: int | str | None = Field(
+      None,
+      description="far pool size in tokens or bytes ('64GiB'); None = enough for every request")
+
+  @field_validator("far_pool", mode="before")
+  @classmethod
+  def _far_pool(cls, v: Any) -> Any:
+    return _check_size(v, "memory.far_tier.far_pool", allow_none=True)
+
+
+class MemoryConfig(Section):
+  """Which memory system places the KV, and its sizes."""
+
+  system: Literal["resident", "ula", "hisparse", "far_tier"] = Field(
+      "resident", description="memory system: resident (device only), ula, hisparse or far_tier")
+  device_pool: int | str | None = Field(
+      None, description="device pool per device per layer group, in tokens or bytes ('8GiB'); "
+      "None = enough for engine.max_batch x engine.max_context")
+  host_pool: int | str = Field(
+      0, description="ula host tier per device, in tokens or bytes (0 = no host tier)")
+  policy: Literal["pb_lru", "lru"] = Field(
+      "pb_lru", description="ula eviction policy: parallel bucketed LRU or exact LRU")
+  pb_lru_buckets: int = Field(
+      4, ge=1, description="recent buckets in the PB-LRU ring (plus one cold bucket)")
+  layout: Literal["mod", "block", "request", "replicated"] = Field(
+      "mod", description="ula TP layout of a request's entries over tp ranks: position mod P, "
+      "contiguous blocks, one owner per request, or a full copy per rank")
+  local_buffer: int | None = Field(
+      None, ge=1, description="ula TP local buffer of recently selected entries, tokens per rank; "
+      "None = the system's default")
+  hisparse: HiSparseConfig = Field(default_factory=HiSparseConfig)
+  far_tier: FarTierConfig = Field(default_factory=FarTierConfig)
+
+  @field_validator("device_pool", mode="before")
+  @classmethod
+  def _device_pool(cls, v: Any) -> Any:
+    return _check_size(v, "memory.device_pool", allow_none=True)
+
+  @field_validator("host_pool", mode="before")
+  @classmethod
+  def _host_pool(cls, v: Any) -> Any:
+    return _check_size(v, "memory.host_pool", allow_none=False)
+
+
+# ----------------------------------------------------------------------------------
+# mesh, workload, engine, kernels, experiment
+# ----------------------------------------------------------------------------------
+
+
+class MeshConfig(Section):
+  """The ``('dp', 'tp')`` device mesh."""
+
+  dp: int = Field(1, ge=1, description="data-parallel ranks (each serves its own requests)")
+  tp: int = Field(1, ge=1, description="tensor-parallel ranks (attention heads split over them)")
+  platform: Literal["auto", "cpu", "gpu"] = Field(
+      "auto", description="backend: auto (jax's default), cpu (simulated devices) or gpu")
+
+  @property
+  def num_devices(self) -> int:
+    return self.dp * self.tp
+
+
+class WorkloadConfig(Section):
+  """The requests: seeded synthetic long-document summarisation, or a file."""
+
+  kind: Literal["synthetic", "file"] = Field(
+      "synthetic", description="synthetic requests, or requests read from workload.path")
+  seed: int = Field(0, ge=0, description="seed of lengths, token ids and arrivals")
+  num_requests: int = Field(8, ge=1, description="synthetic requests to generate")
+  prompt_len: tuple[int, int] = Field(
+      (65536, 131072), description="[min, max] prompt tokens before length_scale (uniform)")
+  length_scale: float = Field(
+      1.0, gt=0, description="multiplies prompt lengths (small runs keep the shape)")
+  output_len: tuple[int, int] = Field(
+      (128, 512), description="[min, max] generated tokens before output_scale (uniform)")
+  output_scale: float = Field(1.0, gt=0, description="multiplies output lengths")
+  arrival: Literal["all_at_once", "poisson"] = Field(
+      "all_at_once", description="every request at step 0, or Poisson arrivals")
+  arrival_rate: float = Field(
+      1.0, gt=0, description="requests per engine step when arrival='poisson'")
+  path: str | None = Field(
+      None, description="JSONL or JSON list of requests, for kind='file' (relative to the "
+      "working directory)")
+
+  @field_validator("prompt_len", mode="before")
+  @classmethod
+  def _prompt_len(cls, v: Any) -> Any:
+    return _check_pair(v, "workload.prompt_len")
+
+  @field_validator("output_len", mode="before")
+  @classmethod
+  def _output_len(cls, v: Any) -> Any:
+    return _check_pair(v, "workload.output_len")
+
+  @model_validator(mode="after")
+  def _file_needs_path(self) -> WorkloadConfig:
+    if self.kind == "file" and not self.path:
+      raise ValueError("workload.kind='file' needs workload.path (a JSONL or JSON file of "
+                       "requests)")
+    return self
+
+  @property
+  def prompt_range(self) -> tuple[int, int]:
+    """[min, max] prompt tokens after ``length_scale``."""
+    return scaled_range(self.prompt_len, self.length_scale)
+
+  @property
+  def output_range(self) -> tuple[int, int]:
+    """[min, max] generated tokens after ``output_scale``."""
+    return scaled_range(self.output_len, self.output_scale)
+
+
+class EngineConfig(Section):
+  """Batching and scheduling."""
+
+  max_batch: int = Field(8, ge=1, description="decode rows per dp rank")
+  max_context: int | None = Field(
+      None, ge=1, description="tokens per request at most; None = longest workload request "
+      "(prompt + output) rounded up to page_size")
+  prefill_chunk: int = Field(256, ge=1, description="prompt tokens per prefill chunk")
+  page_size: int = Field(64, ge=1, description="logical addresses per page")
+  max_steps: int | None = Field(
+      None, ge=1, description="stop after this many engine steps; None = until done")
+  progress: bool = Field(True, description="show a progress bar while running")
+
+
+class KernelsConfig(Section):
+  """Which implementation runs each hot operation."""
+
+  attention: Literal["xla", "pallas"] = Field("xla", description="sparse MLA attention kernel")
+  fetch: Literal["xla", "pallas", "ffi"] = Field(
+      "xla", description="host->device fetch / write-back of entries (ffi = the custom call)")
+  resolve: Literal["jnp", "pallas"] = Field(
+      "jnp", description="the resolve stages (dedupe, hits, victims)")
+  interpret: bool | None = Field(
+      None, description="run Pallas kernels in interpret mode; None = interpret on CPU only")
+
+  @property
+  def uses_pallas(self) -> bool:
+    return "pallas" in (self.attention, self.fetch, self.resolve)
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+class ExperimentInfo(Section):
+  """Names and output of one experiment (the ``experiment`` section)."""
+
+  name: str = Field(description="experiment name (run directories are named after it)")
+  description: str = Field("", description="free text, kept in the run directory")
+  seed: int = Field(
+      0, ge=0, description="seed of random choices outside the model and workload sections")
+  out_dir: str = Field("runs", description="parent directory of run directories")
+  plots: bool = Field(True, description="write PNG plots into the run directory")
+
+  @field_validator("name")
+  @classmethod
+  def _name(cls, v: str) -> str:
+    if not _NAME.fullmatch(v):
+      raise ValueError(f"experiment.name={v!r}: use letters, digits and . _ + - "
+                       f"(it names a directory), starting with a letter or digit")
+    return v
+
+
+# ----------------------------------------------------------------------------------
+# the whole experiment
+# ----------------------------------------------------------------------------------
+
+
+def _section_dict(data: dict, name: str) -> dict | None:
+  value = data.get(name)
+  if value is None:
+    return {}
+  if isinstance(value, BaseModel):
+    return value.model_dump()
+  return dict(value) if isinstance(value, dict) else None
+
+
+def longest_request(workload: WorkloadConfig) -> int:
+  """Tokens of the longest request the workload can produce (prompt + output)."""
+  if workload.kind == "file":
+    from ula_jax.workloads.file import file_lengths  # lazy: workloads imports the schema
+
+    return max(p + o for p, o in file_lengths(workload.path))
+  return workload.prompt_range[1] + workload.output_range[1]
+
+
+class ExperimentConfig(Section):
+  """A whole experiment: every section, validated together."""
+
+  model: ModelConfig = Field(default_factory=ModelConfig)
+  memory: MemoryConfig = Field(default_factory=MemoryConfig)
+  mesh: MeshConfig = Field(default_factory=MeshConfig)
+  workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
+  engine: EngineConfig = Field(default_factory=EngineConfig)
+  kernels: KernelsConfig = Field(default_factory=KernelsConfig)
+  experiment: ExperimentInfo
+
+  @model_validator(mode="before")
+  @classmethod
+  def _derive_max_context(cls, data: Any) -> Any:
+    """Fills ``engine.max_context`` from the workload when it is unset, so the resolved
+    config always states it (and the run directory records it)."""
+    if not isinstance(data, dict):
+      return data
+    engine = _section_dict(data, "engine")
+    workload = _section_dict(data, "workload")
+    if engine is None or workload is None or engine.get("max_context") is not None:
+      return data
+    try:
+      wl = WorkloadConfig.model_validate(workload)
+      page = EngineConfig.model_validate({"page_size": engine.get("page_size", 64)}).page_size
+    except ValueError:
+      return data  # the section's own errors are reported by the main validation
+    longest = longest_request(wl)
+    engine["max_context"] = -(-longest // page) * page
+    return {**data, "engine": engine}
+
+  @model_validator(mode="after")
+  def _check_combinations(self) -> ExperimentConfig:
+    problems = combination_problems(self)
+    if problems:
+      raise ValueError("\n".join(problems))
+    return self
+
+  @property
+  def top_k(self) -> int:
+    """Entries selected per request and layer group by the memory system."""
+    if self.memory.system == "hisparse" and self.memory.hisparse.top_k is not None:
+      return self.memory.hisparse.top_k
+    return self.model.index_topk
+
+
+def combination_problems(cfg: ExperimentConfig) -> list[str]:
+  """Every combination of values that can never run (checked before any compute)."""
+  problems: list[str] = []
+  model, mem, eng, wl, mesh = cfg.model, cfg.memory, cfg.engine, cfg.workload, cfg.mesh
+  top_k = cfg.top_k
+
+  if eng.max_context is not None and eng.max_context % eng.page_size:
+    problems.append(
+        f"engine.max_context={eng.max_context} is not a multiple of engine.page_size="
+        f"{eng.page_size}; use {-(-eng.max_context // eng.page_size) * eng.page_size}")
+
+  longest = longest_request(wl)
+  if longest > model.max_position:
+    problems.append(
+        f"workload: the longest request has {longest} tokens (prompt + output), beyond "
+        f"model.max_position={model.max_position}; shorten the workload "
+        f"(workload.prompt_len, length_scale, output_len) or raise model.max_position")
+
+  if model.num_heads % mesh.tp:
+    problems.append(
+        f"mesh.tp={mesh.tp} does not divide model.num_heads={model.num_heads} "
+        f"(attention heads are split over tp ranks)")
+
+  if mem.system == "hisparse" and mem.hisparse.device_buffer_size < top_k:
+    problems.append(
+        f"memory.hisparse.device_buffer_size={mem.hisparse.device_buffer_size} is smaller "
+        f"than top-k={top_k} (memory.hisparse.top_k or model.index_topk): a request's "
+        f"buffer must hold its whole selection")
+
+  if mem.system == "ula":
+    if mem.device_pool is not None:
+      tokens = parse_size(mem.device_pool, field="memory.device_pool",
+                          token_bytes=model.kv_geometry().token_bytes)
+      if tokens < top_k:
+        problems.append(
+            f"memory.device_pool={mem.device_pool!r} holds {tokens} tokens per device, "
+            f"fewer than one request's top-k={top_k} (model.index_topk)")
+    if mesh.tp > 1 and mem.local_buffer is not None and mem.local_buffer < top_k:
+      problems.append(
+          f"memory.local_buffer={mem.local_buffer} is smaller than top-k={top_k} "
+          f"(model.index_topk): a rank's local buffer must hold one request's selection")
+
+  return problems

@@ -1,0 +1,78 @@
+"""The ``('dp', 'tp')`` device mesh of an experiment.
+
+``configure_platform`` must run before jax starts its backend (before the first array
+is created): on CPU it asks jax for as many simulated devices as the mesh needs.
+``build_mesh`` then lays the first ``dp * tp`` devices out as the mesh.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from ula_jax.config import ConfigError, ExperimentConfig, check_devices
+
+AXES = ("dp", "tp")
+_JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda"}
+
+
+def configure_platform(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
+  """Selects the backend and the simulated CPU device count (``num_devices``, default
+  ``mesh.dp * mesh.tp``; a sweep passes the largest mesh it will build).
+
+  Once the backend has started these settings are fixed; then nothing changes here and
+  ``build_mesh`` reports a mesh that does not fit the devices that exist.
+  """
+  n = num_devices or cfg.mesh.num_devices
+  platform = cfg.mesh.platform
+  try:
+    if platform != "auto" and jax.config.jax_platforms != _JAX_PLATFORM[platform]:
+      jax.config.update("jax_platforms", _JAX_PLATFORM[platform])
+    if platform in ("auto", "cpu") and jax.config.jax_num_cpu_devices < n:
+      # Only the CPU backend reads it, so it is harmless when 'auto' picks a GPU.
+      jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError:
+    pass  # the backend has started: the devices are what they are
+
+
+def mesh_devices(cfg: ExperimentConfig) -> list:
+  """The devices of ``mesh.platform`` that exist (ConfigError when it has none)."""
+  platform = cfg.mesh.platform
+  if platform == "auto":
+    return jax.devices()
+  try:
+    return jax.devices(platform)
+  except RuntimeError as e:
+    raise ConfigError([f"mesh.platform={platform!r}: jax has no {platform} backend here "
+                       f"({e}); use mesh.platform=auto or cpu"]) from None
+
+
+def check_kernels(cfg: ExperimentConfig, platform: str) -> None:
+  """Pallas kernels compile only on GPU; on CPU they need interpret mode."""
+  k = cfg.kernels
+  if platform == "cpu" and k.uses_pallas and k.interpret is False:
+    names = [f"kernels.{f}=pallas" for f in ("attention", "fetch", "resolve")
+             if getattr(k, f) == "pallas"]
+    raise ConfigError([f"kernels.interpret=false with {', '.join(names)} on CPU: Pallas "
+                       f"runs on CPU only in interpret mode; set kernels.interpret=null "
+                       f"(automatic) or true"])
+
+
+def interpret_kernels(cfg: ExperimentConfig, platform: str) -> bool:
+  """Whether Pallas kernels run in interpret mode (``kernels.interpret``, None = on CPU)."""
+  if cfg.kernels.interpret is not None:
+    return cfg.kernels.interpret
+  return platform == "cpu"
+
+
+def build_mesh(cfg: ExperimentConfig) -> Mesh:
+  """A mesh with axes ``('dp', 'tp')`` of shape ``(mesh.dp, mesh.tp)`` over the first
+  ``dp * tp`` devices. Axis types are Auto: memory systems and the engine place arrays
+  with explicit shardings and compute per device inside ``shard_map``."""
+  devices = mesh_devices(cfg)
+  platform = devices[0].platform
+  check_devices(cfg, len(devices), platform)
+  check_kernels(cfg, platform)
+  n = cfg.mesh.num_devices
+  return jax.make_mesh((cfg.mesh.dp, cfg.mesh.tp), AXES,
+                       axis_types=(AxisType.Auto,) * len(AXES), devices=devices[:n])
