@@ -96,7 +96,9 @@ class Engine:
     self.geo = cfg.model.kv_geometry()
     self.mem = build_memory_system(cfg.memory, self.geo, MeshInfo(self.dp, self.tp),
                                    max_batch=self.max_batch, page_size=self.page_size,
-                                   max_context=self.max_context)
+                                   max_context=self.max_context,
+                                   fetch_impl=cfg.kernels.fetch,
+                                   fetch_interpret=cfg.kernels.interpret)
     self.attention_impl = cfg.kernels.attention
     self.report_every = max(1, int(getattr(ecfg, "report_every", 1)))
 
@@ -296,7 +298,8 @@ class Engine:
           step_time_s=time.perf_counter() - t0, decode_time_s=decode_time,
           tokens_per_s=n_decode / decode_time if decode_time > 0 else 0.0,
           device_used=dev_used, host_used=int(rep.host_used.sum()),
-          distinct=rep.distinct_total, extra=dict(stats))
+          distinct=rep.distinct_total,
+          admitted=sum(1 for rank in rows for l in rank if l is not None), extra=dict(stats))
       steps.append(m)
       if on_step is not None:
         on_step(m)
@@ -375,7 +378,7 @@ class Engine:
     if not live:
       return 0, {}
     t0 = time.perf_counter()
-    self.state, nxt, stats = self._decode(
+    nxt, self.state, stats = self._decode(
         self.params, self.state, self._put(tokens), self._put(positions),
         self._put(page_table), self._put(active))
     nxt = np.asarray(nxt)
@@ -424,6 +427,7 @@ class Engine:
         "capacity_tokens_per_rank": self.mem.capacity_tokens,
     }
     out.update({f"total_{k}": v for k, v in totals.items()})
+    out.update(self.mem.run_summary(steps, reqs))
     if totals.get("hits", 0) + totals.get("misses", 0):
       out["hit_rate"] = totals["hits"] / (totals["hits"] + totals["misses"])
     return out

@@ -73,6 +73,7 @@ class StepMetrics:
   device_used: int  # physical device slots in use (all devices, all groups)
   host_used: int  # physical host slots in use
   distinct: int  # distinct entries stored
+  admitted: int = 0  # requests holding memory (admitted and not yet finished), all ranks
   extra: dict = dataclasses.field(default_factory=dict)  # system-specific (hit rates, ...)
 
   def as_dict(self) -> dict:

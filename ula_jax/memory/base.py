@@ -219,6 +219,10 @@ class MemorySystem(abc.ABC):
   """
 
   name: ClassVar[str]
+  # Host<->device row copies go through ``ula_jax.kernels.fetch`` with this
+  # implementation (``kernels.fetch``); build_memory_system sets it from the config.
+  fetch_impl: str = "xla"
+  fetch_interpret: bool | None = None
 
   def __init__(self, cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
                max_batch: int, page_size: int, max_context: int):
@@ -318,6 +322,25 @@ class MemorySystem(abc.ABC):
 
   def validate(self) -> None:
     """Raises ValueError for sizes that can never work (called before any compute)."""
+
+  def fetch_rows(self, host_pool: jax.Array, host_idx: jax.Array, dev_pool: jax.Array,
+                 dev_idx: jax.Array) -> jax.Array:
+    """host_pool[host_idx[i]] -> dev_pool[dev_idx[i]] (negative indices skip); new dev_pool."""
+    from ula_jax.kernels.fetch import fetch_rows
+    return fetch_rows(host_pool, host_idx, dev_pool, dev_idx, impl=self.fetch_impl,
+                      interpret=self.fetch_interpret)
+
+  def evict_rows(self, dev_pool: jax.Array, dev_idx: jax.Array, host_pool: jax.Array,
+                 host_idx: jax.Array) -> jax.Array:
+    """dev_pool[dev_idx[i]] -> host_pool[host_idx[i]] (negative indices skip); new host_pool."""
+    from ula_jax.kernels.fetch import evict_rows
+    return evict_rows(dev_pool, dev_idx, host_pool, host_idx, impl=self.fetch_impl,
+                      interpret=self.fetch_interpret)
+
+  def run_summary(self, steps: list, requests: list) -> dict:
+    """System-specific figures for a finished run's summary (e.g. modeled times)."""
+    del steps, requests
+    return {}
 
 
 # ----------------------------------------------------------------------------------
