@@ -1,0 +1,61 @@
+"""Sparse MLA attention over the pool rows a memory system resolved.
+
+One public entry point, ``sparse_mla_attention``, validates shapes and dispatches on
+``impl`` (a config field, ``kernels.attention``):
+
+* ``'xla'``: ``reference.sparse_mla_attention_reference`` (plain jnp; also the fallback);
+* ``'pallas'``: ``pallas.sparse_mla_attention_pallas``, same signature.
+
+Implementations are imported on first use, so a missing optional kernel costs nothing
+until it is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import jax
+
+# impl name -> "module:function"
+IMPLS: dict[str, str] = {
+    "xla": "ula_jax.kernels.sparse_attention.reference:sparse_mla_attention_reference",
+    "pallas": "ula_jax.kernels.sparse_attention.pallas:sparse_mla_attention_pallas",
+}
+
+
+def impl_function(impl: str) -> Callable[..., jax.Array]:
+  if impl not in IMPLS:
+    raise ValueError(f"kernels.attention={impl!r}: expected one of {sorted(IMPLS)}")
+  module, fn = IMPLS[impl].split(":")
+  return getattr(importlib.import_module(module), fn)
+
+
+def sparse_mla_attention(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
+                         slots: jax.Array, valid: jax.Array, *, scale: float,
+                         impl: str = "xla") -> jax.Array:
+  """Absorbed-form MLA attention over selected pool rows.
+
+  q_lat:  [B, H, Dl] latent queries
+  q_rope: [B, H, Dr] rotary queries
+  pool:   [S, Dl + Dr] entries ``concat(c, k_rope)``
+  slots:  [B, k] int32 pool rows to read (ignored where not valid)
+  valid:  [B, k] bool; a row with nothing valid returns zeros
+  scale:  softmax scale; impl: one of ``IMPLS``
+  returns o_lat: [B, H, Dl] float32
+  """
+  fn = impl_function(impl)
+  if q_lat.ndim != 3 or q_rope.shape[:2] != q_lat.shape[:2] or q_rope.ndim != 3:
+    raise ValueError(f"q_lat.shape={q_lat.shape}, q_rope.shape={q_rope.shape}: expected "
+                     "[B, H, Dl] and [B, H, Dr] with the same B and H")
+  B, _, Dl = q_lat.shape
+  Dr = q_rope.shape[-1]
+  if pool.ndim != 2 or pool.shape[1] != Dl + Dr:
+    raise ValueError(f"pool.shape={pool.shape}: expected [S, Dl + Dr] = [S, {Dl + Dr}]")
+  if slots.ndim != 2 or slots.shape[0] != B or valid.shape != slots.shape:
+    raise ValueError(f"slots.shape={slots.shape}, valid.shape={valid.shape}: expected "
+                     f"both [B, k] with B={B}")
+  return fn(q_lat, q_rope, pool, slots, valid, scale=scale)
+
+
+__all__ = ["IMPLS", "impl_function", "sparse_mla_attention"]

@@ -1,0 +1,52 @@
+"""Sparse MLA attention in plain jnp: the reference and the portable fallback.
+
+Absorbed-form MLA decoding reads one shared row per selected token,
+``entry = concat(c [Dl], k_rope [Dr])``, for every head:
+
+    score[h, i] = (q_lat[h] . c_i + q_rope[h] . k_rope_i) * scale
+    o_lat[h]    = sum_i softmax(score[h])_i * c_i
+
+Only the selected slots of the pool are read. Rows with no valid slot return zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def masked_softmax(s: jax.Array, mask: jax.Array) -> jax.Array:
+  """Softmax over the last axis restricted to ``mask`` (broadcast against ``s``).
+
+  Rows with nothing unmasked (including an empty last axis) give zeros, not NaN.
+  """
+  s = jnp.where(mask, s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)  # an all-masked row: exp(-inf - 0) = 0
+  p = jnp.where(mask, jnp.exp(s - m), 0.0)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  return p / jnp.where(l > 0, l, 1.0)
+
+
+def sparse_mla_attention_reference(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
+                                   slots: jax.Array, valid: jax.Array, *,
+                                   scale: float) -> jax.Array:
+  """Attention of every head over the selected pool rows.
+
+  q_lat:  [B, H, Dl] latent queries (q_nope absorbed through W_uk)
+  q_rope: [B, H, Dr] rotary queries
+  pool:   [S, Dl + Dr] entries (any float dtype; read as float32)
+  slots:  [B, k] int32 pool rows (ignored where not valid)
+  valid:  [B, k] bool
+  scale:  softmax scale
+  returns o_lat: [B, H, Dl] float32
+  """
+  Dl = q_lat.shape[-1]
+  # Invalid slots may hold INVALID (-1); read row 0 instead and mask it out below.
+  idx = jnp.where(valid, jnp.clip(slots, 0, pool.shape[0] - 1), 0)
+  ent_bkw = pool[idx].astype(jnp.float32)
+  c_bkc, kr_bkr = ent_bkw[..., :Dl], ent_bkw[..., Dl:]
+  s_bhk = (jnp.einsum("bhc,bkc->bhk", q_lat.astype(jnp.float32), c_bkc)
+           + jnp.einsum("bhr,bkr->bhk", q_rope.astype(jnp.float32), kr_bkr)) * scale
+  p_bhk = masked_softmax(s_bhk, valid[:, None, :])
+  return jnp.einsum("bhk,bkc->bhc", p_bhk, c_bkc)

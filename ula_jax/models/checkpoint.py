@@ -1,0 +1,64 @@
+"""Saving and restoring model parameters with orbax.
+
+A checkpoint is a directory::
+
+    path/model_config.json   the ModelConfig it was saved with
+    path/params/             the parameter state (orbax StandardCheckpointer)
+
+Restoring checks that the given config has the same geometry (every field except
+``preset`` and ``param_seed``, which only say where the values came from).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from ula_jax.models.config import ModelConfig
+from ula_jax.models.transformer import Transformer
+
+CONFIG_FILE = "model_config.json"
+PARAMS_DIR = "params"
+_PROVENANCE = ("preset", "param_seed")
+
+
+def save_params(model: Transformer, path: str | pathlib.Path, *,
+                overwrite: bool = False) -> pathlib.Path:
+  """Writes ``model``'s parameters and config under ``path`` (a directory); returns it."""
+  path = pathlib.Path(path).absolute()
+  if path.exists():
+    if not overwrite:
+      raise FileExistsError(f"checkpoint path={str(path)!r} exists; pass overwrite=True "
+                            "to replace it")
+  path.mkdir(parents=True, exist_ok=True)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(path / PARAMS_DIR, nnx.state(model), force=overwrite)
+    ckpt.wait_until_finished()
+  (path / CONFIG_FILE).write_text(model.cfg.model_dump_json(indent=2))
+  return path
+
+
+def restore_params(cfg: ModelConfig, path: str | pathlib.Path) -> Transformer:
+  """A ``Transformer`` for ``cfg`` with the parameters saved under ``path``."""
+  path = pathlib.Path(path).absolute()
+  if not (path / CONFIG_FILE).is_file() or not (path / PARAMS_DIR).is_dir():
+    raise FileNotFoundError(f"checkpoint path={str(path)!r}: expected {CONFIG_FILE} and "
+                            f"{PARAMS_DIR}/ written by save_params")
+  saved = json.loads((path / CONFIG_FILE).read_text())
+  given = cfg.model_dump()
+  diff = [f"model.{k}: saved {saved.get(k)!r}, given {given[k]!r}"
+          for k in given if k not in _PROVENANCE and saved.get(k) != given[k]]
+  if diff:
+    raise ValueError(f"checkpoint path={str(path)!r} has another geometry: "
+                     + "; ".join(diff))
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg)))
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+  with ocp.StandardCheckpointer() as ckpt:
+    state = ckpt.restore(path / PARAMS_DIR, abstract)
+  return nnx.merge(graphdef, state)

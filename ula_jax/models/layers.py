@@ -1,0 +1,288 @@
+"""Decoder building blocks: RMSNorm, RoPE, MLA attention, the lightning indexer, MLP, MoE.
+
+Dimension letters: N rows (tokens or batch rows), T candidate positions, D hidden,
+H heads, Q q_lora_rank, C kv_lora_rank, E experts, F MLP width, I indexer heads,
+K indexer head dim, W entry width (C + rope dim).
+
+Parameters are stored in ``cfg.dtype``; norms, RoPE, softmax, indexer scores and the
+router run in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ula_jax.kernels.sparse_attention.reference import masked_softmax
+from ula_jax.memory.base import INVALID
+from ula_jax.models.config import ModelConfig
+
+F32 = jnp.float32
+
+
+# Parameters up to this many values are drawn by numpy: eager construction then compiles
+# nothing per parameter shape (each shape would cost a jax compilation). Larger ones are
+# drawn by jax on the device, where generation is fast and compilation is amortised.
+HOST_DRAW_MAX = 1 << 20
+
+
+def _host_normal(key_bits: np.ndarray, shape: tuple[int, ...], std: float) -> np.ndarray:
+  rng = np.random.default_rng(np.asarray(key_bits).ravel().tolist())
+  return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _device_normal(key: jax.Array, shape: tuple[int, ...], std: float, dtype: str
+                   ) -> jax.Array:
+  # One program eagerly and under a trace, so both round the same way.
+  return (jax.random.normal(key, shape, F32) * std).astype(dtype)
+
+
+def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype: str,
+                 std: float | None = None) -> nnx.Param:
+  """Normal init with std ``fan_in ** -0.5`` (or ``std``), stored in ``dtype``.
+
+  The same key gives the same values eagerly and under a trace (``nnx.eval_shape``, jit):
+  numpy draws run through a host callback there.
+  """
+  std = fan_in ** -0.5 if std is None else std
+  key = rngs.params()
+  if math.prod(shape) > HOST_DRAW_MAX:
+    return nnx.Param(_device_normal(key, shape, std, dtype))
+  bits = jax.random.key_data(key)
+  if isinstance(bits, jax.core.Tracer):
+    draw = functools.partial(_host_normal, shape=shape, std=std)
+    value = jax.pure_callback(draw, jax.ShapeDtypeStruct(shape, F32), bits).astype(dtype)
+  else:
+    value = jnp.asarray(_host_normal(np.asarray(bits), shape, std).astype(jnp.dtype(dtype)))
+  return nnx.Param(value)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, dtype: str):
+    self.scale = nnx.Param(jnp.asarray(np.ones((dim,), jnp.dtype(dtype))))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(F32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(F32)).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding (rotate-half layout).
+
+  x:         [..., R] with R even
+  positions: int32, broadcastable to ``x.shape[:-1]``
+  returns    [..., R] in x.dtype
+  """
+  half = x.shape[-1] // 2
+  inv_freq = theta ** (-jnp.arange(half, dtype=F32) / half)
+  ang = positions[..., None].astype(F32) * inv_freq
+  cos, sin = jnp.cos(ang), jnp.sin(ang)
+  x32 = x.astype(F32)
+  x1, x2 = x32[..., :half], x32[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------------
+# MLA attention
+# ----------------------------------------------------------------------------------
+
+
+class MLAttention(nnx.Module):
+  """Multi-head latent attention.
+
+  q path:  x -> W_dq -> RMSNorm = c_q [Q] -> W_uq -> per head [q_nope, q_rope]
+  kv path: x -> W_dkv -> RMSNorm = c [C];  k_rope = RoPE(x W_kr) [R], shared by heads
+  The stored entry per token is ``concat(c, k_rope)`` [W]; keys and values per head are
+  ``c W_uk[h]`` and ``c W_uv[h]``. Decoding absorbs W_uk into the query and W_uv into the
+  output, so attention reads only the entries.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    D, H, Q, C = cfg.hidden_size, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    dn, dr, dv, dt = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.dtype
+    self.w_dq = normal_param(rngs, (D, Q), D, dt)
+    self.q_norm = RMSNorm(Q, cfg.rms_norm_eps, dt)
+    self.w_uq = normal_param(rngs, (Q, H, dn + dr), Q, dt)
+    self.w_dkv = normal_param(rngs, (D, C), D, dt)
+    self.kv_norm = RMSNorm(C, cfg.rms_norm_eps, dt)
+    self.w_kr = normal_param(rngs, (D, dr), D, dt)
+    self.w_uk = normal_param(rngs, (H, C, dn), C, dt)
+    self.w_uv = normal_param(rngs, (H, C, dv), C, dt)
+    self.w_o = normal_param(rngs, (H, dv, D), H * dv, dt)
+    self.nope_dim = dn
+    self.kv_lora_rank = C
+    self.rope_theta = cfg.rope_theta
+    self.kv_dtype = cfg.kv_dtype
+
+  def project(self, x_nd: jax.Array, pos_n: jax.Array
+              ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Queries and the token's entry.
+
+    x_nd: [N, D] normed hidden; pos_n: [N] int32 positions
+    returns c_q [N, Q], q_nope [N, H, dn], q_rope [N, H, dr] (rotated),
+            entry [N, W] in kv_dtype
+    """
+    cq_nq = self.q_norm(x_nd @ self.w_dq[...])
+    q_nhe = jnp.einsum("nq,qhe->nhe", cq_nq, self.w_uq[...])
+    q_nope, q_rope = q_nhe[..., :self.nope_dim], q_nhe[..., self.nope_dim:]
+    q_rope = apply_rope(q_rope, pos_n[:, None], self.rope_theta)
+    c_nc = self.kv_norm(x_nd @ self.w_dkv[...])
+    kr_nr = apply_rope(x_nd @ self.w_kr[...], pos_n, self.rope_theta)
+    entry = jnp.concatenate([c_nc, kr_nr], axis=-1).astype(self.kv_dtype)
+    return cq_nq, q_nope, q_rope, entry
+
+  def absorb(self, q_nope_nhd: jax.Array) -> jax.Array:
+    """q_lat[h] = q_nope[h] W_uk[h]^T: [N, H, dn] -> [N, H, C]."""
+    return jnp.einsum("nhd,hcd->nhc", q_nope_nhd, self.w_uk[...])
+
+  def out(self, o_lat_nhc: jax.Array) -> jax.Array:
+    """Attention output from latent outputs: [N, H, C] -> [N, D] (W_uv then W_o)."""
+    w_uv = self.w_uv[...]
+    v_nhv = jnp.einsum("nhc,hcv->nhv", o_lat_nhc.astype(w_uv.dtype), w_uv)
+    return jnp.einsum("nhv,hvd->nd", v_nhv, self.w_o[...])
+
+  def naive(self, q_nope_nhd: jax.Array, q_rope_nhr: jax.Array, entries_ntw: jax.Array,
+            mask_nt: jax.Array, scale: float) -> jax.Array:
+    """Non-absorbed MLA (per-head keys and values materialised), for checking.
+
+    entries_ntw: [N, T, W] each row's candidate entries; mask_nt: [N, T] bool
+    returns [N, D]
+    """
+    ent = entries_ntw.astype(F32)
+    c_ntc, kr_ntr = ent[..., :self.kv_lora_rank], ent[..., self.kv_lora_rank:]
+    k_nthd = jnp.einsum("ntc,hcd->nthd", c_ntc, self.w_uk[...].astype(F32))
+    v_nthv = jnp.einsum("ntc,hcv->nthv", c_ntc, self.w_uv[...].astype(F32))
+    s_nht = (jnp.einsum("nhd,nthd->nht", q_nope_nhd.astype(F32), k_nthd)
+             + jnp.einsum("nhr,ntr->nht", q_rope_nhr.astype(F32), kr_ntr)) * scale
+    p_nht = masked_softmax(s_nht, mask_nt[:, None, :])
+    o_nhv = jnp.einsum("nht,nthv->nhv", p_nht, v_nthv)
+    w_o = self.w_o[...]
+    return jnp.einsum("nhv,hvd->nd", o_nhv.astype(w_o.dtype), w_o)
+
+
+# ----------------------------------------------------------------------------------
+# Lightning indexer (DSA)
+# ----------------------------------------------------------------------------------
+
+
+class Indexer(nnx.Module):
+  """Scores every past position with a few small ReLU heads and keeps the top-k.
+
+  q_I = c_q W_q [I, K] (from the attention's q latent), k_I = RMSNorm(x W_k) [K] (one key
+  per token, stored by the memory system), w = x W_w [I];
+  score_t = sum_i w_i relu(q_I[i] . k_I_t).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    D, Q, I, K, dt = (cfg.hidden_size, cfg.q_lora_rank, cfg.index_n_heads,
+                      cfg.index_head_dim, cfg.dtype)
+    self.w_q = normal_param(rngs, (Q, I, K), Q, dt)
+    self.w_k = normal_param(rngs, (D, K), D, dt)
+    self.k_norm = RMSNorm(K, cfg.rms_norm_eps, dt)
+    self.w_w = normal_param(rngs, (D, I), D, dt)
+    self.key_dtype = cfg.kv_dtype
+
+  def query(self, x_nd: jax.Array, cq_nq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x_nd: [N, D] normed hidden; cq_nq: [N, Q] -> q_I [N, I, K], w [N, I] float32."""
+    q_nik = jnp.einsum("nq,qik->nik", cq_nq, self.w_q[...])
+    I = q_nik.shape[1]
+    w_ni = (x_nd @ self.w_w[...]).astype(F32) * I ** -0.5
+    return q_nik, w_ni
+
+  def key(self, x_nd: jax.Array) -> jax.Array:
+    """[N, D] -> [N, K] index keys in kv_dtype (the stored precision)."""
+    return self.k_norm(x_nd @ self.w_k[...]).astype(self.key_dtype)
+
+
+def index_scores(q_nik: jax.Array, w_ni: jax.Array, keys: jax.Array) -> jax.Array:
+  """Indexer scores.
+
+  q_nik: [N, I, K]; w_ni: [N, I] float32
+  keys:  [N, T, K] (per-row candidates) or [T, K] (candidates shared by all rows)
+  returns [N, T] float32
+  """
+  K = q_nik.shape[-1]
+  q = q_nik.astype(F32) * K ** -0.5
+  spec = "nik,tk->nit" if keys.ndim == 2 else "nik,ntk->nit"
+  s_nit = jax.nn.relu(jnp.einsum(spec, q, keys.astype(F32)))
+  return jnp.einsum("nit,ni->nt", s_nit, w_ni)
+
+
+def select_topk(scores_nt: jax.Array, cand_nt: jax.Array, k: int
+                ) -> tuple[jax.Array, jax.Array]:
+  """Top-k candidate positions per row (ties go to the lower position).
+
+  scores_nt: [N, T] float32; cand_nt: [N, T] bool (positions that may be picked)
+  returns positions [N, k] int32 (INVALID where not valid), valid [N, k] bool;
+  a row has exactly min(k, candidates) valid picks.
+  """
+  T = scores_nt.shape[-1]
+  s = jnp.where(cand_nt, scores_nt, -jnp.inf)
+  if T < k:  # fewer positions than k: pad with picks that can never be valid
+    s = jnp.pad(s, ((0, 0), (0, k - T)), constant_values=-jnp.inf)
+    cand_nt = jnp.pad(cand_nt, ((0, 0), (0, k - T)))
+  _, idx_nk = jax.lax.top_k(s, k)
+  valid_nk = jnp.take_along_axis(cand_nt, idx_nk, axis=-1)
+  return jnp.where(valid_nk, idx_nk, INVALID).astype(jnp.int32), valid_nk
+
+
+# ----------------------------------------------------------------------------------
+# Feed-forward
+# ----------------------------------------------------------------------------------
+
+
+class MLP(nnx.Module):
+  """SwiGLU: (silu(x W_gate) * x W_up) W_down."""
+
+  def __init__(self, hidden: int, width: int, dtype: str, *, rngs: nnx.Rngs):
+    self.w_gate = normal_param(rngs, (hidden, width), hidden, dtype)
+    self.w_up = normal_param(rngs, (hidden, width), hidden, dtype)
+    self.w_down = normal_param(rngs, (width, hidden), width, dtype)
+
+  def __call__(self, x_nd: jax.Array) -> jax.Array:
+    h_nf = jax.nn.silu(x_nd @ self.w_gate[...]) * (x_nd @ self.w_up[...])
+    return h_nf @ self.w_down[...]
+
+
+class MoE(nnx.Module):
+  """Routed experts (softmax router, top-k gates renormalised) plus shared experts.
+
+  Every expert runs on every token and the gates (zero for unchosen experts) combine
+  them: exact and simple, at E times the routed compute.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    D, E, F, dt = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.dtype
+    self.router = normal_param(rngs, (D, E), D, dt)
+    self.w_gate = normal_param(rngs, (E, D, F), D, dt)
+    self.w_up = normal_param(rngs, (E, D, F), D, dt)
+    self.w_down = normal_param(rngs, (E, F, D), F, dt)
+    self.shared = (MLP(D, F * cfg.num_shared_experts, dt, rngs=rngs)
+                   if cfg.num_shared_experts else None)
+    self.top_k = cfg.num_experts_per_tok
+
+  def gates(self, x_nd: jax.Array) -> jax.Array:
+    """[N, D] -> [N, E] float32 combine weights (top-k of the softmax, renormalised)."""
+    probs_ne = jax.nn.softmax((x_nd @ self.router[...]).astype(F32), axis=-1)
+    top_p, top_i = jax.lax.top_k(probs_ne, self.top_k)
+    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    E = probs_ne.shape[-1]
+    return jnp.einsum("nk,nke->ne", top_p, jax.nn.one_hot(top_i, E, dtype=F32))
+
+  def __call__(self, x_nd: jax.Array) -> jax.Array:
+    h_nef = (jax.nn.silu(jnp.einsum("nd,edf->nef", x_nd, self.w_gate[...]))
+             * jnp.einsum("nd,edf->nef", x_nd, self.w_up[...]))
+    y_ned = jnp.einsum("nef,efd->ned", h_nef, self.w_down[...])
+    y_nd = jnp.einsum("ned,ne->nd", y_ned.astype(F32), self.gates(x_nd)).astype(x_nd.dtype)
+    if self.shared is not None:
+      y_nd = y_nd + self.shared(x_nd)
+    return y_nd
