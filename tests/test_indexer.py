@@ -11,7 +11,8 @@ from flax import nnx
 
 from ula_jax.memory.base import INVALID
 from ula_jax.models.config import ModelConfig
-from ula_jax.models.layers import Indexer, index_scores, select_topk
+from ula_jax.kernels.indexer import index_scores, select_topk
+from ula_jax.models.layers import Indexer
 
 
 def test_index_scores_hand_computed():

@@ -18,7 +18,7 @@ default ``state_specs`` shards every leaf's leading axis over ``dp``.
 Per decode step and layer group ``g`` the model calls, in this order::
 
     state = write_index_keys(state, g, new_addr, key)         # first layer of g
-    keys  = read_index_keys(state, g)                          # indexer scores them
+    sel_pos, sel_valid = select(state, g, q_I, w, ...)         # indexer top-k
     state, res = resolve(state, g, sel_addr, sel_valid, new_addr, active)
     for l in layers(g): state = move_layer(state, l, res)      # exact layer-wise prefetch
     for l in layers(g):
@@ -313,6 +313,28 @@ class MemorySystem(abc.ABC):
   def read_index_keys(self, state: Any, group: int) -> jax.Array:
     """[num_logical, index_dim] keys of one group, by logical address."""
     return state.index_keys[group]
+
+  def select(self, state: Any, group: int, q_I: jax.Array, w: jax.Array,
+             page_table: jax.Array, positions: jax.Array, active: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+    """The indexer's top-k over each row's history (positions <= ``positions[b]``).
+
+    q_I: [B, HI, DI] index queries; w: [B, HI] float32 head weights
+    page_table: [B, P] int32; positions: [B] int32; active: [B] bool
+    returns (sel_pos [B, k] int32 positions, INVALID where not valid; sel_valid [B, k])
+
+    The default scores every key of a row on this device. A layout that shards keys
+    over ranks overrides it: score local keys, gather, merge to the same top-k.
+    """
+    from ula_jax.kernels.indexer import index_scores, select_topk
+    from ula_jax.memory.addressing import all_addrs
+    cand_addr = all_addrs(page_table, self.page_size)  # [B, T]
+    T = cand_addr.shape[1]
+    cand = ((cand_addr >= 0) & (jnp.arange(T, dtype=jnp.int32)[None, :] <= positions[:, None])
+            & active[:, None])
+    keys = self.read_index_keys(state, group)
+    keys_btk = keys[jnp.clip(cand_addr, 0, keys.shape[0] - 1)]
+    return select_topk(index_scores(q_I, w, keys_btk), cand, self.geo.top_k)
 
   # -- accounting (host side) -------------------------------------------------------
 

@@ -28,11 +28,11 @@ import numpy as np
 from flax import nnx, struct
 
 from ula_jax.kernels.sparse_attention import sparse_mla_attention
-from ula_jax.memory.addressing import addrs_of_positions, all_addrs
+from ula_jax.memory.addressing import addrs_of_positions
 from ula_jax.memory.base import INVALID, MemorySystem, Resolution
 from ula_jax.models.config import ModelConfig
-from ula_jax.models.layers import (F32, MLP, Indexer, MLAttention, MoE, RMSNorm, normal_param,
-                                   index_scores, select_topk)
+from ula_jax.kernels.indexer import index_scores, select_topk
+from ula_jax.models.layers import F32, MLP, Indexer, MLAttention, MoE, RMSNorm, normal_param
 
 
 class Projection(NamedTuple):
@@ -148,7 +148,7 @@ def decode_step(model: Transformer, mem: MemorySystem, mem_state, tokens: jax.Ar
            over layer groups)
 
   Calls ``mem`` in the order ``memory/base.py`` documents: per group, write and read
-  the index keys, select, resolve, move every layer of the group, then per layer write
+  the index keys, select (``mem.select``), resolve, move every layer of the group, then per layer write
   the new entry and attend over ``read_pool`` at the resolved slots.
   """
   cfg = model.cfg
@@ -156,20 +156,13 @@ def decode_step(model: Transformer, mem: MemorySystem, mem_state, tokens: jax.Ar
   positions = positions.astype(jnp.int32)
   new_addr = addrs_of_positions(page_table, positions[:, None], ps)[:, 0]
   new_addr = jnp.where(active, new_addr, INVALID)
-  # Candidates: every position the page table covers, up to and including the new one.
-  cand_addr = all_addrs(page_table, ps)  # [B, T]
-  T = cand_addr.shape[1]
-  cand = ((cand_addr >= 0) & (jnp.arange(T, dtype=jnp.int32)[None, :] <= positions[:, None])
-          & active[:, None])
   stats: dict = {}
 
   def select(g: int, first: Projection, indexer: Indexer) -> Resolution:
     nonlocal mem_state, stats
     mem_state = mem.write_index_keys(mem_state, g, new_addr, indexer.key(first.h))
-    keys = mem.read_index_keys(mem_state, g)
-    keys_btk = keys[jnp.clip(cand_addr, 0, keys.shape[0] - 1)]
     q_I, w = indexer.query(first.h, first.c_q)
-    sel_pos, sel_valid = select_topk(index_scores(q_I, w, keys_btk), cand, cfg.index_topk)
+    sel_pos, sel_valid = mem.select(mem_state, g, q_I, w, page_table, positions, active)
     sel_addr = jnp.where(sel_valid, addrs_of_positions(page_table, sel_pos, ps), INVALID)
     mem_state, res = mem.resolve(mem_state, g, sel_addr, sel_valid, new_addr, active)
     stats = _add_stats(stats, res.stats)
