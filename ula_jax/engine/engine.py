@@ -124,6 +124,7 @@ class Engine:
     mesh, mem, graphdef = self.mesh, self.mem, self.graphdef
     sq = lambda t: jax.tree.map(lambda x: x[0], t)
     ex = lambda t: jax.tree.map(lambda x: x[None], t)
+    to_local, from_local = mem.to_local, mem.from_local
     state_specs = mem.state_specs(self.state)
     ws_specs = jax.tree.map(lambda _: P("dp"), self.workspace)
     param_specs = jax.tree.map(lambda _: P(), self.params)
@@ -134,10 +135,10 @@ class Engine:
     def decode_local(params, state, tokens, positions, page_table, active):
       model = nnx.merge(graphdef, params)
       logits, state, stats = tfm.decode_step(
-          model, mem, sq(state), tokens[0], positions[0], page_table[0], active[0],
+          model, mem, to_local(state), tokens[0], positions[0], page_table[0], active[0],
           attention=attention)
       next_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-      return next_tok[None], ex(state), ex(stats)
+      return next_tok[None], from_local(state), ex(stats)
 
     def decode(params, state, tokens, positions, page_table, active):
       return compat.shard_map(
@@ -148,7 +149,7 @@ class Engine:
 
     def prefill_local(params, state, ws, tokens, start, length, page_row, row, do):
       model = nnx.merge(graphdef, params)
-      state, ws = sq(state), sq(ws)
+      state, ws = to_local(state), sq(ws)
       tokens, start, length, page_row, row, do = (
           tokens[0], start[0], length[0], page_row[0], row[0], do[0])
 
@@ -166,7 +167,7 @@ class Engine:
         return state, ws, jnp.int32(0)
 
       state, ws, tok = jax.lax.cond(do, run, skip, state, ws)
-      return ex(state), ex(ws), tok[None]
+      return from_local(state), ex(ws), tok[None]
 
     def prefill(params, state, ws, tokens, start, length, page_row, row, do):
       return compat.shard_map(
@@ -178,7 +179,7 @@ class Engine:
     def release_local(state, page_row, length, row):
       addrs = all_addrs(page_row[0], page_size)
       valid = jnp.arange(addrs.shape[0]) < length[0]
-      return ex(mem.release(sq(state), addrs, valid, row[0]))
+      return from_local(mem.release(to_local(state), addrs, valid, row[0]))
 
     def release(state, page_row, length, row):
       return compat.shard_map(

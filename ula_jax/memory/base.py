@@ -247,6 +247,16 @@ class MemorySystem(abc.ABC):
     """PartitionSpecs of the state for shard_map (default: leading axis over ``dp``)."""
     return jax.tree.map(lambda _: P("dp"), state)
 
+  def to_local(self, state: Any) -> Any:
+    """Inside shard_map: the per-device block -> the local state the transitions take
+    (default: drop the leading dp axis of size 1). Layouts sharded over ``tp`` too
+    (leaves ``[dp, tp, ...]``) drop both."""
+    return jax.tree.map(lambda x: x[0], state)
+
+  def from_local(self, state: Any) -> Any:
+    """The inverse of ``to_local``."""
+    return jax.tree.map(lambda x: x[None], state)
+
   # -- transitions (local, inside shard_map) ----------------------------------------
 
   @abc.abstractmethod
