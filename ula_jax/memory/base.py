@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import re
 from typing import Any, ClassVar
 
@@ -386,11 +387,18 @@ def replace_at(t: tuple, i: int, v: Any) -> tuple:
 
 
 def device_zeros(mesh: Mesh, shape: tuple[int, ...], dtype: Any, memory_kind: str,
-                 fill: Any = 0) -> jax.Array:
-  """A global array of ``shape`` (leading axis = dp) sharded over ``dp``, created in
-  place on the devices (no host staging), in the given memory kind."""
-  sharding = NamedSharding(mesh, P("dp"), memory_kind=memory_kind)
-  return jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)()
+                 fill: Any = 0, spec: P = P("dp")) -> jax.Array:
+  """A global array of ``shape`` sharded by ``spec`` (default: leading axis over dp),
+  created in place on the devices (no host staging), in the given memory kind."""
+  return _filler(mesh, tuple(shape), jnp.dtype(dtype).name, memory_kind, fill, spec)()
+
+
+@functools.lru_cache(maxsize=256)
+def _filler(mesh: Mesh, shape: tuple[int, ...], dtype: str, memory_kind: str, fill: Any,
+            spec: P):
+  # One compiled filler per (shape, dtype, placement): pools of equal shape share it.
+  sharding = NamedSharding(mesh, spec, memory_kind=memory_kind)
+  return jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)
 
 
 def memory_kind_of(x: jax.Array) -> str:
