@@ -14,6 +14,17 @@ request is admitted only when its whole context (prompt + max_new_tokens) fits i
 pages and a decode row is free. Otherwise it waits. A request that could never fit is
 rejected with a message and the run goes on. Nothing is dropped, nothing runs out of
 memory.
+
+Tensor parallelism: with ``mesh.tp > 1`` decode splits attention heads over the tp
+ranks of each dp rank (``decode_step(..., tp_axis='tp')``); prefill computes every head
+on every tp rank. The host-side inputs are the same for every tp rank of a dp rank.
+
+Multi-controller runs (``jax.distributed``, one process per host or per device group):
+every process runs this same deterministic schedule over the same requests. Inputs are
+built as global arrays from the host values every process holds
+(``jax.make_array_from_callback``), and everything read back (next tokens, stats, the
+state ``report`` reads) is gathered over processes, since no process addresses every
+shard. With one process nothing is gathered and nothing changes.
 """
 
 from __future__ import annotations
@@ -28,11 +39,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax import compat
 from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 from ula_jax.memory import INVALID, MeshInfo, build_memory_system
+from ula_jax.mesh import interpret_kernels
 from ula_jax.memory.addressing import PageAllocator, addrs_of_positions, all_addrs
 from ula_jax.models import transformer as tfm
 
@@ -53,6 +66,93 @@ def resolve_max_context(cfg: Any, requests: list[Request] | None = None) -> int:
     n = (max(1, math.ceil(w.prompt_len[1] * w.length_scale))
          + max(1, math.ceil(w.output_len[1] * w.output_scale)))
   return -(-n // page) * page
+
+
+def check_tp_heads(num_heads: int, tp: int) -> None:
+  """ValueError unless the ``tp`` ranks can split ``num_heads`` attention heads evenly."""
+  if num_heads % tp:
+    fits = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+    raise ValueError(
+        f"model.num_heads={num_heads} is not divisible by mesh.tp={tp}: attention heads are "
+        f"split evenly over the tp ranks; use mesh.tp in {fits} or change model.num_heads")
+
+
+# ----------------------------------------------------------------------------------
+# Host <-> global arrays (single- and multi-controller)
+# ----------------------------------------------------------------------------------
+
+
+def global_array(x: Any, sharding: NamedSharding) -> jax.Array:
+  """A host value every process holds (the whole array) -> a global array.
+
+  One process: ``device_put``. Several: each process fills the shards it addresses
+  from its copy, so no process sends data to another's devices.
+  """
+  if sharding.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def host_array(x: jax.Array) -> np.ndarray:
+  """The whole value of a (possibly multi-process) array as numpy, on every process.
+
+  An array spread over processes is gathered: a collective, so every process must make
+  the same calls in the same order (the engine's schedule is the same on all of them).
+  """
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return np.asarray(x)
+  return multihost_utils.process_allgather(x, tiled=True)
+
+
+class HostLeaf:
+  """A state leaf that reads as its whole global value (gathered over processes on the
+  first read, then cached): ``np.asarray``, indexing and numpy attributes work; shape
+  and dtype are known without a gather. Pools nobody reads are never moved."""
+
+  def __init__(self, x: jax.Array):
+    self._x = x
+    self._value: np.ndarray | None = None
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self._x.shape
+
+  @property
+  def dtype(self) -> np.dtype:
+    return self._x.dtype
+
+  @property
+  def ndim(self) -> int:
+    return self._x.ndim
+
+  def value(self) -> np.ndarray:
+    if self._value is None:
+      self._value = host_array(self._x)
+    return self._value
+
+  def __array__(self, dtype=None, copy=None):
+    v = self.value()
+    return v if dtype is None else v.astype(dtype)
+
+  def __getitem__(self, idx):
+    return self.value()[idx]
+
+  def __len__(self) -> int:
+    return self.shape[0]
+
+  def __getattr__(self, name: str):
+    return getattr(self.value(), name)
+
+
+def host_view(tree: Any) -> Any:
+  """``tree`` with every leaf spread over processes replaced by a ``HostLeaf`` (what a
+  memory system's host-side ``report`` reads with ``np.asarray``). One process: ``tree``
+  itself."""
+  spread = lambda x: isinstance(x, jax.Array) and not x.is_fully_addressable
+  if not any(spread(x) for x in jax.tree.leaves(tree)):
+    return tree
+  return jax.tree.map(lambda x: HostLeaf(x) if spread(x) else x, tree)
 
 
 @dataclasses.dataclass
@@ -81,13 +181,18 @@ class _Live:
 
 
 class Engine:
-  """Decodes requests with a model and a memory system on a ``('dp', 'tp')`` mesh."""
+  """Decodes requests with a model and a memory system on a ``('dp', 'tp')`` mesh.
+
+  ``mesh`` may span several processes (``jax.distributed``); every process then builds
+  the same Engine and calls ``run`` with the same requests.
+  """
 
   def __init__(self, cfg: Any, mesh: Mesh, *, max_context: int | None = None):
     self.cfg = cfg
     self.mesh = mesh
     ecfg = cfg.engine
     self.dp, self.tp = mesh.shape["dp"], mesh.shape["tp"]
+    check_tp_heads(cfg.model.num_heads, self.tp)
     self.max_batch = ecfg.max_batch
     self.page_size = ecfg.page_size
     self.max_context = max_context or resolve_max_context(cfg)
@@ -98,13 +203,15 @@ class Engine:
                                    max_batch=self.max_batch, page_size=self.page_size,
                                    max_context=self.max_context,
                                    fetch_impl=cfg.kernels.fetch,
-                                   fetch_interpret=cfg.kernels.interpret)
+                                   resolve_impl=cfg.kernels.resolve,
+                                   interpret=interpret_kernels(cfg, mesh.devices.flat[0].platform))
     self.attention_impl = cfg.kernels.attention
     self.report_every = max(1, int(getattr(ecfg, "report_every", 1)))
 
     model = tfm.Transformer(cfg.model, rngs=nnx.Rngs(cfg.model.param_seed))
     self.graphdef, params = nnx.split(model)
-    self.params = jax.device_put(params, NamedSharding(mesh, P()))
+    replicated = NamedSharding(mesh, P())
+    self.params = jax.tree.map(lambda x: global_array(x, replicated), params)
     self.state = self.mem.init_state(mesh)
     self.workspace = self._init_workspace()
     self._build_steps()
@@ -131,12 +238,13 @@ class Engine:
     attention = self.attention_impl
     page_size = self.page_size
     geo = self.geo
+    tp_axis = "tp" if self.tp > 1 else None
 
     def decode_local(params, state, tokens, positions, page_table, active):
       model = nnx.merge(graphdef, params)
       logits, state, stats = tfm.decode_step(
           model, mem, to_local(state), tokens[0], positions[0], page_table[0], active[0],
-          attention=attention)
+          attention=attention, tp_axis=tp_axis)
       next_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
       return next_tok[None], from_local(state), ex(stats)
 
@@ -192,7 +300,8 @@ class Engine:
     self._release = jax.jit(release, donate_argnums=(0,))
 
   def _put(self, x: np.ndarray) -> jax.Array:
-    return jax.device_put(x, NamedSharding(self.mesh, P("dp")))
+    """[dp, ...] host values -> a global array, row d on dp rank d (tp replicated)."""
+    return global_array(x, NamedSharding(self.mesh, P("dp")))
 
   # ------------------------------------------------------------------------------
   # scheduling
@@ -284,7 +393,7 @@ class Engine:
           finished_count += 1
 
       if step % self.report_every == 0 or not (pending or queue or done):
-        last_report = self.mem.report(self.state)
+        last_report = self.mem.report(host_view(self.state))
       rep = last_report
       dev_used = int(rep.device_used.sum())
       if dev_used > peak["device_used"]:
@@ -349,7 +458,7 @@ class Engine:
     self.state, self.workspace, tok = self._prefill(
         self.params, self.state, self.workspace, self._put(tokens), self._put(start),
         self._put(length), self._put(page_row), self._put(row), self._put(do))
-    tok = np.asarray(tok)
+    tok = host_array(tok)
     now = time.perf_counter()
     for d, l in enumerate(chosen):
       if l is None:
@@ -382,12 +491,12 @@ class Engine:
     nxt, self.state, stats = self._decode(
         self.params, self.state, self._put(tokens), self._put(positions),
         self._put(page_table), self._put(active))
-    nxt = np.asarray(nxt)
+    nxt = host_array(nxt)
     dt = time.perf_counter() - t0
     for l in live:
       l.generated.append(int(nxt[l.device, l.row]))
       l.decode_time_s += dt
-    return len(live), {k: int(np.asarray(v).sum()) for k, v in stats.items()}
+    return len(live), {k: int(host_array(v).sum()) for k, v in stats.items()}
 
   def _release_round(self, done: list[_Live]) -> None:
     by_rank: dict[int, list[_Live]] = collections.defaultdict(list)
@@ -413,7 +522,7 @@ class Engine:
     dec_tokens = sum(s.decode_tokens for s in steps)
     out = {
         "memory_system": self.mem.name,
-        "dp": self.dp, "tp": self.tp,
+        "dp": self.dp, "tp": self.tp, "processes": jax.process_count(),
         "max_batch": self.max_batch, "max_context": self.max_context,
         "requests": len(reqs),
         "finished": sum(r.status == "finished" for r in reqs),

@@ -26,16 +26,17 @@ def system_class(name: str) -> type[MemorySystem]:
 
 def build_memory_system(cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
                         max_batch: int, page_size: int, max_context: int,
-                        fetch_impl: str = "xla", fetch_interpret: bool | None = None
-                        ) -> MemorySystem:
+                        fetch_impl: str = "xla", resolve_impl: str = "jnp",
+                        interpret: bool | None = None) -> MemorySystem:
   """Instantiates ``cfg.system`` and validates its sizes (before any compute).
 
-  fetch_impl / fetch_interpret: the ``kernels.fetch`` implementation its row copies use.
+  fetch_impl / resolve_impl: the ``kernels.fetch`` / ``kernels.resolve`` implementations
+  its row copies and resolve use; interpret: run Pallas kernels in interpret mode.
   """
   system = system_class(cfg.system)(cfg, geometry, mesh_info, max_batch=max_batch,
                                     page_size=page_size, max_context=max_context)
-  system.fetch_impl = fetch_impl
-  system.fetch_interpret = fetch_interpret
+  system.fetch_impl, system.fetch_interpret = fetch_impl, interpret
+  system.resolve_impl, system.resolve_interpret = resolve_impl, interpret
   system.validate()
   return system
 

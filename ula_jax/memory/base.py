@@ -224,6 +224,10 @@ class MemorySystem(abc.ABC):
   # implementation (``kernels.fetch``); build_memory_system sets it from the config.
   fetch_impl: str = "xla"
   fetch_interpret: bool | None = None
+  # The resolve implementation (``kernels.resolve``: 'jnp' or the fused 'pallas' kernel),
+  # for systems that have one.
+  resolve_impl: str = "jnp"
+  resolve_interpret: bool | None = None
 
   def __init__(self, cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
                max_batch: int, page_size: int, max_context: int):

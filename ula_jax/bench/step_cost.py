@@ -1,0 +1,97 @@
+"""What a decode step costs when every selection hits, against ``resident``, in one run.
+
+``ula-jax bench step-cost [--config CONFIG] [--batch B] [--prompt T] [--output N]
+[--systems resident,ula] [a.b=value ...]`` builds one engine per memory system on the same
+model, mesh and requests (every request the same length, all arriving at once, so the
+running batch is flat), with a device pool that holds every entry (no step misses), runs
+the workload twice (the first run compiles) and compares the median decode-step time of
+the second run over the steps where the whole batch decodes. Prints a table and writes
+JSON with the ratio of each system to ``resident``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+
+from ula_jax.bench.common import environment, fmt, print_table, write_json
+
+DEFAULT_CONFIG = "configs/experiments/quickstart.yaml"
+
+
+def _requests(n: int, prompt: int, output: int, vocab: int, seed: int):
+  from ula_jax.engine import Request
+  rng = np.random.default_rng(seed)
+  return [Request(id=f"r{i}", prompt=rng.integers(0, vocab, prompt).astype(np.int32),
+                  max_new_tokens=output) for i in range(n)]
+
+
+def measure(config: str, overrides: list[str], systems: list[str], *, batch: int,
+            prompt: int, output: int, seed: int = 0) -> dict:
+  """Median full-batch decode step time per system, and each one's ratio to resident."""
+  import jax
+  from ula_jax.config import load_config
+  from ula_jax.engine import Engine
+  from ula_jax.mesh import build_mesh, configure_platform
+
+  base = load_config(config, overrides)
+  configure_platform(base)
+  mesh = build_mesh(base)
+  dp = mesh.shape["dp"]
+  page = base.engine.page_size
+  context = -(-(prompt + output) // page) * page
+  pool = batch * context  # every entry of every running request fits on the device
+  reqs = _requests(batch * dp, prompt, output, base.model.vocab_size, seed)
+  rows = {}
+  for system in systems:
+    cfg = load_config(config, list(overrides) + [
+        f"memory.system={system}", f"memory.device_pool={pool}", "memory.host_pool=0",
+        f"engine.max_batch={batch}", f"engine.max_context={context}",
+        "engine.progress=false"])
+    engine = Engine(cfg, mesh, max_context=context)
+    engine.run(reqs)  # compiles
+    res = engine.run(reqs)
+    full = [m for m in res.steps if m.kind == "decode" and m.running == batch * dp]
+    if not full:
+      raise RuntimeError(f"{system}: no step decoded the whole batch; raise --output")
+    misses = sum(m.extra.get("misses", 0) for m in full)
+    times = [m.decode_time_s for m in full]
+    rows[system] = {"median_step_s": statistics.median(times), "steps": len(full),
+                    "misses": misses, "tokens": [r.output_tokens for r in res.requests]}
+    del engine
+    jax.clear_caches()
+  ref = rows.get("resident")
+  for system, row in rows.items():
+    row["ratio_to_resident"] = row["median_step_s"] / ref["median_step_s"] if ref else None
+    row["tokens_equal_resident"] = (row["tokens"] == ref["tokens"]) if ref else None
+  return {"environment": environment(), "config": config, "overrides": overrides,
+          "batch_per_rank": batch, "dp": dp, "prompt": prompt, "output": output,
+          "systems": {s: {k: v for k, v in r.items() if k != "tokens"} for s, r in rows.items()}}
+
+
+def main(argv: list[str]) -> int:
+  p = argparse.ArgumentParser(prog="ula-jax bench step-cost", description=__doc__.split("\n\n")[0])
+  p.add_argument("overrides", nargs="*", help="config overrides a.b=value")
+  p.add_argument("--config", default=DEFAULT_CONFIG)
+  p.add_argument("--systems", default="resident,ula")
+  p.add_argument("--batch", type=int, default=8, help="decode rows per dp rank")
+  p.add_argument("--prompt", type=int, default=200)
+  p.add_argument("--output", type=int, default=24)
+  p.add_argument("--json", default="runs/bench/step_cost.json")
+  args = p.parse_args(argv)
+  systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+  if "resident" not in systems:
+    p.error(f"--systems={args.systems!r} must include resident (the reference)")
+  out = measure(args.config, args.overrides, systems, batch=args.batch, prompt=args.prompt,
+                output=args.output)
+  rows = [[s, fmt(r["median_step_s"] * 1e3, 3), str(r["steps"]), str(r["misses"]),
+           fmt(r["ratio_to_resident"], 3), str(r["tokens_equal_resident"])]
+          for s, r in out["systems"].items()]
+  print_table(f"decode step, every selection hits (batch {args.batch} x dp {out['dp']})",
+              ["system", "median step (ms)", "steps", "misses", "ratio to resident",
+               "tokens = resident"], rows, left=["system"])
+  write_json(args.json, out)
+  print(f"wrote {args.json}")
+  return 0
