@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# GPU check of the kernels (fetch/evict: Pallas + FFI custom calls; sparse MLA attention),
+# run from the repository root on a CUDA machine:
+#
+#     OUT=/some/dir bash scripts/gpu_kernels.sh
+#
+# Steps (each one runs even when an earlier one failed, and reports its status):
+#   env          jax/GPU facts
+#   build_ffi    pip install ./custom_calls with the CUDA handlers (no network needed)
+#   tests_gpu    the GPU-marked tests of the kernel test files (Triton, CUDA handlers,
+#                whole-pool-copy checks on the compiled HLO)
+#   hlo          compiled HLO of every fetch/evict implementation with a pinned-host pool
+#   bench_fetch  ula_jax.bench.fetch at full size (64..64K entries, both row layouts,
+#                largest first; the JSON is rewritten after every entry count)
+#   bench_attn   ula_jax.bench.attention (batch 1..64, 64 heads, k = 2048)
+#   tests_rest   the remaining tests of those files (interpret twins, CPU handlers)
+# Results under $OUT (8 files at most): summary.txt, bench_fetch.json, bench_attention.json,
+# junit_gpu.xml, logs.tar.gz (every log and HLO dump). The last lines printed are the
+# step table and the benchmark summary. BUDGET_S (default 540) bounds the whole run.
+
+set -u
+set -x
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu_kernels_out}
+WORK=$OUT/work
+mkdir -p "$WORK"
+PY=${PYTHON:-python3}
+BUDGET_S=${BUDGET_S:-540}
+START=$SECONDS
+
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONUNBUFFERED=1
+
+STATUS=()
+# step NAME TIMEOUT_S CMD...: runs CMD with a timeout clipped to the remaining budget, logs
+# to $WORK/NAME.log, and records "NAME rc seconds" (rc 124: timed out; "skipped": no time).
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((BUDGET_S - (SECONDS - START) - 15))
+  if ((left < 20)); then
+    STATUS+=("$name skipped 0")
+    return
+  fi
+  ((limit > left)) && limit=$left
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
+  local rc=$?
+  STATUS+=("$name $rc $((SECONDS - t0))")
+  tail -n 40 "$WORK/$name.log"
+}
+
+step env 60 bash -c "nvidia-smi; $PY -c '
+import jax, jaxlib
+print(\"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__, \"backend\", jax.default_backend())
+for d in jax.devices():
+  print(d, d.device_kind, [m.kind for m in d.addressable_memories()])
+'; $PY -m pip list 2>/dev/null | grep -i -E 'jax|triton|nanobind|scikit|pytest|rich|flax|numpy'; nvcc --version; cmake --version"
+
+# The CUDA handlers, built for the H100/H200 (sm_90) without build isolation: no network.
+step build_ffi 240 env ULA_JAX_FFI_CUDA=ON "$PY" -m pip install --no-build-isolation \
+  --no-deps --force-reinstall -v -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 ./custom_calls
+step ffi_import 60 "$PY" -c "
+import ula_jax_ffi
+print('platforms', ula_jax_ffi.platforms(), 'cuda import error', ula_jax_ffi.CUDA_IMPORT_ERROR)
+assert ula_jax_ffi.has_cuda()"
+
+# pytest and rich may be missing on the GPU machine: install them from carried wheels.
+if ! "$PY" -c "import pytest" 2>/dev/null && [ -d "$ROOT/.whl" ]; then
+  step wheels 120 "$PY" -m pip install --no-index --find-links "$ROOT/.whl" pytest rich
+fi
+
+KERNEL_TESTS="tests/test_fetch.py tests/test_ffi.py tests/test_sparse_attention_pallas.py"
+step tests_gpu 240 "$PY" -m pytest -m gpu $KERNEL_TESTS -v -rA -p no:cacheprovider \
+  --junitxml="$OUT/junit_gpu.xml"
+
+step hlo 120 "$PY" - "$WORK" <<'EOF'
+"""Compiled HLO of fetch/evict with a pinned-host pool, per implementation."""
+import functools, pathlib, sys, traceback
+import jax, jax.numpy as jnp
+from ula_jax.kernels.fetch import evict_rows, fetch_rows
+from ula_jax.kernels.fetch.hlo import host_parameter_shapes, pool_materializations
+
+work = pathlib.Path(sys.argv[1])
+dev0 = jax.devices()[0]
+put = lambda x, kind: jax.device_put(x, jax.sharding.SingleDeviceSharding(dev0, memory_kind=kind))
+Sh, Sd, N, W = 4099, 61, 9, 576
+host = put(jnp.zeros((Sh, W), jnp.bfloat16), "pinned_host")
+dev = put(jnp.zeros((Sd, W), jnp.bfloat16), "device")
+idx = put(jnp.zeros((N,), jnp.int32), "device")
+for impl in ("xla", "pallas", "ffi"):
+  for direction, fn, args in (("fetch", fetch_rows, (host, idx, dev, idx)),
+                              ("evict", evict_rows, (dev, idx, host, idx))):
+    try:
+      text = jax.jit(functools.partial(fn, impl=impl), donate_argnums=2).lower(
+          *args).compile().as_text()
+      (work / f"hlo_{direction}_{impl}.txt").write_text(text)
+      copies = pool_materializations(text, (Sh, W))
+      print(f"{direction:5s} {impl:6s} host params {host_parameter_shapes(text)} "
+            f"pool-sized buffers {len(copies)}")
+      for line in copies:
+        print("    ", line[:200])
+    except Exception:
+      print(f"{direction:5s} {impl:6s} FAILED")
+      traceback.print_exc()
+EOF
+
+step bench_fetch 240 "$PY" -c "
+import sys
+from ula_jax.bench import fetch
+sys.exit(fetch.main(sys.argv[1:]))" --out "$OUT/bench_fetch.json" --target-ms 100 \
+  --entries 4K,16K,64K,1K,256,64 --pallas-block-units 512,2048 --pallas-warps 4,8
+
+step bench_attn 180 "$PY" -c "
+import sys
+from ula_jax.bench import attention
+sys.exit(attention.main(sys.argv[1:]))" --out "$OUT/bench_attention.json" --target-ms 100 \
+  --block-h 16,32,64 --block-k 32,64
+
+step tests_rest 180 "$PY" -m pytest -m "not gpu" $KERNEL_TESTS tests/test_bench.py -q -rf \
+  -p no:cacheprovider
+
+set +x
+{
+  echo "== steps (rc 0 = ok, 124 = timed out) =="
+  printf '%-12s %8s %8s\n' step rc seconds
+  for s in "${STATUS[@]}"; do
+    # shellcheck disable=SC2086
+    printf '%-12s %8s %8s\n' $s
+  done
+  echo
+  grep -E " (passed|failed|skipped|error)" "$WORK/tests_gpu.log" | tail -n 1
+  grep -E "^FAILED|^ERROR" "$WORK/tests_gpu.log" | head -n 20
+  echo
+  "$PY" -m ula_jax.bench.summary "$OUT/bench_fetch.json" "$OUT/bench_attention.json" 2>&1
+} >"$OUT/summary.txt" 2>&1
+tar czf "$OUT/logs.tar.gz" -C "$OUT" work && rm -rf "$WORK"
+cat "$OUT/summary.txt"

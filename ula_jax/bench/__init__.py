@@ -1,0 +1,16 @@
+"""Benchmarks: each module has ``main(argv: list[str]) -> int``, prints a table and writes
+JSON (``ula-jax bench NAME``; ``BENCHMARKS`` lists the module names).
+
+* ``fetch``: row fetch/evict between a pinned-host pool and a device pool, every
+  implementation, as a fraction of a contiguous copy of the same bytes in the same run.
+* ``attention``: sparse MLA decode attention, bytes it must read per second as a fraction
+  of a device-to-device copy measured in the same run.
+* ``step_cost``: an all-hit decode step of each memory system against ``resident``.
+
+``fetch`` and ``attention`` import neither ``ula_jax.config`` nor the model, so they run
+wherever jax does. ``summary`` condenses their JSON (``python -m ula_jax.bench.summary``).
+"""
+
+from __future__ import annotations
+
+BENCHMARKS = ("fetch", "attention", "step_cost")

@@ -1,0 +1,104 @@
+"""Shared by the benchmarks: argument parsing helpers, timing, output."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import platform
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+
+def parse_sizes(text: str) -> list[int]:
+  """'64,1K,64K' -> [64, 1024, 65536] (K = 1024)."""
+  out = []
+  for part in text.split(","):
+    part = part.strip().upper()
+    if not part:
+      continue
+    scale = 1024 if part.endswith("K") else 1
+    try:
+      value = int(part[:-1] if scale > 1 else part) * scale
+    except ValueError:
+      raise ValueError(f"size {part!r}: expected an integer, optionally with a K suffix "
+                       "(e.g. 64,1K,64K)") from None
+    if value < 0:
+      raise ValueError(f"size {part!r}: expected >= 0")
+    out.append(value)
+  return out
+
+
+def parse_list(text: str, allowed: Sequence[str], *, flag: str) -> list[str]:
+  items = [p.strip() for p in text.split(",") if p.strip()]
+  bad = [p for p in items if p not in allowed]
+  if bad:
+    raise ValueError(f"{flag}={text!r}: unknown {bad}; expected a comma list of {list(allowed)}")
+  return items
+
+
+def time_calls(step: Callable[[Any], Any], state: Any, *, min_iters: int, max_iters: int,
+               target_s: float, warmup: int) -> tuple[float, Any]:
+  """Seconds per call of ``state = step(state)``.
+
+  The calls are issued back to back and waited for once, so the figure is the
+  throughput of a stream of calls (dispatch overlapped), as in a decode loop. The count
+  grows until the batch lasts ``target_s`` (between ``min_iters`` and ``max_iters``).
+  returns (seconds per call, the final state)
+  """
+  for _ in range(warmup):
+    state = step(state)
+  jax.block_until_ready(state)
+  t0 = time.perf_counter()
+  state = step(state)
+  jax.block_until_ready(state)
+  one = max(time.perf_counter() - t0, 1e-7)
+  iters = int(min(max_iters, max(min_iters, math.ceil(target_s / one))))
+  t0 = time.perf_counter()
+  for _ in range(iters):
+    state = step(state)
+  jax.block_until_ready(state)
+  return (time.perf_counter() - t0) / iters, state
+
+
+def environment() -> dict:
+  dev = jax.devices()[0]
+  return {"backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
+          "jax": jax.__version__, "python": platform.python_version()}
+
+
+def write_json(path: str | pathlib.Path, payload: dict) -> pathlib.Path:
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(payload, indent=2, default=str))
+  return path
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+  return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]],
+                left: Sequence[str] = ()) -> None:
+  """A table with rich, or plain aligned text where rich is not installed."""
+  try:
+    from rich.console import Console
+    from rich.table import Table
+  except ImportError:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
+              for i, c in enumerate(columns)]
+    line = lambda cells: "  ".join(
+        x.ljust(w) if c in left else x.rjust(w) for x, w, c in zip(cells, widths, columns))
+    print(title)
+    print(line(columns))
+    for r in rows:
+      print(line(r))
+    return
+  table = Table(title=title)
+  for c in columns:
+    table.add_column(c, justify="left" if c in left else "right")
+  for r in rows:
+    table.add_row(*r)
+  Console(width=200).print(table)

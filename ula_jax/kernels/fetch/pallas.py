@@ -1,0 +1,158 @@
+"""Row copies as a Pallas kernel that reads and writes pinned host memory directly.
+
+On GPU (Triton lowering) a ``pinned_host`` operand reaches the kernel as its raw host
+pointer, so device threads load the selected host rows straight over PCIe (HiSparse's
+"GPU-assisted IO"); nothing stages the pool. This behaviour is not documented by JAX:
+``tests/test_fetch.py`` checks the compiled HLO for a whole-pool copy on GPU, and
+``impl='xla'`` is the fallback.
+
+The copy is flattened into units of ``vec`` elements (16 bytes when the row allows):
+program ``p`` copies units ``[p * block_units, (p + 1) * block_units)`` of the
+concatenated selected rows, so consecutive lanes read consecutive 16-byte words across
+row boundaries and rows that are not a multiple of 512 B (the 656-B FP8 layout) keep
+every lane busy. In interpret mode (CPU) the same kernel runs on device-memory arrays;
+host pools are staged through device memory there, which costs nothing on CPU where both
+are plain RAM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ula_jax import compat
+from ula_jax.kernels.fetch.reference import is_host
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyRowsConfig:
+  """Tuning of the Pallas row copy (static and hashable).
+
+  block_units: units (``vec`` elements, 16 B for the pools used here) per program; a
+               power of 2
+  num_warps:   warps per program (Triton)
+  """
+
+  block_units: int = 1024
+  num_warps: int = 4
+
+  def __post_init__(self):
+    if self.block_units < 1 or self.block_units & (self.block_units - 1):
+      raise ValueError(f"block_units={self.block_units}: expected a power of 2")
+    if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+      raise ValueError(f"num_warps={self.num_warps}: expected a power of 2")
+
+
+def unit_elements(width: int, dtype) -> int:
+  """Elements per copy unit: the largest power of 2 that divides ``width`` and spans
+  at most 16 bytes (8 for bf16 rows of 576, 16 for 656-byte uint8 rows)."""
+  vec = max(1, 16 // jnp.dtype(dtype).itemsize)
+  while width % vec:
+    vec //= 2
+  return vec
+
+
+def default_interpret() -> bool:
+  """Interpret mode everywhere but on GPU (the only Triton target)."""
+  return jax.default_backend() != "gpu"
+
+
+def _copy_rows_kernel(src_idx_ref, dst_idx_ref, src_ref, dst_in_ref, out_ref, *,
+                      num_units: int, units_per_row: int, vec: int, block_units: int):
+  # src_idx_ref, dst_idx_ref: [N] int32; src_ref: [Ss, W]; out_ref: [Sd, W] (aliases
+  # dst_in_ref: rows this kernel does not write keep their values).
+  del dst_in_ref
+  src_rows, dst_rows = src_ref.shape[0], out_ref.shape[0]
+  u = pl.program_id(0) * block_units + jnp.arange(block_units, dtype=jnp.int32)  # [U]
+  live = u < num_units
+  # u >= 0: truncating division is floor division, without jnp's sign fix-ups.
+  row = jnp.where(live, jax.lax.div(u, units_per_row), 0)
+  col = jnp.where(live, jax.lax.rem(u, units_per_row), 0)
+  s = plgpu.load(src_idx_ref.at[row], mask=live, other=-1)
+  d = plgpu.load(dst_idx_ref.at[row], mask=live, other=-1)
+  ok = live & (s >= 0) & (s < src_rows) & (d >= 0) & (d < dst_rows)
+  cols = (col * vec)[:, None] + jnp.arange(vec, dtype=jnp.int32)[None, :]  # [U, vec]
+  mask = ok[:, None]
+  x = plgpu.load(src_ref.at[jnp.where(ok, s, 0)[:, None], cols], mask=mask)
+  # Skipped units point one past the last row: masked on GPU, dropped when interpreted.
+  plgpu.store(out_ref.at[jnp.where(ok, d, dst_rows)[:, None], cols], x, mask=mask)
+
+
+def copy_rows_pallas(src: jax.Array, src_idx: jax.Array, dst: jax.Array, dst_idx: jax.Array,
+                     *, config: CopyRowsConfig = CopyRowsConfig(),
+                     interpret: bool | None = None, name: str = "ula_copy_rows") -> jax.Array:
+  """``dst[dst_idx[i]] = src[src_idx[i]]`` for in-range pairs, as one kernel launch.
+
+  src: [Ss, W]; src_idx: [N] int32; dst: [Sd, W] same dtype (aliased with the result);
+  dst_idx: [N] int32. Pools of any memory kind on GPU; device memory in interpret mode.
+  returns dst: [Sd, W]
+  """
+  if interpret is None:
+    interpret = default_interpret()
+  N = src_idx.shape[0]
+  W = src.shape[1]
+  if N == 0 or W == 0 or src.shape[0] == 0 or dst.shape[0] == 0:
+    return dst
+  vec = unit_elements(W, src.dtype)
+  units_per_row = W // vec
+  num_units = N * units_per_row
+  if num_units >= 2**31:
+    raise ValueError(f"src_idx.shape[0]={N} rows of {units_per_row} units: more than 2**31 "
+                     "units per call (the kernel indexes them in int32); split the call")
+  kernel = functools.partial(_copy_rows_kernel, num_units=num_units,
+                             units_per_row=units_per_row, vec=vec,
+                             block_units=config.block_units)
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct(dst.shape, dst.dtype),
+      grid=(pl.cdiv(num_units, config.block_units),),
+      in_specs=[any_spec] * 4,
+      out_specs=any_spec,
+      input_output_aliases={3: 0},
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+      name=name,
+  )(src_idx, dst_idx, src, dst)
+
+
+def fetch_rows_pallas(host_pool: jax.Array, host_idx: jax.Array, dev_pool: jax.Array,
+                      dev_idx: jax.Array, *, config: CopyRowsConfig = CopyRowsConfig(),
+                      interpret: bool | None = None) -> jax.Array:
+  """``dev_pool[dev_idx[i]] = host_pool[host_idx[i]]`` (see ``fetch_rows``).
+
+  host_pool: [Sh, W] 'pinned_host' (read in place on GPU); host_idx: [N] int32
+  dev_pool:  [Sd, W]; dev_idx: [N] int32
+  returns dev_pool: [Sd, W]
+  """
+  if interpret is None:
+    interpret = default_interpret()
+  if interpret and is_host(host_pool):
+    host_pool = compat.to_device(host_pool)
+  return copy_rows_pallas(host_pool, host_idx, dev_pool, dev_idx, config=config,
+                          interpret=interpret, name="ula_fetch_rows")
+
+
+def evict_rows_pallas(dev_pool: jax.Array, dev_idx: jax.Array, host_pool: jax.Array,
+                      host_idx: jax.Array, *, config: CopyRowsConfig = CopyRowsConfig(),
+                      interpret: bool | None = None) -> jax.Array:
+  """``host_pool[host_idx[i]] = dev_pool[dev_idx[i]]`` (see ``evict_rows``).
+
+  dev_pool:  [Sd, W]; dev_idx: [N] int32
+  host_pool: [Sh, W] 'pinned_host' (written in place on GPU); host_idx: [N] int32
+  returns host_pool: [Sh, W] in the memory it came from
+  """
+  if interpret is None:
+    interpret = default_interpret()
+  on_host = is_host(host_pool)
+  if interpret and on_host:
+    host_pool = compat.to_device(host_pool)
+  out = copy_rows_pallas(dev_pool, dev_idx, host_pool, host_idx, config=config,
+                         interpret=interpret, name="ula_evict_rows")
+  # pallas_call types every result as device memory; the buffer is the aliased host pool.
+  return compat.to_host(out) if on_host else out
