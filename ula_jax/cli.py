@@ -225,6 +225,61 @@ def _bench(args: argparse.Namespace) -> int:
   return importlib.import_module(f"ula_jax.bench.{args.benchmark}").main(list(args.args))
 
 
+# ----------------------------------------------------------------------------------
+# launch
+# ----------------------------------------------------------------------------------
+
+
+def _launch_args(p: argparse.ArgumentParser) -> None:
+  local = p.add_argument_group("one host (spawns the processes)")
+  local.add_argument("--processes", type=int, metavar="N",
+                     help="start N processes here (coordinator on 127.0.0.1, a free port)")
+  joined = p.add_argument_group("one process of a multi-host run (run on every host)")
+  joined.add_argument("--coordinator", metavar="HOST:PORT",
+                      help="process 0's address, reachable from every host")
+  joined.add_argument("--num-processes", type=int, metavar="N", help="processes in all")
+  joined.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
+  p.add_argument("--devices-per-process", type=int, metavar="K",
+                 help="devices each process contributes (simulated CPU devices; with "
+                 "--processes also the GPUs each process takes); default: the mesh's "
+                 "devices divided by the processes")
+  p.add_argument("--local-device-ids", metavar="IDS",
+                 help="GPUs this process uses, e.g. 0,1,2,3 (--processes assigns them)")
+  p.add_argument("command", nargs=argparse.REMAINDER, metavar="run CONFIG ...",
+                 help="the verb to run in every process and its arguments")
+
+
+def _launch(args: argparse.Namespace) -> int:
+  from ula_jax.launch import (LaunchError, ProcessSpec, launch_local, parse_device_ids,
+                              run_process)
+
+  joined = (args.coordinator, args.num_processes, args.process_id)
+  try:
+    if args.processes is not None:
+      if any(v is not None for v in joined) or args.local_device_ids is not None:
+        raise LaunchError("launch: --processes starts every process here; it cannot be "
+                          "combined with --coordinator, --num-processes, --process-id or "
+                          "--local-device-ids")
+      return launch_local(args.processes, args.command, args.devices_per_process)
+    if any(v is None for v in joined):
+      raise LaunchError("launch: give --processes N (all processes on this host), or "
+                        "--coordinator HOST:PORT, --num-processes N and --process-id I "
+                        "(one process of a multi-host run)")
+    if args.num_processes < 1:
+      raise LaunchError(f"launch --num-processes={args.num_processes}: must be >= 1")
+    if args.devices_per_process is not None and args.devices_per_process < 1:
+      raise LaunchError(f"launch --devices-per-process={args.devices_per_process}: must "
+                        f"be >= 1")
+    ids = (None if args.local_device_ids is None
+           else parse_device_ids(args.local_device_ids))
+    spec = ProcessSpec(args.coordinator, args.num_processes, args.process_id,
+                       args.devices_per_process, ids)
+    return run_process(spec, args.command)
+  except LaunchError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 VERBS: dict[str, Verb] = {v.name: v for v in [
     Verb("run", "run one experiment", _run_args, _run),
     Verb("sweep", "run the cartesian product of value lists, one table", _sweep_args, _sweep),
@@ -234,6 +289,8 @@ VERBS: dict[str, Verb] = {v.name: v for v in [
          "mismatch)", _compare_args, _compare),
     Verb("bench", "kernel benchmarks (fetch, attention): a table and JSON", _bench_args,
          _bench),
+    Verb("launch", "run an experiment as several jax.distributed processes (one host or "
+         "many)", _launch_args, _launch),
 ]}
 
 

@@ -142,6 +142,8 @@ class HostLeaf:
     return self.shape[0]
 
   def __getattr__(self, name: str):
+    if name.startswith("_"):  # not set yet (copy, pickle): never gather for these
+      raise AttributeError(name)
     return getattr(self.value(), name)
 
 

@@ -6,12 +6,17 @@ K indexer head dim, W entry width (C + rope dim).
 
 Parameters are stored in ``cfg.dtype``; norms, RoPE, softmax, indexer scores and the
 router run in float32.
+
+Tensor parallelism splits attention heads: a ``HeadRange`` names the heads one rank
+computes, and ``MLAttention`` slices its per-head weights to it (parameters stay whole on
+every rank). Without one, every head is computed.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +101,25 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 # ----------------------------------------------------------------------------------
 
 
+class HeadRange(NamedTuple):
+  """Heads ``[start, start + count)`` of one tensor-parallel rank.
+
+  start: [] int32, may be traced (``axis_index * count`` inside ``shard_map``)
+  count: static number of heads per rank
+  """
+
+  start: jax.Array | int
+  count: int
+
+
+def _heads(w: jax.Array, axis: int, heads: HeadRange | None) -> jax.Array:
+  """``w`` restricted to ``heads`` along its head axis (all of ``w`` when None)."""
+  if heads is None:
+    return w
+  return jax.lax.dynamic_slice_in_dim(w, heads.start, heads.count, axis)
+
+
+
 class MLAttention(nnx.Module):
   """Multi-head latent attention.
 
@@ -123,16 +147,17 @@ class MLAttention(nnx.Module):
     self.rope_theta = cfg.rope_theta
     self.kv_dtype = cfg.kv_dtype
 
-  def project(self, x_nd: jax.Array, pos_n: jax.Array
+  def project(self, x_nd: jax.Array, pos_n: jax.Array, heads: HeadRange | None = None
               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Queries and the token's entry.
 
     x_nd: [N, D] normed hidden; pos_n: [N] int32 positions
-    returns c_q [N, Q], q_nope [N, H, dn], q_rope [N, H, dr] (rotated),
-            entry [N, W] in kv_dtype
+    heads: the heads to compute queries for (None = all H)
+    returns c_q [N, Q], q_nope [N, H, dn], q_rope [N, H, dr] (rotated; H = heads.count
+            when split), entry [N, W] in kv_dtype (the same for any ``heads``)
     """
     cq_nq = self.q_norm(x_nd @ self.w_dq[...])
-    q_nhe = jnp.einsum("nq,qhe->nhe", cq_nq, self.w_uq[...])
+    q_nhe = jnp.einsum("nq,qhe->nhe", cq_nq, _heads(self.w_uq[...], 1, heads))
     q_nope, q_rope = q_nhe[..., :self.nope_dim], q_nhe[..., self.nope_dim:]
     q_rope = apply_rope(q_rope, pos_n[:, None], self.rope_theta)
     c_nc = self.kv_norm(x_nd @ self.w_dkv[...])
@@ -140,15 +165,22 @@ class MLAttention(nnx.Module):
     entry = jnp.concatenate([c_nc, kr_nr], axis=-1).astype(self.kv_dtype)
     return cq_nq, q_nope, q_rope, entry
 
-  def absorb(self, q_nope_nhd: jax.Array) -> jax.Array:
-    """q_lat[h] = q_nope[h] W_uk[h]^T: [N, H, dn] -> [N, H, C]."""
-    return jnp.einsum("nhd,hcd->nhc", q_nope_nhd, self.w_uk[...])
+  def absorb(self, q_nope_nhd: jax.Array, heads: HeadRange | None = None) -> jax.Array:
+    """q_lat[h] = q_nope[h] W_uk[h]^T: [N, H, dn] -> [N, H, C] (H = heads.count when split)."""
+    return jnp.einsum("nhd,hcd->nhc", q_nope_nhd, _heads(self.w_uk[...], 0, heads))
 
-  def out(self, o_lat_nhc: jax.Array) -> jax.Array:
-    """Attention output from latent outputs: [N, H, C] -> [N, D] (W_uv then W_o)."""
-    w_uv = self.w_uv[...]
+  def out(self, o_lat_nhc: jax.Array, heads: HeadRange | None = None,
+          dtype: jnp.dtype | None = None) -> jax.Array:
+    """Attention output from latent outputs: [N, H, C] -> [N, D] (W_uv then W_o).
+
+    heads: the heads ``o_lat_nhc`` holds (None = all H); the result is then this
+           rank's share of the output, to be summed over the ranks
+    dtype: accumulation and result dtype of the W_o product (None = the weights')
+    """
+    w_uv = _heads(self.w_uv[...], 0, heads)
     v_nhv = jnp.einsum("nhc,hcv->nhv", o_lat_nhc.astype(w_uv.dtype), w_uv)
-    return jnp.einsum("nhv,hvd->nd", v_nhv, self.w_o[...])
+    return jnp.einsum("nhv,hvd->nd", v_nhv, _heads(self.w_o[...], 0, heads),
+                      preferred_element_type=dtype)
 
   def naive(self, q_nope_nhd: jax.Array, q_rope_nhr: jax.Array, entries_ntw: jax.Array,
             mask_nt: jax.Array, scale: float) -> jax.Array:

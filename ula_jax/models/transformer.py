@@ -15,6 +15,13 @@ positions < t gives the logits that prefilling t would (up to float32 rounding).
 
 Layer l belongs to index-sharing group ``l // index_share``; the group's first layer
 computes the selection that every layer of the group attends over.
+
+Tensor parallelism (``decode_step(..., tp_axis='tp')`` inside ``shard_map``): each rank
+of the axis computes the queries, absorbed attention and output projection of its
+``H / tp`` heads over the same selected entries, and the ranks' shares of the
+attention output are summed (``tp_sum``). Parameters stay whole on every rank; the
+indexer, norms and feed-forward layers run replicated, so every rank holds the same
+hidden state, selection and entries.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from ula_jax.memory.addressing import addrs_of_positions
 from ula_jax.memory.base import INVALID, MemorySystem, Resolution
 from ula_jax.models.config import ModelConfig
 from ula_jax.kernels.indexer import index_scores, select_topk
-from ula_jax.models.layers import F32, MLP, Indexer, MLAttention, MoE, RMSNorm, normal_param
+from ula_jax.models.layers import (F32, MLP, HeadRange, Indexer, MLAttention, MoE, RMSNorm,
+                                   normal_param)
 
 
 class Projection(NamedTuple):
@@ -40,7 +48,7 @@ class Projection(NamedTuple):
 
   h: jax.Array  # [N, D] normed layer input (the group's indexer reads it too)
   c_q: jax.Array  # [N, Q] q latent
-  q_nope: jax.Array  # [N, H, dn]
+  q_nope: jax.Array  # [N, H, dn] (H: this rank's heads under tensor parallelism)
   q_rope: jax.Array  # [N, H, dr], rotated
   entry: jax.Array  # [N, W] concat(c, k_rope) in kv_dtype
 
@@ -55,9 +63,10 @@ class DecoderLayer(nnx.Module):
     self.ffn = (MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype, rngs=rngs)
                 if layer < cfg.num_dense_layers else MoE(cfg, rngs=rngs))
 
-  def pre_attention(self, x_nd: jax.Array, pos_n: jax.Array) -> Projection:
+  def pre_attention(self, x_nd: jax.Array, pos_n: jax.Array,
+                    heads: HeadRange | None = None) -> Projection:
     h_nd = self.attn_norm(x_nd)
-    return Projection(h_nd, *self.attn.project(h_nd, pos_n))
+    return Projection(h_nd, *self.attn.project(h_nd, pos_n, heads))
 
   def post_attention(self, x_nd: jax.Array, attn_nd: jax.Array) -> jax.Array:
     x_nd = x_nd + attn_nd
@@ -93,33 +102,66 @@ class Transformer(nnx.Module):
 
 def _run_layers(model: Transformer, x_nd: jax.Array, pos_n: jax.Array, *,
                 select: Callable[[int, Projection, Indexer], Any],
-                attend: Callable[[int, DecoderLayer, Projection, Any], jax.Array]
-                ) -> jax.Array:
+                attend: Callable[[int, DecoderLayer, Projection, Any], jax.Array],
+                heads: HeadRange | None = None) -> jax.Array:
   """The layer stack, shared by every way of running the model.
 
   Per group g: ``sel = select(g, first-layer projection, indexer)``; then per layer l of
   the group, ``attend(l, layer, projection, sel)`` gives the attention output [N, D].
   The callbacks own the KV storage (and thread their state through closures).
+  heads: the heads whose queries the projections hold (None = all).
   """
   cfg = model.cfg
   for g in range(cfg.num_groups):
     group = cfg.group_layers(g)
-    first = model.layers[group[0]].pre_attention(x_nd, pos_n)
+    first = model.layers[group[0]].pre_attention(x_nd, pos_n, heads)
     sel = select(g, first, model.indexers[g])
     for l in group:
       layer = model.layers[l]
-      proj = first if l == group[0] else layer.pre_attention(x_nd, pos_n)
+      proj = first if l == group[0] else layer.pre_attention(x_nd, pos_n, heads)
       x_nd = layer.post_attention(x_nd, attend(l, layer, proj, sel))
   return x_nd
 
 
+def tp_sum(x: jax.Array, axis: str) -> jax.Array:
+  """Sum of ``x`` over the ranks of mesh ``axis`` (inside ``shard_map``), in rank order.
+
+  An all-gather then a local sum rather than a ``psum``: every rank runs the same
+  reduction over the same operands, so the result has the same bits on every rank and
+  under any placement of the ranks in processes (a psum's order is the collective
+  implementation's). The ranks must agree bit for bit: each one runs the indexer and
+  the memory system's resolve on this hidden state, and they must choose alike.
+  x: [...] -> [...] the same shape and dtype
+  """
+  return jnp.sum(jax.lax.all_gather(x, axis), axis=0).astype(x.dtype)
+
+
 def _absorbed_attention(layer: DecoderLayer, proj: Projection, pool: jax.Array,
                         slots: jax.Array, valid: jax.Array, scale: float,
-                        impl: str) -> jax.Array:
-  """Sparse absorbed-form MLA over ``pool[slots]``: [N, D]."""
-  o_lat = sparse_mla_attention(layer.attn.absorb(proj.q_nope), proj.q_rope, pool, slots,
-                               valid, scale=scale, impl=impl)
-  return layer.attn.out(o_lat)
+                        impl: str, heads: HeadRange | None = None,
+                        tp_axis: str | None = None) -> jax.Array:
+  """Sparse absorbed-form MLA over ``pool[slots]``: [N, D].
+
+  With ``heads`` and ``tp_axis``, ``proj`` holds this rank's heads; their share of the
+  output is accumulated in float32 and summed over the ``tp_axis`` ranks.
+  """
+  o_lat = sparse_mla_attention(layer.attn.absorb(proj.q_nope, heads), proj.q_rope, pool,
+                               slots, valid, scale=scale, impl=impl)
+  if tp_axis is None:
+    return layer.attn.out(o_lat)
+  share_nd = layer.attn.out(o_lat, heads, dtype=F32)
+  return tp_sum(share_nd, tp_axis).astype(layer.attn.w_o[...].dtype)
+
+
+def tp_heads(num_heads: int, tp_axis: str) -> HeadRange:
+  """This rank's heads when ``num_heads`` are split evenly over mesh axis ``tp_axis``
+  (inside ``shard_map``); ValueError when the axis size does not divide them."""
+  tp = jax.lax.axis_size(tp_axis)
+  if num_heads % tp:
+    raise ValueError(f"model.num_heads={num_heads} is not divisible by the {tp_axis!r} mesh "
+                     f"axis size {tp}: attention heads are split evenly over its ranks")
+  count = num_heads // tp
+  return HeadRange(jax.lax.axis_index(tp_axis).astype(jnp.int32) * count, count)
 
 
 # ----------------------------------------------------------------------------------
@@ -136,7 +178,7 @@ def _add_stats(total: dict, new: dict) -> dict:
 
 def decode_step(model: Transformer, mem: MemorySystem, mem_state, tokens: jax.Array,
                 positions: jax.Array, page_table: jax.Array, active: jax.Array, *,
-                attention: str = "xla"):
+                attention: str = "xla", tp_axis: str | None = None):
   """Decodes one token per row; KV lives in ``mem`` (one device's local state).
 
   tokens:     [B] int32 the token being decoded
@@ -144,14 +186,22 @@ def decode_step(model: Transformer, mem: MemorySystem, mem_state, tokens: jax.Ar
   page_table: [B, P] int32 logical pages of each row (INVALID where unallocated)
   active:     [B] bool; inactive rows write nothing and give finite garbage logits
   attention:  sparse attention implementation (``kernels.sparse_attention.IMPLS``)
+  tp_axis:    mesh axis the attention heads are split over (inside ``shard_map``;
+              ``model.num_heads`` must be a multiple of its size); None = every head
+              here, the numerics of a single device
   returns (logits [B, V] float32, mem_state, stats: dict[str, int32 scalar] summed
-           over layer groups)
+           over layer groups); with ``tp_axis`` the same on every rank of the axis
 
   Calls ``mem`` in the order ``memory/base.py`` documents: per group, write and read
   the index keys, select (``mem.select``), resolve, move every layer of the group, then per layer write
-  the new entry and attend over ``read_pool`` at the resolved slots.
+  the new entry and attend over ``read_pool`` at the resolved slots. Every rank of
+  ``tp_axis`` makes the same calls with the same arguments: a memory system may use
+  collectives over the axis in any of them (e.g. scoring its share of the keys in
+  ``select``), and must hand every rank the same entries to attend over
+  (``read_pool(state, l)[res.slots]``, wherever each rank keeps them).
   """
   cfg = model.cfg
+  heads = None if tp_axis is None else tp_heads(cfg.num_heads, tp_axis)
   ps = mem.page_size
   positions = positions.astype(jnp.int32)
   new_addr = addrs_of_positions(page_table, positions[:, None], ps)[:, 0]
@@ -174,10 +224,10 @@ def decode_step(model: Transformer, mem: MemorySystem, mem_state, tokens: jax.Ar
     nonlocal mem_state
     mem_state = mem.write_token(mem_state, l, res, proj.entry, active)
     return _absorbed_attention(layer, proj, mem.read_pool(mem_state, l), res.slots,
-                               res.valid, cfg.softmax_scale, attention)
+                               res.valid, cfg.softmax_scale, attention, heads, tp_axis)
 
   x = _run_layers(model, model.embed_tokens(tokens), positions, select=select,
-                  attend=attend)
+                  attend=attend, heads=heads)
   return model.logits(x), mem_state, stats
 
 
@@ -230,7 +280,8 @@ def prefill_chunk(model: Transformer, workspace: PrefillWorkspace, tokens: jax.A
 
   Each position q picks the top-k among positions <= q and attends over them with the
   same functions ``decode_step`` uses. Rows past ``length`` are computed but written
-  nowhere and pick nothing.
+  nowhere and pick nothing. Prefill does not split heads: under tensor parallelism each
+  rank computes every head of the chunk (the same entries and keys on every rank).
   """
   cfg = model.cfg
   C, T_cap = tokens.shape[0], workspace.capacity

@@ -1,0 +1,144 @@
+"""Multi-process runs (``ula-jax launch``): two jax.distributed processes of four CPU
+devices each decode exactly the tokens one process with eight devices decodes.
+
+The processes talk over loopback only (gloo collectives, a coordinator on 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ula_jax.cli import EXIT_OK, EXIT_USAGE, main
+from ula_jax.config.loader import REPO_CONFIGS
+from ula_jax.launch import LaunchError, check_mesh_processes, check_split
+from ula_jax.report import read_summary
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPO_CONFIGS / "experiments" / "quickstart.yaml")
+# Short requests of the tiny model: a few seconds of decoding per run.
+SMALL = ["workload.output_len=[6,10]", "experiment.plots=false"]
+MESHES = {
+    # Each process serves four dp ranks.
+    "dp8": ["mesh.dp=8", "workload.num_requests=4"],
+    # Heads split over 8 tp ranks, 4 in each process: every layer's attention output is
+    # summed across the processes.
+    "tp8": ["mesh.dp=1", "mesh.tp=8", "model.num_heads=8", "workload.num_requests=2"],
+}
+
+
+def _worker_env() -> dict[str, str]:
+  env = dict(os.environ)
+  env["JAX_PLATFORMS"] = "cpu"
+  # The launcher sets each process's device count; an inherited XLA flag must not.
+  env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                            env.get("XLA_FLAGS", ""))
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+  return env
+
+
+def _tokens(run_dir: Path) -> dict[str, list[int]]:
+  doc = read_summary(run_dir)
+  assert [r["status"] for r in doc["requests"]] == ["finished"] * len(doc["requests"])
+  return {r["id"]: r["output_tokens"] for r in doc["requests"]}
+
+
+@pytest.mark.parametrize("mesh", sorted(MESHES))
+def test_two_processes_decode_the_tokens_of_one(tmp_path, capsys, mesh):
+  args = [QUICKSTART, *SMALL, *MESHES[mesh], "--no-progress"]
+  multi, single = tmp_path / "multi", tmp_path / "single"
+  t0 = time.perf_counter()
+  launched = subprocess.Popen(
+      [sys.executable, "-m", "ula_jax.cli", "launch", "--processes", "2",
+       "--devices-per-process", "4", "run", *args, "--out", str(multi)],
+      cwd=REPO, env=_worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    # The one-process run (this process has 8 CPU devices) while the two processes run.
+    assert main(["run", *args, "--out", str(single)]) == EXIT_OK
+    out, err = launched.communicate(timeout=240)
+  finally:
+    if launched.poll() is None:
+      launched.kill()
+      launched.wait()
+  print(f"{mesh}: both runs took {time.perf_counter() - t0:.1f}s")
+  assert launched.returncode == 0, err[-4000:]
+  assert f"run directory: {multi}" in out  # process 0 printed the table
+
+  assert _tokens(multi) == _tokens(single)
+  doc, ref = read_summary(multi), read_summary(single)
+  assert doc["summary"]["processes"] == 2 and ref["summary"]["processes"] == 1
+  assert (doc["summary"]["dp"], doc["summary"]["tp"]) == (ref["summary"]["dp"],
+                                                          ref["summary"]["tp"])
+  # The accounting read from state spread over both processes is the whole mesh's.
+  assert doc["capacity"] == ref["capacity"]
+  # Only process 0 wrote a run directory.
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["multi", "single"]
+
+
+def test_a_failing_process_stops_the_others(tmp_path, capfd):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  t0 = time.perf_counter()
+  # Process 0 fails creating its run directory (under a file); process 1 would then
+  # wait for it in a collective.
+  code = main(["launch", "--processes", "2", "run", QUICKSTART, *SMALL, "mesh.dp=2",
+               "workload.num_requests=2", "--no-progress", "--out", str(blocker / "run")])
+  assert code == 1
+  err = capfd.readouterr().err
+  assert "NotADirectoryError" in err  # process 0's own report of what went wrong
+  assert re.search(r"error: launch: process 0 exited with status 1; stopped the other "
+                   r"processes", err), err[-3000:]
+  # Nobody waited for a peer's timeout (the runtime's are 100 s and more).
+  assert time.perf_counter() - t0 < 90
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["run", QUICKSTART], r"launch: give --processes N \(all processes on this host\), or "
+     r"--coordinator HOST:PORT, --num-processes N and --process-id I"),
+    (["--processes", "2", "--process-id", "0", "run", QUICKSTART],
+     r"--processes starts every process here; it cannot be combined with --coordinator"),
+    (["--processes", "0", "run", QUICKSTART], r"launch --processes=0: must be >= 1"),
+    (["--processes", "2", "--devices-per-process", "0", "run", QUICKSTART],
+     r"launch --devices-per-process=0: must be >= 1"),
+    (["--processes", "2"], r"launch: no command; give one of \['run'\]"),
+    (["--processes", "2", "sweep", QUICKSTART, "engine.max_batch=1,2"],
+     r"launch: verb 'sweep' cannot be launched; expected one of \['run'\]"),
+    (["--processes", "2", "--devices-per-process", "2", "run", QUICKSTART],
+     r"launch: 2 processes x 2 devices = 4 devices, but mesh.dp\*mesh.tp = 8"),
+    (["--processes", "3", "--devices-per-process", "4", "run", QUICKSTART],
+     r"process 2 would hold none of the mesh's 8 devices; use --devices-per-process 3"),
+    (["--processes", "2", "run", QUICKSTART, "memory.polcy=lru"],
+     r"unknown field 'memory.polcy'"),
+    (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0", "run",
+      QUICKSTART], r"launch --coordinator='localhost': expected HOST:PORT"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2", "run",
+      QUICKSTART], r"launch --process-id=2: expected 0...1 \(--num-processes=2\)"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "0", "--process-id", "0", "run",
+      QUICKSTART], r"launch --num-processes=0: must be >= 1"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "0",
+      "--local-device-ids", "0,x", "run", QUICKSTART],
+     r"launch --local-device-ids='0,x': expected comma-separated device numbers"),
+])
+def test_launch_errors_exit_2_before_starting_anything(capsys, argv, match):
+  assert main(["launch", *argv]) == EXIT_USAGE
+  err = capsys.readouterr().err
+  assert err.startswith("error: ")
+  assert re.search(match, err), err
+
+
+def test_layout_checks():
+  check_split(8, 2, 4)
+  check_split(6, 2, 4)  # the mesh takes 6 of 8 devices; both processes hold some
+  with pytest.raises(LaunchError, match=r"3 processes x 2 devices = 6 devices, but "
+                     r"mesh.dp\*mesh.tp = 8"):
+    check_split(8, 3, 2)
+  check_mesh_processes([0, 0, 1, 1], 2)
+  with pytest.raises(LaunchError, match=r"launch: process\(es\) \[1, 2\] of 3 hold none of "
+                     r"the mesh's 4 devices"):
+    check_mesh_processes([0, 0, 0, 0], 3)
