@@ -29,3 +29,16 @@ def key(seed) -> jax.Array:
 @pytest.fixture
 def rng(seed) -> np.random.Generator:
   return np.random.default_rng(seed)
+
+
+def pytest_collection_modifyitems(config, items):
+  """``gpu``-marked tests need a CUDA device; on other machines they are deselected (not
+  skipped): they run through the device tool (``scripts/gpu_kernels.sh``), and their
+  interpret-mode twins run here."""
+  if jax.default_backend() == "gpu":
+    return
+  keep = [item for item in items if item.get_closest_marker("gpu") is None]
+  dropped = [item for item in items if item.get_closest_marker("gpu") is not None]
+  if dropped:
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = keep
