@@ -59,8 +59,35 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None,
 
     result = engine.run(requests, on_step=on_step)
 
+  if result.traces is not None:
+    _record_traces(cfg, result, run_dir)
   stats = write_outputs(run_dir, result, name=cfg.experiment.name, plots=cfg.experiment.plots)
   if show:
     console.print(summary_table(stats, title=f"{cfg.experiment.name} ({cfg.memory.system})"))
     console.print(f"run directory: {run_dir}")
   return result, run_dir
+
+
+def _record_traces(cfg: ExperimentConfig, result: RunResult, run_dir: Path) -> None:
+  """Writes each rank's selection trace; for ``ula`` (one tp rank) replays the traces
+  under both policies with the run's pool sizes and puts the hit rates side by side in
+  the summary (``policy_comparison``)."""
+  from ula_jax.memory.trace import compare_policies
+
+  for d, trace in enumerate(result.traces):
+    trace.save(run_dir / f"trace_rank{d}.npz")
+  if cfg.memory.system != "ula" or cfg.mesh.tp != 1:
+    return
+  per_rank = [compare_policies(t, cfg.memory) for t in result.traces if t.num_steps]
+  if not per_rank:
+    return
+  out: dict = {}
+  for policy in ("pb_lru", "lru"):
+    hits = sum(r[policy]["hits"] for r in per_rank)
+    misses = sum(r[policy]["misses"] for r in per_rank)
+    out[policy] = {"hits": hits, "misses": misses,
+                   "evictions": sum(r[policy]["evictions"] for r in per_rank),
+                   "resolve_seconds": sum(r[policy]["resolve_seconds"] for r in per_rank),
+                   "hit_rate": hits / (hits + misses) if hits + misses else 1.0}
+  out["hit_rate_gap_pp"] = 100.0 * (out["pb_lru"]["hit_rate"] - out["lru"]["hit_rate"])
+  result.summary["policy_comparison"] = out

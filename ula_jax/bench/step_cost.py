@@ -1,6 +1,6 @@
 """What a decode step costs when every selection hits, against ``resident``, in one run.
 
-``ula-jax bench step-cost [--config CONFIG] [--batch B] [--prompt T] [--output N]
+``ula-jax bench step_cost [--config CONFIG] [--batch B] [--prompt T] [--output N]
 [--systems resident,ula] [a.b=value ...]`` builds one engine per memory system on the same
 model, mesh and requests (every request the same length, all arriving at once, so the
 running batch is flat), with a device pool that holds every entry (no step misses), runs
@@ -72,7 +72,7 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
 
 
 def main(argv: list[str]) -> int:
-  p = argparse.ArgumentParser(prog="ula-jax bench step-cost", description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(prog="ula-jax bench step_cost", description=__doc__.split("\n\n")[0])
   p.add_argument("overrides", nargs="*", help="config overrides a.b=value")
   p.add_argument("--config", default=DEFAULT_CONFIG)
   p.add_argument("--systems", default="resident,ula")

@@ -210,6 +210,13 @@ class EngineConfig(Section):
   max_steps: int | None = Field(
       None, ge=1, description="stop after this many engine steps; None = until done")
   progress: bool = Field(True, description="show a progress bar while running")
+  report_every: int = Field(
+      1, ge=1, description="engine steps between capacity reports (they copy pool metadata "
+      "to the host)")
+  record_trace: bool = Field(
+      False, description="record every rank's selections (trace_rank{d}.npz in the run "
+      "directory); for memory.system=ula the summary then compares pb_lru and lru hit "
+      "rates on the recorded trace")
 
 
 class KernelsConfig(Section):

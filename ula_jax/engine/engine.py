@@ -209,6 +209,9 @@ class Engine:
                                    interpret=interpret_kernels(cfg, mesh.devices.flat[0].platform))
     self.attention_impl = cfg.kernels.attention
     self.report_every = max(1, int(getattr(ecfg, "report_every", 1)))
+    # engine.record_trace: keep every rank's selections (memory.trace) in the RunResult.
+    self.record_trace = bool(getattr(ecfg, "record_trace", False))
+    self._recorders = None
 
     model = tfm.Transformer(cfg.model, rngs=nnx.Rngs(cfg.model.param_seed))
     self.graphdef, params = nnx.split(model)
@@ -242,19 +245,23 @@ class Engine:
     geo = self.geo
     tp_axis = "tp" if self.tp > 1 else None
 
+    record = self.record_trace
+
     def decode_local(params, state, tokens, positions, page_table, active):
       model = nnx.merge(graphdef, params)
-      logits, state, stats = tfm.decode_step(
+      out = tfm.decode_step(
           model, mem, to_local(state), tokens[0], positions[0], page_table[0], active[0],
-          attention=attention, tp_axis=tp_axis)
+          attention=attention, tp_axis=tp_axis, return_selection=record)
+      logits, state, stats = out[:3]
+      sel = ex(out[3]) if record else {}
       next_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-      return next_tok[None], from_local(state), ex(stats)
+      return next_tok[None], from_local(state), ex(stats), sel
 
     def decode(params, state, tokens, positions, page_table, active):
       return compat.shard_map(
           decode_local, mesh=mesh,
           in_specs=(param_specs, state_specs, P("dp"), P("dp"), P("dp"), P("dp")),
-          out_specs=(P("dp"), state_specs, P("dp")))(
+          out_specs=(P("dp"), state_specs, P("dp"), P("dp")))(
               params, state, tokens, positions, page_table, active)
 
     def prefill_local(params, state, ws, tokens, start, length, page_row, row, do):
@@ -331,6 +338,10 @@ class Engine:
     """Serves ``requests`` to completion (or ``engine.max_steps``)."""
     dp, B = self.dp, self.max_batch
     alloc = [PageAllocator(self.mem.num_logical // self.page_size) for _ in range(dp)]
+    if self.record_trace:
+      from ula_jax.memory.trace import TraceRecorder
+      self._recorders = [TraceRecorder(self.geo, max_batch=B, num_logical=self.mem.num_logical,
+                                       page_size=self.page_size) for _ in range(dp)]
     rows: list[list[_Live | None]] = [[None] * B for _ in range(dp)]
     pending = collections.deque(sorted(requests, key=lambda r: r.arrival_step))
     queue: collections.deque[Request] = collections.deque()
@@ -434,7 +445,10 @@ class Engine:
     wall = time.perf_counter() - t_run
     summary = self._summary(steps, ordered, totals, wall)
     capacity = peak["report"].as_dict() if peak["report"] is not None else {}
-    return RunResult(steps=steps, requests=ordered, capacity=capacity, summary=summary)
+    traces = [r.build() for r in self._recorders] if self._recorders is not None else None
+    self._recorders = None
+    return RunResult(steps=steps, requests=ordered, capacity=capacity, summary=summary,
+                     traces=traces)
 
   def _prefill_round(self, rows, step) -> tuple[int, int]:
     dp, C = self.dp, self.chunk
@@ -465,6 +479,8 @@ class Engine:
     for d, l in enumerate(chosen):
       if l is None:
         continue
+      if self._recorders is not None:
+        self._recorders[d].prefill(self._addrs(l.pages, l.prefilled, int(length[d])))
       l.prefilled += int(length[d])
       if l.prefill_done:
         l.generated.append(int(tok[d]))
@@ -490,10 +506,14 @@ class Engine:
     if not live:
       return 0, {}
     t0 = time.perf_counter()
-    nxt, self.state, stats = self._decode(
+    nxt, self.state, stats, sel = self._decode(
         self.params, self.state, self._put(tokens), self._put(positions),
         self._put(page_table), self._put(active))
     nxt = host_array(nxt)
+    if self._recorders is not None:
+      sel = {k: host_array(v) for k, v in sel.items()}
+      for d, rec in enumerate(self._recorders):
+        rec.decode(sel["sel_addr"][d], sel["sel_valid"][d], sel["new_addr"][d], active[d])
     dt = time.perf_counter() - t0
     for l in live:
       l.generated.append(int(nxt[l.device, l.row]))
@@ -515,8 +535,15 @@ class Engine:
           # Entries written: the prompt and every generated token but the last.
           length[d] = l.req.prompt_len + len(l.generated) - 1
           row[d] = l.row
+          if self._recorders is not None:
+            self._recorders[d].release(self._addrs(l.pages, 0, int(length[d])))
       self.state = self._release(self.state, self._put(page_row), self._put(length),
                                  self._put(row))
+
+  def _addrs(self, pages: np.ndarray, start: int, n: int) -> np.ndarray:
+    """Logical addresses of positions [start, start + n) of a request (host side)."""
+    pos = np.arange(start, start + n)
+    return (pages[pos // self.page_size] * self.page_size + pos % self.page_size).astype(np.int32)
 
   def _summary(self, steps, reqs, totals, wall) -> dict:
     decode_time = sum(s.decode_time_s for s in steps)

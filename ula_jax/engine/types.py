@@ -89,3 +89,4 @@ class RunResult:
   requests: list[RequestResult]
   capacity: dict  # CapacityReport.as_dict() at the peak of device use
   summary: dict  # totals: wall time, tokens, tokens/s, peak batch, admitted, rejected, ...
+  traces: list | None = None  # per dp rank memory.trace.SelectionTrace (engine.record_trace)

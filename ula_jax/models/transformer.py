@@ -178,7 +178,8 @@ def _add_stats(total: dict, new: dict) -> dict:
 
 def decode_step(model: Transformer, mem: MemorySystem, mem_state, tokens: jax.Array,
                 positions: jax.Array, page_table: jax.Array, active: jax.Array, *,
-                attention: str = "xla", tp_axis: str | None = None):
+                attention: str = "xla", tp_axis: str | None = None,
+                return_selection: bool = False):
   """Decodes one token per row; KV lives in ``mem`` (one device's local state).
 
   tokens:     [B] int32 the token being decoded
@@ -189,8 +190,11 @@ def decode_step(model: Transformer, mem: MemorySystem, mem_state, tokens: jax.Ar
   tp_axis:    mesh axis the attention heads are split over (inside ``shard_map``;
               ``model.num_heads`` must be a multiple of its size); None = every head
               here, the numerics of a single device
+  return_selection: also return the step's selections, for trace recording
   returns (logits [B, V] float32, mem_state, stats: dict[str, int32 scalar] summed
-           over layer groups); with ``tp_axis`` the same on every rank of the axis
+           over layer groups); with ``tp_axis`` the same on every rank of the axis.
+           With ``return_selection``, a fourth value: {"sel_addr": [G, B, k] int32,
+           "sel_valid": [G, B, k] bool, "new_addr": [B] int32}
 
   Calls ``mem`` in the order ``memory/base.py`` documents: per group, write and read
   the index keys, select (``mem.select``), resolve, move every layer of the group, then per layer write
@@ -207,6 +211,7 @@ def decode_step(model: Transformer, mem: MemorySystem, mem_state, tokens: jax.Ar
   new_addr = addrs_of_positions(page_table, positions[:, None], ps)[:, 0]
   new_addr = jnp.where(active, new_addr, INVALID)
   stats: dict = {}
+  selections: list[tuple[jax.Array, jax.Array]] = []
 
   def select(g: int, first: Projection, indexer: Indexer) -> Resolution:
     nonlocal mem_state, stats
@@ -214,6 +219,7 @@ def decode_step(model: Transformer, mem: MemorySystem, mem_state, tokens: jax.Ar
     q_I, w = indexer.query(first.h, first.c_q)
     sel_pos, sel_valid = mem.select(mem_state, g, q_I, w, page_table, positions, active)
     sel_addr = jnp.where(sel_valid, addrs_of_positions(page_table, sel_pos, ps), INVALID)
+    selections.append((sel_addr, sel_valid))
     mem_state, res = mem.resolve(mem_state, g, sel_addr, sel_valid, new_addr, active)
     stats = _add_stats(stats, res.stats)
     for l in cfg.group_layers(g):  # exact layer-wise prefetch: every move is known now
@@ -228,7 +234,11 @@ def decode_step(model: Transformer, mem: MemorySystem, mem_state, tokens: jax.Ar
 
   x = _run_layers(model, model.embed_tokens(tokens), positions, select=select,
                   attend=attend, heads=heads)
-  return model.logits(x), mem_state, stats
+  if not return_selection:
+    return model.logits(x), mem_state, stats
+  sel = {"sel_addr": jnp.stack([a for a, _ in selections]),
+         "sel_valid": jnp.stack([v for _, v in selections]), "new_addr": new_addr}
+  return model.logits(x), mem_state, stats, sel
 
 
 # ----------------------------------------------------------------------------------
