@@ -42,7 +42,8 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
   dp = mesh.shape["dp"]
   page = base.engine.page_size
   context = -(-(prompt + output) // page) * page
-  pool = batch * context  # every entry of every running request fits on the device
+  # Every entry of every running request fits on the device (and one step's selection).
+  pool = max(batch * context, batch * (base.model.index_topk + 1))
   reqs = _requests(batch * dp, prompt, output, base.model.vocab_size, seed)
   rows = {}
   for system in systems:

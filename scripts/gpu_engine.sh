@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# End-to-end checks of the engine on one GPU (run from the repository root, with the
+# config dependencies carried as wheels in .whl/ when the machine lacks them):
+#
+#     OUT=/some/dir bash scripts/gpu_engine.sh
+#
+#   exact     greedy tokens of ula (small device pool, most steps evict; pb_lru and lru),
+#             hisparse and far_tier equal resident's (ula-jax compare)
+#   stepcost  a decode step whose selections all hit, ula vs resident, same batch
+# Results under $OUT: exact.txt, step_cost.json, summary.txt (printed last).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_engine_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import pydantic, omegaconf" 2>/dev/null && [ -d .whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+CLI="$PY -m ula_jax.cli"
+BASE="configs/experiments/quickstart.yaml mesh=dp1 mesh.platform=gpu model=small
+      model.index_topk=64 workload.num_requests=16 engine.max_batch=8"
+{
+  echo "== exactness on $($PY -c 'import jax; print(jax.devices()[0].device_kind, jax.__version__)')"
+  $CLI run $BASE --no-progress --out "$OUT/runs/resident" | tail -n 25
+  for sys in "ula memory.policy=pb_lru memory.device_pool=780 memory.host_pool=4096" \
+             "ula memory.policy=lru memory.device_pool=780 memory.host_pool=4096" \
+             "hisparse memory.hisparse.device_buffer_size=64 memory.hisparse.host_to_device_ratio=8" \
+             "far_tier memory.far_tier.mode=on_demand"; do
+    name=$(echo "$sys" | tr ' =.' '___' | cut -c1-40)
+    # shellcheck disable=SC2086
+    $CLI run $BASE memory.system=$sys --no-progress --out "$OUT/runs/$name" \
+      | grep -E "hit|finished|tokens/s"
+    $CLI compare "$OUT/runs/resident" "$OUT/runs/$name" && echo "TOKENS EQUAL: $sys" \
+      || echo "TOKENS DIFFER: $sys"
+  done
+} 2>&1 | tee "$OUT/exact.txt"
+$PY -c "
+import sys
+from ula_jax.bench import step_cost
+sys.exit(step_cost.main(sys.argv[1:]))" --config configs/experiments/quickstart.yaml \
+  --batch 32 --prompt 1024 --output 48 --json "$OUT/step_cost.json" \
+  mesh=dp1 mesh.platform=gpu model=small model.index_topk=256 2>&1 | tee "$OUT/step_cost.txt"
+{ grep -E "TOKENS" "$OUT/exact.txt"; tail -n 8 "$OUT/step_cost.txt"; } | tee "$OUT/summary.txt"
