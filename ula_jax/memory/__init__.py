@@ -30,11 +30,18 @@ def build_memory_system(cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
                         interpret: bool | None = None) -> MemorySystem:
   """Instantiates ``cfg.system`` and validates its sizes (before any compute).
 
+  ``ula`` with ``mesh_info.tp > 1`` is TP mode (``ula_tp.UlaTP``).
+
   fetch_impl / resolve_impl: the ``kernels.fetch`` / ``kernels.resolve`` implementations
   its row copies and resolve use; interpret: run Pallas kernels in interpret mode.
   """
-  system = system_class(cfg.system)(cfg, geometry, mesh_info, max_batch=max_batch,
-                                    page_size=page_size, max_context=max_context)
+  cls = system_class(cfg.system)
+  if cfg.system == "ula" and mesh_info.tp > 1:
+    # TP mode: the dp rank's address space spread over its tp ranks (memory.layout).
+    from ula_jax.memory.ula_tp import UlaTP
+    cls = UlaTP
+  system = cls(cfg, geometry, mesh_info, max_batch=max_batch, page_size=page_size,
+               max_context=max_context)
   system.fetch_impl, system.fetch_interpret = fetch_impl, interpret
   system.resolve_impl, system.resolve_interpret = resolve_impl, interpret
   system.validate()

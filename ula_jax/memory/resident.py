@@ -107,5 +107,7 @@ class Resident(MemorySystem):
         host_used=np.zeros((dp, tp), np.int64),
         distinct=np.asarray(used, np.int64),
         entry_bytes=self.geo.group_size * self.geo.row_bytes,
-        extra={"layout": "replicated" if tp > 1 else "local"},
+        extra={"layout": "replicated" if tp > 1 else "local",
+               # Per device: every tp rank holds the whole pool (as ula TP reports it).
+               "device_bytes_per_rank": self.num_logical * self.geo.token_bytes},
     )
