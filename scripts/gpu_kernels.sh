@@ -1,36 +1,43 @@
 #!/usr/bin/env bash
 # GPU check of the kernels (fetch/evict: Pallas + FFI custom calls; sparse MLA attention),
-# run from the repository root on a CUDA machine:
+# run from the repository root on a CUDA machine, in one go:
 #
 #     OUT=/some/dir bash scripts/gpu_kernels.sh
 #
 # Steps (each one runs even when an earlier one failed, and reports its status):
 #   env          jax/GPU facts
 #   build_ffi    pip install ./custom_calls with the CUDA handlers (no network needed)
+#   ffi_import   the CUDA handlers load
 #   tests_gpu    the GPU-marked tests of the kernel test files (Triton, CUDA handlers,
 #                whole-pool-copy checks on the compiled HLO)
 #   hlo          compiled HLO of every fetch/evict implementation with a pinned-host pool
-#   bench_fetch  ula_jax.bench.fetch at full size (64..64K entries, both row layouts,
-#                largest first; the JSON is rewritten after every entry count)
-#   bench_attn   ula_jax.bench.attention (batch 1..64, 64 heads, k = 2048)
-#   tests_rest   the remaining tests of those files (interpret twins, CPU handlers)
+#   cupy_probe   one cudaMemcpyAsync through CuPy; when it fails, the fetch benchmark
+#                measures its ceiling with jax alone
+#   bench_fetch  ula_jax.bench.fetch at full size (4K..64K entries first, both row layouts;
+#                ceilings: jitted copy into a donated buffer and cudaMemcpyAsync, best of
+#                3 interleaved repetitions; the JSON is rewritten after every entry count)
+#   bench_attn   ula_jax.bench.attention (batch 1..64, 64 heads, k = 2048, a sweep of
+#                Pallas launch configurations; 16 steps per jitted loop, best of 3)
+#   tests_rest   the remaining tests of those files and of the benchmarks (interpret
+#                twins, CPU handlers, the benchmarks' smoke runs on the GPU)
 # Results under $OUT (8 files at most): summary.txt, bench_fetch.json, bench_attention.json,
 # junit_gpu.xml, logs.tar.gz (every log and HLO dump). The last lines printed are the
-# step table and the benchmark summary. BUDGET_S (default 540) bounds the whole run.
+# step table and the benchmark summary. BUDGET_S (default 480) bounds the whole run; every
+# step's time limit is clipped to what is left of it.
 
 set -u
-set -x
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/gpu_kernels_out}
 WORK=$OUT/work
 mkdir -p "$WORK"
 PY=${PYTHON:-python3}
-BUDGET_S=${BUDGET_S:-540}
+BUDGET_S=${BUDGET_S:-480}
 START=$SECONDS
 
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
+# jax and CuPy share the GPU: neither may take all of its memory up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONUNBUFFERED=1
 
@@ -43,25 +50,27 @@ step() {
   local left=$((BUDGET_S - (SECONDS - START) - 15))
   if ((left < 20)); then
     STATUS+=("$name skipped 0")
-    return
+    return 1
   fi
   ((limit > left)) && limit=$left
   local t0=$SECONDS
+  echo "== $name (limit ${limit}s)"
   timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
   local rc=$?
   STATUS+=("$name $rc $((SECONDS - t0))")
-  tail -n 40 "$WORK/$name.log"
+  tail -n 15 "$WORK/$name.log"
+  return $rc
 }
 
 step env 60 bash -c "nvidia-smi; $PY -c '
 import jax, jaxlib
 print(\"jax\", jax.__version__, \"jaxlib\", jaxlib.__version__, \"backend\", jax.default_backend())
 for d in jax.devices():
-  print(d, d.device_kind, [m.kind for m in d.addressable_memories()])
-'; $PY -m pip list 2>/dev/null | grep -i -E 'jax|triton|nanobind|scikit|pytest|rich|flax|numpy'; nvcc --version; cmake --version"
+  print(d, d.device_kind, getattr(d, \"core_count\", \"?\"), \"SMs\", [m.kind for m in d.addressable_memories()])
+'; $PY -m pip list 2>/dev/null | grep -i -E 'jax|triton|nanobind|scikit|pytest|rich|flax|numpy|cupy'; nvcc --version; cmake --version"
 
 # The CUDA handlers, built for the H100/H200 (sm_90) without build isolation: no network.
-step build_ffi 240 env ULA_JAX_FFI_CUDA=ON "$PY" -m pip install --no-build-isolation \
+step build_ffi 180 env ULA_JAX_FFI_CUDA=ON "$PY" -m pip install --no-build-isolation \
   --no-deps --force-reinstall -v -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 ./custom_calls
 step ffi_import 60 "$PY" -c "
 import ula_jax_ffi
@@ -74,10 +83,10 @@ if ! "$PY" -c "import pytest" 2>/dev/null && [ -d "$ROOT/.whl" ]; then
 fi
 
 KERNEL_TESTS="tests/test_fetch.py tests/test_ffi.py tests/test_sparse_attention_pallas.py"
-step tests_gpu 240 "$PY" -m pytest -m gpu $KERNEL_TESTS -v -rA -p no:cacheprovider \
+step tests_gpu 180 "$PY" -m pytest -m gpu $KERNEL_TESTS -v -rA -p no:cacheprovider \
   --junitxml="$OUT/junit_gpu.xml"
 
-step hlo 120 "$PY" - "$WORK" <<'EOF'
+step hlo 60 "$PY" - "$WORK" <<'EOF'
 """Compiled HLO of fetch/evict with a pinned-host pool, per implementation."""
 import functools, pathlib, sys, traceback
 import jax, jax.numpy as jnp
@@ -108,22 +117,39 @@ for impl in ("xla", "pallas", "ffi"):
       traceback.print_exc()
 EOF
 
-step bench_fetch 240 "$PY" -c "
+CEILINGS=jax
+if step cupy_probe 60 "$PY" -c "
+import numpy as np, cupy
+n = 1 << 24
+host = cupy.cuda.alloc_pinned_memory(n)
+dev = cupy.cuda.alloc(n)
+s = cupy.cuda.Stream(non_blocking=True)
+rt = cupy.cuda.runtime
+for kind in (rt.memcpyHostToDevice, rt.memcpyDeviceToHost):
+  src, dst = (host.ptr, dev.ptr) if kind == rt.memcpyHostToDevice else (dev.ptr, host.ptr)
+  rt.memcpyAsync(dst, src, n, kind, s.ptr)
+s.synchronize()
+print('cupy', cupy.__version__, 'memcpy ok')"; then
+  CEILINGS=jax,memcpy
+fi
+
+step bench_fetch 170 "$PY" -c "
 import sys
 from ula_jax.bench import fetch
-sys.exit(fetch.main(sys.argv[1:]))" --out "$OUT/bench_fetch.json" --target-ms 100 \
-  --entries 4K,16K,64K,1K,256,64 --pallas-block-units 512,2048 --pallas-warps 4,8
+sys.exit(fetch.main(sys.argv[1:]))" --out "$OUT/bench_fetch.json" --ceilings "$CEILINGS" \
+  --entries 4K,16K,64K,1K,256,64 --reps 3 --target-ms 60 \
+  --pallas-block-units 1024,4096 --pallas-warps 4
 
-step bench_attn 180 "$PY" -c "
+step bench_attn 170 "$PY" -c "
 import sys
 from ula_jax.bench import attention
-sys.exit(attention.main(sys.argv[1:]))" --out "$OUT/bench_attention.json" --target-ms 100 \
-  --block-h 16,32,64 --block-k 32,64
+sys.exit(attention.main(sys.argv[1:]))" --out "$OUT/bench_attention.json" --reps 3 \
+  --target-ms 60 --loop 16 \
+  --configs auto,h64k64w8,h64k32w8,h64k32w8n3,h64k64w8s1,h32k64w8,h32k64w8s1,h32k32w4,h16k64w4,h16k32w4
 
-step tests_rest 180 "$PY" -m pytest -m "not gpu" $KERNEL_TESTS tests/test_bench.py -q -rf \
-  -p no:cacheprovider
+step tests_rest 150 "$PY" -m pytest -m "not gpu" $KERNEL_TESTS \
+  tests/test_sparse_attention_reference.py tests/test_bench.py -q -rf -p no:cacheprovider
 
-set +x
 {
   echo "== steps (rc 0 = ok, 124 = timed out) =="
   printf '%-12s %8s %8s\n' step rc seconds
@@ -131,11 +157,16 @@ set +x
     # shellcheck disable=SC2086
     printf '%-12s %8s %8s\n' $s
   done
+  echo "total $((SECONDS - START)) s of BUDGET_S=$BUDGET_S"
   echo
-  grep -E " (passed|failed|skipped|error)" "$WORK/tests_gpu.log" | tail -n 1
+  echo "tests_gpu:  $(grep -E " (passed|failed|error)" "$WORK/tests_gpu.log" | tail -n 1)"
   grep -E "^FAILED|^ERROR" "$WORK/tests_gpu.log" | head -n 20
+  echo "tests_rest: $(grep -E " (passed|failed|error)" "$WORK/tests_rest.log" 2>/dev/null | tail -n 1)"
+  grep -E "^FAILED|^ERROR" "$WORK/tests_rest.log" 2>/dev/null | head -n 20
+  grep -h "^error:\|^skipped" "$WORK/bench_fetch.log" "$WORK/bench_attn.log" 2>/dev/null | head -n 20
   echo
   "$PY" -m ula_jax.bench.summary "$OUT/bench_fetch.json" "$OUT/bench_attention.json" 2>&1
 } >"$OUT/summary.txt" 2>&1
 tar czf "$OUT/logs.tar.gz" -C "$OUT" work && rm -rf "$WORK"
+echo
 cat "$OUT/summary.txt"

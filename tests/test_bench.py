@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
+import jax
+import numpy as np
 import pytest
 
 from ula_jax.bench import attention, fetch, summary
-from ula_jax.bench.common import parse_list, parse_sizes
+from ula_jax.bench.common import best_and_median, parse_list, parse_sizes
+from ula_jax.kernels.fetch import evict_rows, fetch_rows
+from ula_jax.kernels.sparse_attention.pallas import AttentionConfig
+
+
+MEMCPY = "contiguous[memcpy]"  # measured only on a GPU with CuPy
 
 
 def test_fetch_benchmark_covers_every_implementation(tmp_path, capsys):
@@ -17,18 +25,30 @@ def test_fetch_benchmark_covers_every_implementation(tmp_path, capsys):
   result = json.loads(out.read_text())
   rows = result["rows"]
   impls = {r["impl"] for r in rows}
-  assert impls == {"contiguous copy", "xla", "pallas", "ffi"}, result["skipped"]
-  assert {(r["direction"], r["entries"]) for r in rows} == {
+  assert impls - {MEMCPY} == {"contiguous[jax]", "xla", "pallas", "ffi"}, result["skipped"]
+  assert (MEMCPY in impls) != (MEMCPY in result["skipped"])
+  # Kernels at every entry count; ceilings only where there are bytes to copy.
+  assert {(r["direction"], r["entries"]) for r in rows if r["impl"] == "pallas"} == {
       (d, n) for d in ("fetch", "evict") for n in (0, 1, 300)}
+  assert {(r["direction"], r["entries"]) for r in rows if r["impl"] == "contiguous[jax]"} == {
+      (d, n) for d in ("fetch", "evict") for n in (1, 300)}
   for r in rows:
     assert r["error"] is None
-    assert r["seconds"] > 0
-    if r["impl"] != "contiguous copy":
+    # Two repetitions, or one where a call outlasts --target-ms (1 ms with --quick).
+    assert r["reps"] == 2 or (r["reps"] == 1 and r["seconds"] > 1e-3)
+    assert 0 < r["seconds"] <= r["median_seconds"]
+    if not r["impl"].startswith("contiguous"):
       assert r["ok"] is True  # bit-exact rows
     if r["entries"]:
-      assert r["gbps"] > 0 and r["fraction"] > 0
+      group = [x for x in rows if (x["direction"], x["entries"]) == (r["direction"], r["entries"])]
+      ceiling = max(x["gbps"] for x in group if x["impl"].startswith("contiguous"))
       assert r["gbps"] == pytest.approx(r["entries"] * 656 / r["seconds"] / 1e9)
-  assert all(r["in_place"] is None for r in rows if r["impl"] in ("xla", "contiguous copy"))
+      assert r["baseline_gbps"] == ceiling
+      assert r["fraction"] == pytest.approx(r["gbps"] / ceiling)
+      assert r["median_fraction"] > 0
+  assert all(r["in_place"] is None for r in rows if r["impl"] == "xla")
+  # The jax ceiling writes into the buffer it was given: nothing allocated per call.
+  assert all(r["in_place"] for r in rows if r["impl"] == "contiguous[jax]")
   assert "row fetch/evict on" in capsys.readouterr().out
 
 
@@ -36,30 +56,95 @@ def test_fetch_benchmark_sweeps_pallas_configurations(tmp_path):
   out = tmp_path / "fetch.json"
   rc = fetch.main(["--quick", "--layouts", "bf16x576", "--impls", "pallas", "--directions",
                    "fetch", "--entries", "37", "--pallas-block-units", "64,256",
-                   "--out", str(out)])
+                   "--ceilings", "jax", "--out", str(out)])
   assert rc == 0
   impls = [r["impl"] for r in json.loads(out.read_text())["rows"]]
-  assert impls == ["contiguous copy", "pallas[u64,w4]", "pallas[u256,w4]"]
+  assert impls == ["contiguous[jax]", "pallas[u64,w4]", "pallas[u256,w4]"]
+
+
+@pytest.mark.parametrize("direction", ["fetch", "evict"])
+def test_fetch_benchmark_check_catches_a_copy_that_moves_nothing(direction, rng):
+  """Every check first changes what the call must overwrite, so an implementation that
+  returns its destination untouched fails even after another one moved the same rows."""
+  host_s, dev_s = fetch._shardings()
+  Sh, Sd, N, W = 40, 20, 7, 16
+  mirror = {"host": rng.integers(0, 256, (Sh, W), dtype=np.uint8),
+            "dev": rng.integers(0, 256, (Sd, W), dtype=np.uint8)}
+  pools = {"host": jax.device_put(mirror["host"], host_s),
+           "dev": jax.device_put(mirror["dev"], dev_s)}
+  h_idx = rng.choice(Sh, N, replace=False).astype(np.int32)
+  d_idx = rng.choice(Sd, N, replace=False).astype(np.int32)
+  hi, di = jax.device_put(h_idx, dev_s), jax.device_put(d_idx, dev_s)
+  if direction == "fetch":
+    args_of = lambda s: (pools["host"], hi, s, di)
+  else:
+    args_of = lambda s: (pools["dev"], di, s, hi)
+  real = jax.jit(functools.partial(fetch_rows if direction == "fetch" else evict_rows,
+                                   impl="xla"))
+  nothing = lambda *args: args[2]
+  for _ in range(2):  # the second real copy moves rows the first one already moved
+    assert fetch._check(direction, real, args_of, pools, mirror, h_idx, d_idx, dev_s)
+  assert not fetch._check(direction, nothing, args_of, pools, mirror, h_idx, d_idx, dev_s)
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "device"])
+def test_rows_are_read_without_holding_the_pool(kind, rng):
+  """``rows_of`` reads rows through a temporary, so the pool can still be donated."""
+  host_s, dev_s = fetch._shardings()
+  data = rng.integers(0, 256, (12, 8), dtype=np.uint8)
+  pool = jax.device_put(data, host_s if kind == "pinned_host" else dev_s)
+  np.testing.assert_array_equal(fetch.rows_of(pool, np.array([3, 0, 11]), dev_s),
+                                data[[3, 0, 11]])
+  i = jax.device_put(np.array([0], np.int32), dev_s)
+  if kind == "pinned_host":
+    out = jax.jit(functools.partial(evict_rows, impl="xla"), donate_argnums=2)(
+        jax.device_put(data[:1] + 1, dev_s), i, pool, i)
+  else:
+    out = jax.jit(functools.partial(fetch_rows, impl="xla"), donate_argnums=2)(
+        jax.device_put(data[:1] + 1, host_s), i, pool, i)
+  jax.block_until_ready(out)
+  assert pool.is_deleted()
+  np.testing.assert_array_equal(fetch.rows_of(out, np.array([0, 1]), dev_s),
+                                np.stack([data[0] + 1, data[1]]))
 
 
 def test_attention_benchmark_reports_read_rate_against_a_device_copy(tmp_path, capsys):
   out = tmp_path / "attention.json"
-  rc = attention.main(["--quick", "--out", str(out)])
+  rc = attention.main(["--quick", "--configs", "auto,h16k16s2n3", "--out", str(out)])
   assert rc == 0
   result = json.loads(out.read_text())
   assert result["geometry"] == {"heads": 4, "k": 40, "latent": 32, "rope": 16,
                                 "pool_rows": 256, "dtype": "bfloat16"}
+  assert (result["loop"], result["reps"]) == (2, 2)
   rows = result["rows"]
   assert [(r["batch"], r["impl"]) for r in rows] == [
-      (1, "xla"), (1, "pallas"), (3, "xla"), (3, "pallas")]
+      (b, impl) for b in (1, 3)
+      for impl in ("device copy", "xla", "pallas[auto]", "pallas[h16k16s2n3]")]
   for r in rows:
-    assert r["error"] is None
-    # k rows of 48 bf16 values, the queries and the slots of every request
-    assert r["bytes_read"] == r["batch"] * (40 * 96 + 4 * 48 * 2 + 40 * 4)
+    assert r["error"] is None and r["reps"] == 2  # the loop always lasts the same
+    # k rows of 48 bf16 values and the queries of every request
+    assert r["bytes_read"] == r["batch"] * (40 * 96 + 4 * 48 * 2)
     assert r["read_gbps"] == pytest.approx(r["bytes_read"] / r["seconds"] / 1e9)
     assert r["fraction"] == pytest.approx(r["read_gbps"] / r["copy_gbps"])
-    assert r["max_err"] < 2e-2
+    if r["impl"] == "device copy":
+      assert r["fraction"] == pytest.approx(0.5)  # a copy reads half of its traffic
+    else:
+      assert r["max_err"] < 2e-2
+  split = [r for r in rows if r["impl"] == "pallas[h16k16s2n3]"]
+  assert [(r["block_h"], r["splits"], r["programs"]) for r in split] == [(16, 2, 2), (16, 2, 6)]
+  assert all(r["partial_bytes"] == 2 * r["batch"] * 2 * 4 * 33 * 4 for r in split)
   assert "sparse MLA decode attention" in capsys.readouterr().out
+
+
+def test_attention_configs_parse():
+  assert attention.parse_config("auto") == AttentionConfig()
+  assert attention.parse_config("h64k32w8s2n3") == AttentionConfig(
+      block_h=64, block_k=32, num_warps=8, num_splits=2, num_stages=3)
+  assert attention.parse_config("s1h32") == AttentionConfig(block_h=32, num_splits=1)
+  for bad in ("h64x2", "64", "h", "h64 k32"):
+    with pytest.raises(ValueError, match=r"--configs: .*: expected 'auto' or letters h "
+                       r"\(block_h\), k \(block_k\)"):
+      attention.parse_config(bad)
 
 
 def test_argument_lists_are_checked():
@@ -72,30 +157,53 @@ def test_argument_lists_are_checked():
   with pytest.raises(ValueError, match=r"--impls='xla,cuda': unknown \['cuda'\]; expected a "
                      r"comma list of \['xla', 'pallas', 'ffi'\]"):
     parse_list("xla,cuda", fetch.IMPLS, flag="--impls")
+  with pytest.raises(ValueError, match=r"--reps=0: expected >= 1"):
+    fetch.main(["--quick", "--reps", "0"])
+  with pytest.raises(ValueError, match=r"--loop=0, --reps=2: expected both >= 1"):
+    attention.main(["--quick", "--loop", "0"])
+  assert best_and_median([3.0, 1.0, 2.0]) == (1.0, 2.0)
+  assert best_and_median([4.0, 1.0]) == (1.0, 2.5)
+  assert best_and_median([]) == (None, None)
 
 
 def test_summary_keeps_the_best_configuration_of_each_implementation(tmp_path, capsys):
   row = dict(direction="fetch", layout="bf16x576", entries=4096, ok=True, in_place=True,
-             error=None)
-  fetch_result = {"benchmark": "fetch", "rows": [
-      {**row, "impl": "contiguous copy", "fraction": 1.0, "in_place": None},
+             error=None, baseline_gbps=55.0, baseline="contiguous[memcpy]")
+  fetch_result = {"benchmark": "fetch", "reps": 3, "rows": [
+      {**row, "impl": "contiguous[jax]", "fraction": 0.96},
+      {**row, "impl": "contiguous[memcpy]", "fraction": 1.0},
       {**row, "impl": "xla", "fraction": 0.21, "in_place": None},
       {**row, "impl": "pallas[u512,w4]", "fraction": 0.62},
       {**row, "impl": "pallas[u2048,w8]", "fraction": 0.87},
       {**row, "impl": "ffi", "fraction": 0.9, "in_place": False},
+      {**row, "layout": "fp8x656", "impl": "pallas", "fraction": 0.8},  # no target
+      {**row, "direction": "evict", "impl": "pallas", "fraction": 0.8},
       {**row, "entries": 64, "impl": "ffi", "fraction": 0.1},  # below min_entries
   ]}
   assert summary.fetch_rows(fetch_result) == [
-      ["fetch", "bf16x576", "4096", "0.21", "0.87", "pallas[u2048,w8]", "0.90 copy!"]]
-  att = dict(batch=8, bytes_read=1, seconds=1.0, read_gbps=1.0, copy_gbps=1.0, error=None)
+      ["fetch", "bf16x576", "4096", "55.0 memcpy", "0.21", "0.87", "pallas[u2048,w8]",
+       "0.90 copy!", "yes"],
+      ["fetch", "fp8x656", "4096", "55.0 memcpy", "-", "0.80", "pallas", "-", "-"],
+      ["evict", "bf16x576", "4096", "55.0 memcpy", "-", "0.80", "pallas", "-", "NO"]]
+  att = dict(batch=8, bytes_read=1, seconds=1.0, read_gbps=1.0, copy_gbps=3000.0, error=None,
+             block_h=None, splits=None, num_warps=None)
+  launch = dict(block_h=64, splits=2, num_warps=8)
   attention_result = {"benchmark": "attention", "geometry": {"heads": 64, "k": 2048},
-                      "rows": [{**att, "impl": "xla", "fraction": 0.3, "max_err": 0.0},
-                               {**att, "impl": "pallas[h16]", "fraction": 0.7, "max_err": 0.01},
+                      "rows": [{**att, "impl": "device copy", "fraction": 0.5, "max_err": None},
+                               {**att, "impl": "xla", "fraction": 0.3, "max_err": 0.0},
+                               {**att, **launch, "impl": "pallas[h64]", "fraction": 0.7,
+                                "max_err": 0.01},
                                {**att, "impl": "pallas[h32]", "fraction": None,
-                                "max_err": None, "error": "boom"}]}
+                                "max_err": None, "error": "boom"},
+                               {**att, **launch, "batch": 64, "impl": "pallas[h64]",
+                                "fraction": 0.45, "max_err": 0.01}]}
   assert summary.attention_rows(attention_result) == [
-      ["8", "0.30 (err 0.0000)", "0.70 (err 0.0100)", "pallas[h16]"]]
+      ["8", "3000", "0.30 (err 0.0000)", "0.70 (err 0.0100)", "pallas[h64]", "h64 s2 w8", "yes"],
+      ["64", "3000", "-", "0.45 (err 0.0100)", "pallas[h64]", "h64 s2 w8", "NO"]]
   (tmp_path / "f.json").write_text(json.dumps(fetch_result))
-  assert summary.main([str(tmp_path / "f.json"), str(tmp_path / "none.json")]) == 0
+  (tmp_path / "a.json").write_text(json.dumps(attention_result))
+  assert summary.main([str(tmp_path / "f.json"), str(tmp_path / "a.json"),
+                       str(tmp_path / "none.json")]) == 0
   out = capsys.readouterr().out
   assert "fraction of a contiguous copy" in out and "none.json: missing" in out
+  assert "pallas[h64]" in out  # labels with brackets are printed, not read as markup

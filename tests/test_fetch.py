@@ -23,8 +23,6 @@ from ula_jax.kernels.fetch.pallas import (CopyRowsConfig, copy_rows_pallas, evic
                                           fetch_rows_pallas, unit_elements)
 from ula_jax.kernels.fetch.reference import evict_rows_reference, fetch_rows_reference
 
-ON_GPU = jax.default_backend() == "gpu"
-
 # The two KV row layouts: bf16 x 576 (1152 B) and the FP8 layout as raw bytes (656 B).
 LAYOUTS = {"bf16x576": (jnp.bfloat16, 576), "fp8x656": (jnp.uint8, 656)}
 
@@ -287,7 +285,6 @@ class CopyRowsPallasCases:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (the interpret-mode twin runs on CPU)")
 class TestCopyRowsPallasGpu(CopyRowsPallasCases):
   INTERPRET = False
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from ula_jax.kernels.sparse_attention import sparse_mla_attention
-from ula_jax.kernels.sparse_attention.pallas import (AttentionConfig, merge_splits,
+from ula_jax.kernels.sparse_attention.pallas import (AttentionConfig, attention_cost,
+                                                     bytes_read, launch_seconds,
+                                                     merge_splits, merge_splits_pallas,
                                                      sparse_mla_attention_pallas)
 from ula_jax.kernels.sparse_attention.reference import sparse_mla_attention_reference
-
-ON_GPU = jax.default_backend() == "gpu"
 
 # Keyed by the pool dtype. bf16: the kernel feeds bf16 queries and bf16 softmax weights
 # to the tensor cores (float32 accumulation); the reference computes in float32.
@@ -28,20 +28,28 @@ TOL = {jnp.dtype(jnp.bfloat16): dict(atol=2e-2, rtol=2e-2),
        jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=2e-5)}
 
 
-def make_inputs(key, B, H, Dl, Dr, S, k, dtype, *, p_valid=0.7, empty_row=True):
+def make_inputs(rng, B, H, Dl, Dr, S, k, dtype, *, p_valid=0.7, empty_row=True):
   """Random queries and pool; slots in range where valid, garbage (-1 or past the end)
-  where not; with ``empty_row`` the second row selects nothing."""
-  ks = jax.random.split(key, 6)
-  q_lat = jax.random.normal(ks[0], (B, H, Dl), jnp.float32).astype(dtype)
-  q_rope = jax.random.normal(ks[1], (B, H, Dr), jnp.float32).astype(dtype)
-  pool = jax.random.normal(ks[2], (S, Dl + Dr), jnp.float32).astype(dtype)
-  slots = jax.random.randint(ks[3], (B, k), 0, S, jnp.int32)
-  valid = jax.random.bernoulli(ks[4], p_valid, (B, k))
+  where not; with ``empty_row`` the second row selects nothing. Drawn with numpy (one
+  transfer per array instead of a compiled program per eager jax.random call)."""
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+  q_lat, q_rope, pool = normal(B, H, Dl), normal(B, H, Dr), normal(S, Dl + Dr)
+  valid = rng.random((B, k)) < p_valid
   if empty_row and B > 1:
-    valid = valid.at[1].set(False)
-  junk = jax.random.choice(ks[5], jnp.asarray([-1, S, S + 7], jnp.int32), (B, k))
-  slots = jnp.where(valid, slots, junk)
-  return q_lat, q_rope, pool, slots, valid
+    valid[1] = False
+  junk = rng.choice(np.asarray([-1, S, S + 7], np.int32), (B, k))
+  slots = np.where(valid, rng.integers(0, S, (B, k)), junk).astype(np.int32)
+  return q_lat, q_rope, pool, jnp.asarray(slots), jnp.asarray(valid)
+
+
+@functools.cache
+def _reference(scale: float):
+  return jax.jit(functools.partial(sparse_mla_attention_reference, scale=scale))
+
+
+def reference(*args, scale):
+  """The jnp reference, jitted (op-by-op it would compile every operation)."""
+  return _reference(float(scale))(*args)
 
 
 def assert_close(got, want, dtype):
@@ -65,67 +73,101 @@ class SparseAttentionPallasCases:
       "B, H, Dl, Dr, S, k, config, dtype",
       [
           # k not a multiple of block_k, H not a multiple of block_h, one split
-          (3, 20, 64, 16, 100, 45, AttentionConfig(num_splits=1), jnp.bfloat16),
-          # several splits (partial last one), fewer heads than a head block
-          (2, 8, 32, 16, 60, 70, AttentionConfig(num_splits=3), jnp.bfloat16),
+          (3, 20, 64, 16, 100, 45, AttentionConfig(num_splits=1, block_k=16), jnp.bfloat16),
+          # several splits (blocks 2, 2, 1), fewer heads than a head block
+          (2, 8, 32, 16, 60, 70, AttentionConfig(num_splits=3, block_k=16), jnp.bfloat16),
           # float32 pool (full-precision dots), one selected entry, larger k blocks
           (2, 16, 32, 16, 20, 1, AttentionConfig(block_k=64), jnp.float32),
       ])
-  def test_matches_reference(self, key, B, H, Dl, Dr, S, k, config, dtype):
-    args = make_inputs(key, B, H, Dl, Dr, S, k, dtype)
+  def test_matches_reference(self, rng, B, H, Dl, Dr, S, k, config, dtype):
+    args = make_inputs(rng, B, H, Dl, Dr, S, k, dtype)
     scale = 1.0 / math.sqrt(Dl + Dr)
     got = self.run(*args, scale=scale, config=config)
-    assert_close(got, sparse_mla_attention_reference(*args, scale=scale), dtype)
+    assert_close(got, reference(*args, scale=scale), dtype)
     if B > 1:  # the second row selects nothing
       assert not np.asarray(got[1]).any()
 
-  def test_rows_behind_invalid_slots_never_leak(self, key):
+  def test_rows_behind_invalid_slots_never_leak(self, rng):
     """Unused pool rows hold NaN (uninitialised memory); invalid slots point at them."""
     B, H, Dl, Dr, S, k = 2, 16, 32, 16, 24, 40
-    q_lat, q_rope, pool, slots, valid = make_inputs(key, B, H, Dl, Dr, S, k, jnp.bfloat16,
+    q_lat, q_rope, pool, slots, valid = make_inputs(rng, B, H, Dl, Dr, S, k, jnp.bfloat16,
                                                     empty_row=False)
+    slots, valid, pool = np.asarray(slots), np.asarray(valid), np.asarray(pool)
     used = np.zeros(S, bool)
-    used[np.asarray(slots)[np.asarray(valid)]] = True
-    unused = jnp.asarray(~used)[:, None]
-    garbage = jnp.where(unused, jnp.nan, pool).astype(pool.dtype)
-    slots = jnp.where(valid, slots, jnp.argmax(~used).astype(jnp.int32))
+    used[slots[valid]] = True
+    unused = ~used[:, None]
+    garbage = jnp.asarray(np.where(unused, np.nan, pool).astype(pool.dtype))
+    slots = jnp.asarray(np.where(valid, slots, np.argmax(~used)).astype(np.int32))
+    valid = jnp.asarray(valid)
     got = self.run(q_lat, q_rope, garbage, slots, valid, scale=0.1,
-                   config=AttentionConfig(num_splits=2))
-    clean = jnp.where(unused, 0, pool).astype(pool.dtype)
-    want = sparse_mla_attention_reference(q_lat, q_rope, clean, slots, valid, scale=0.1)
+                   config=AttentionConfig(num_splits=2, block_k=16))
+    clean = jnp.asarray(np.where(unused, 0, pool).astype(pool.dtype))
+    want = reference(q_lat, q_rope, clean, slots, valid, scale=0.1)
     assert_close(got, want, jnp.bfloat16)
 
+  def test_merge_kernel_matches_the_jnp_merge(self, rng):
+    """Heads not a multiple of the merge block, a split that saw nothing for some heads
+    and a head no split saw (zeros)."""
+    B, NS, H, Dl = 2, 5, 20, 128
+    o = jnp.asarray(rng.standard_normal((B, NS, H, Dl)), jnp.float32)
+    lse = rng.standard_normal((B, NS, H)).astype(np.float32) * 3
+    lse[0, 2, :7] = -np.inf
+    lse[1, :, 4] = -np.inf
+    lse = jnp.asarray(lse)
+    got = jax.jit(functools.partial(merge_splits_pallas, interpret=self.INTERPRET))(o, lse)
+    assert_close(got, merge_splits(o, lse), jnp.float32)
+    assert not np.asarray(got[1, 4]).any()
+
   @pytest.mark.parametrize("B, k", [(0, 8), (2, 0)])
-  def test_empty_batch_or_selection(self, key, B, k):
-    args = make_inputs(key, B, 4, 32, 16, 10, k, jnp.bfloat16)
+  def test_empty_batch_or_selection(self, rng, B, k):
+    args = make_inputs(rng, B, 4, 32, 16, 10, k, jnp.bfloat16)
     got = self.run(*args, scale=0.5)
     assert got.shape == (B, 4, 32) and not np.asarray(got).any()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (the interpret-mode twin runs on CPU)")
 class TestSparseAttentionPallasGpu(SparseAttentionPallasCases):
   INTERPRET = False
 
-  @pytest.mark.parametrize("H", [8, 64])
-  def test_model_geometry(self, key, H):
+  @pytest.mark.parametrize("H, config", [
+      (8, AttentionConfig()),
+      (64, AttentionConfig()),  # 64-head blocks, split along k
+      (64, AttentionConfig(block_h=32, num_splits=1, block_k=32)),  # no split
+      (64, AttentionConfig(block_h=16, block_k=32, num_warps=4, num_stages=3)),
+  ])
+  def test_model_geometry(self, rng, H, config):
     """GLM-5 geometry: latent 512 + rope 64, k = 2048, bf16."""
     B, Dl, Dr, S, k = 4, 512, 64, 8192, 2048
-    args = make_inputs(key, B, H, Dl, Dr, S, k, jnp.bfloat16)
+    args = make_inputs(rng, B, H, Dl, Dr, S, k, jnp.bfloat16)
     scale = 1.0 / math.sqrt(Dl + Dr)
-    got = self.run(*args, scale=scale)
-    assert_close(got, sparse_mla_attention_reference(*args, scale=scale), jnp.bfloat16)
+    got = self.run(*args, scale=scale, config=config)
+    assert_close(got, reference(*args, scale=scale), jnp.bfloat16)
 
 
 class TestSparseAttentionPallasInterpret(SparseAttentionPallasCases):
   INTERPRET = True
 
 
-def test_dispatcher_runs_the_pallas_kernel(key):
-  # Default config: k = 40 is two blocks of 32, so the automatic split count is 2.
-  args = make_inputs(key, 2, 4, 32, 16, 12, 40, jnp.float32)
-  got = sparse_mla_attention(*args, scale=0.3, impl="pallas")
-  assert_close(got, sparse_mla_attention_reference(*args, scale=0.3), jnp.float32)
+def test_dispatcher_runs_the_pallas_kernel(rng):
+  # Default config: k = 70 is two blocks of 64, so the automatic split count is 2.
+  args = make_inputs(rng, 2, 4, 32, 16, 12, 70, jnp.float32)
+  got = sparse_mla_attention(*args, scale=0.3, impl="pallas", interpret=True)
+  assert_close(got, reference(*args, scale=0.3), jnp.float32)
+
+
+def test_dispatcher_forwards_interpret_to_pallas_only(monkeypatch):
+  from ula_jax.kernels.sparse_attention import pallas as pallas_mod
+  seen = []
+  monkeypatch.setattr(pallas_mod, "sparse_mla_attention_pallas",
+                      lambda *a, scale, interpret: seen.append(interpret) or a[0])
+  args = (jnp.zeros((1, 2, 8)), jnp.zeros((1, 2, 4)), jnp.zeros((5, 12)),
+          jnp.zeros((1, 3), jnp.int32), jnp.ones((1, 3), bool))
+  sparse_mla_attention(*args, scale=1.0, impl="pallas", interpret=False)
+  sparse_mla_attention(*args, scale=1.0, impl="pallas")
+  assert seen == [False, None]
+  # The reference has no interpret mode: the argument is accepted and ignored.
+  out = sparse_mla_attention(*args, scale=1.0, impl="xla", interpret=True)
+  assert out.shape == (1, 2, 8)
 
 
 def test_merge_splits_hand_computed():
@@ -146,7 +188,8 @@ def test_lowers_to_triton_for_the_model_geometry():
   shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((B, H, Dl), (B, H, Dr),
                                                              (S, Dl + Dr))]
   shapes += [jax.ShapeDtypeStruct((B, k), jnp.int32), jax.ShapeDtypeStruct((B, k), jnp.bool_)]
-  for config in (AttentionConfig(num_splits=1), AttentionConfig(num_splits=4, block_h=64)):
+  for config in (AttentionConfig(num_splits=1), AttentionConfig(num_splits=4, block_h=64),
+                 AttentionConfig(block_h=16, block_k=32, num_warps=4, num_stages=3)):
     f = functools.partial(sparse_mla_attention_pallas, scale=0.04, config=config,
                           interpret=False)
     text = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
@@ -171,11 +214,68 @@ def test_arguments_and_config_are_validated():
     AttentionConfig(num_splits=0)
   with pytest.raises(ValueError, match=r"num_warps=6: expected a power of 2"):
     AttentionConfig(num_warps=6)
+  with pytest.raises(ValueError, match=r"num_stages=0: expected >= 1"):
+    AttentionConfig(num_stages=0)
+  with pytest.raises(ValueError, match=r"num_sms=0: expected > 0"):
+    AttentionConfig(num_sms=0)
+  with pytest.raises(ValueError, match=r"sm_tflops=-1.0: expected > 0"):
+    AttentionConfig(sm_tflops=-1.0)
+  with pytest.raises(ValueError, match=r"smem_kb=0: expected > 0"):
+    AttentionConfig(smem_kb=0)
 
 
-def test_automatic_splits_fill_the_gpu_and_never_exceed_the_blocks():
+def test_launch_model_hand_computed():
+  cfg = AttentionConfig()  # 132 SMs, 4000 GB/s HBM, 10000 GB/s L2, 3 TFLOP/s per SM
+  row = 576 * 2
+  # Batch 8, 16-head blocks, 4 splits: 128 programs of 512 rows (one wave).
+  hbm = 8 * 2048 * row + 2 * 8 * 4 * 64 * 513 * 4  # rows once + partials written and read
+  l2 = 4 * 8 * 2048 * row + 2 * 8 * 4 * 64 * 513 * 4  # four head blocks gather the rows
+  work = 2 * 16 * 512 * (2 * 512 + 64)
+  want = max(hbm / 4e12, l2 / 10e12, work / 3e12) + 3e-6
+  assert launch_seconds(cfg, 8, 64, 2048, 512, 64, 2, 16, 4) == pytest.approx(want)
+  # Batch 64 without splits: 64-head blocks leave 64 programs, each doing a quarter of
+  # a request's work per SM twice over what 128 programs of 32 heads do.
+  one = launch_seconds(cfg, 64, 64, 2048, 512, 64, 2, 64, 1)
+  assert one == pytest.approx(2 * 64 * 2048 * 1088 / 3e12)
+  assert launch_seconds(cfg, 64, 64, 2048, 512, 64, 2, 32, 1) == pytest.approx(one / 2)
+
+
+def test_automatic_launch_follows_the_model():
   cfg = AttentionConfig()
-  assert cfg.splits(B=1, H=64, k=2048) == 64  # 2 head blocks x 64 splits: one per block of k
-  assert cfg.splits(B=64, H=64, k=2048) == 3
-  assert cfg.splits(B=512, H=64, k=2048) == 1
-  assert cfg.splits(B=1, H=8, k=40) == 2  # only two blocks of 32 to split
+  launch = lambda B, H=64, k=2048: cfg.launch(B, H, k, 512, 64, 2)
+  # Small batches split k to occupy the SMs but keep head blocks small, because every
+  # split writes block_h x 512 float32 partials; large batches need no split.
+  assert launch(1) == (16, 16)
+  assert launch(8) == (16, 4)
+  assert launch(32) == (32, 2)
+  assert launch(64) == (32, 1)
+  # 64-head blocks need (2 x 64 + 64) rows of 1152 B = 216 KB of shared memory with
+  # block_k = 64, over the 200 KB budget; with block_k = 32 they fit and tie, and win.
+  assert cfg.smem_bytes(64, 512, 64, 2) == 192 * 1152
+  assert launch(128) == (32, 1)
+  assert AttentionConfig(block_k=32).launch(128, 64, 2048, 512, 64, 2) == (64, 1)
+  assert launch(1, H=8, k=40) == (16, 1)  # never below 16 heads; one block of k
+  # Fixed values are kept; splits never outnumber the blocks of k, and empty ones are
+  # dropped: 5 blocks of 16 in 4 splits would be (2, 2, 1, 0), so 3 splits.
+  assert AttentionConfig(block_h=64, num_splits=1).launch(1, 64, 2048, 512, 64, 2) == (64, 1)
+  assert AttentionConfig(block_k=16, num_splits=4).launch(1, 8, 80, 32, 16, 2) == (16, 3)
+  assert AttentionConfig(num_splits=9).launch(1, 8, 40, 32, 16, 2) == (16, 1)
+  assert cfg.warps(16) == 4 and cfg.warps(64) == 8
+  assert AttentionConfig(num_warps=2).warps(64) == 2
+
+
+def test_attention_cost_counts_bytes_and_flops():
+  # Batch 32, GLM-5 geometry, bf16: 32-head programs in 2 splits.
+  c = attention_cost(32, 64, 2048, 512, 64, jnp.bfloat16, jnp.bfloat16)
+  assert c.must_read == 32 * 2048 * 1152 + 32 * 64 * 576 * 2
+  assert c.must_read == bytes_read(32, 64, 2048, 512, 64, jnp.bfloat16, jnp.bfloat16)
+  assert (c.block_h, c.splits, c.programs, c.num_warps) == (32, 2, 128, 8)
+  assert c.partial_bytes == 2 * 32 * 2 * 64 * 513 * 4  # outputs and lse, written and read
+  assert c.row_reads == 2 * 32 * 2048 * 1152  # two head blocks gather every row
+  assert c.flops == 2 * 32 * 64 * 2048 * (512 + 512 + 64)
+  assert c.model_us == pytest.approx(
+      1e6 * launch_seconds(AttentionConfig(), 32, 64, 2048, 512, 64, 2, 32, 2))
+  one = attention_cost(256, 64, 2048, 512, 64, jnp.bfloat16, jnp.bfloat16,
+                       AttentionConfig(block_h=64))
+  assert one.splits == 1 and one.partial_bytes == 0
+  assert one.row_reads == 256 * 2048 * 1152  # one head block: every row gathered once

@@ -133,3 +133,23 @@ def test_errors():
   with pytest.raises(ValueError, match=r"slots.shape=\(3, 5\), valid.shape=\(2, 5\): "
                                        r"expected both \[B, k\] with B=2"):
     sparse_mla_attention(q_lat, q_rope, pool, jnp.zeros((3, 5), jnp.int32), valid, scale=1.0)
+
+
+def test_invalid_slots_never_read_garbage(rng):
+  """Invalid slots read row 0 in place of INVALID; row 0 may be uninitialised (NaN),
+  and a softmax weight of 0 times NaN is still NaN, so the gathered row must be zeroed."""
+  B, H, Dl, Dr, S, k = 2, 2, 8, 4, 10, 6
+  pool = rng.standard_normal((S, Dl + Dr)).astype(np.float32)
+  q_lat = jnp.asarray(rng.standard_normal((B, H, Dl)), jnp.float32)
+  q_rope = jnp.asarray(rng.standard_normal((B, H, Dr)), jnp.float32)
+  slots = jnp.asarray([[3, -1, 5, 7, -1, 2], [-1] * 6], jnp.int32)
+  valid = slots >= 0
+  garbage = pool.copy()
+  garbage[0] = np.nan
+  got = sparse_mla_attention_reference(q_lat, q_rope, jnp.asarray(garbage), slots, valid,
+                                       scale=0.4)
+  assert np.isfinite(np.asarray(got)).all()
+  np.testing.assert_array_equal(np.asarray(got[1]), 0.0)  # nothing valid
+  want = sparse_mla_attention_reference(q_lat, q_rope, jnp.asarray(pool), slots, valid,
+                                        scale=0.4)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import pathlib
@@ -40,33 +41,49 @@ def parse_list(text: str, allowed: Sequence[str], *, flag: str) -> list[str]:
 
 
 def time_calls(step: Callable[[Any], Any], state: Any, *, min_iters: int, max_iters: int,
-               target_s: float, warmup: int) -> tuple[float, Any]:
+               target_s: float, warmup: int,
+               wait: Callable[[Any], Any] = jax.block_until_ready) -> tuple[float, Any]:
   """Seconds per call of ``state = step(state)``.
 
-  The calls are issued back to back and waited for once, so the figure is the
-  throughput of a stream of calls (dispatch overlapped), as in a decode loop. The count
-  grows until the batch lasts ``target_s`` (between ``min_iters`` and ``max_iters``).
+  The calls are issued back to back and waited for once (``wait(state)``), so the figure
+  is the throughput of a stream of calls (dispatch overlapped), as in a decode loop. Each
+  call must depend on the previous one or run after it on one stream (a jitted function
+  that donates and returns its state, work on one CUDA stream): waiting for the last
+  result then waits for all of them. The count grows until the batch lasts
+  ``target_s`` (between ``min_iters`` and ``max_iters``).
   returns (seconds per call, the final state)
   """
   for _ in range(warmup):
     state = step(state)
-  jax.block_until_ready(state)
+  wait(state)
   t0 = time.perf_counter()
   state = step(state)
-  jax.block_until_ready(state)
+  wait(state)
   one = max(time.perf_counter() - t0, 1e-7)
   iters = int(min(max_iters, max(min_iters, math.ceil(target_s / one))))
   t0 = time.perf_counter()
   for _ in range(iters):
     state = step(state)
-  jax.block_until_ready(state)
+  wait(state)
   return (time.perf_counter() - t0) / iters, state
 
 
+def best_and_median(times: Sequence[float]) -> tuple[float | None, float | None]:
+  """(fastest, median) of repeated measurements of one thing; (None, None) for none."""
+  if not times:
+    return None, None
+  ordered = sorted(times)
+  mid = len(ordered) // 2
+  median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+  return ordered[0], median
+
+
 def environment() -> dict:
+  """Where and when a benchmark ran: backend, device, jax and Python versions, UTC date."""
   dev = jax.devices()[0]
   return {"backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
-          "jax": jax.__version__, "python": platform.python_version()}
+          "jax": jax.__version__, "python": platform.python_version(),
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def write_json(path: str | pathlib.Path, payload: dict) -> pathlib.Path:
@@ -85,6 +102,7 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
   """A table with rich, or plain aligned text where rich is not installed."""
   try:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
   except ImportError:
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
@@ -96,9 +114,10 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]
     for r in rows:
       print(line(r))
     return
-  table = Table(title=title)
+  table = Table(title=escape(title))
   for c in columns:
     table.add_column(c, justify="left" if c in left else "right")
   for r in rows:
-    table.add_row(*r)
+    # Labels such as "pallas[h64,k64]" would otherwise be read as rich markup and vanish.
+    table.add_row(*(escape(c) for c in r))
   Console(width=200).print(table)

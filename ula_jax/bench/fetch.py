@@ -2,11 +2,24 @@
 
 For each row layout (bf16 x 576 = 1152 B, the FP8 layout as 656 raw bytes), each count of
 entries per call and each implementation, the rate of moved bytes is compared with a
-contiguous copy of the same bytes in the same run (``jax.device_put`` of an [N, W] array
-between memory kinds): ``fraction`` = kernel GB/s / contiguous GB/s. Indices are random
-and distinct, the host pool several times larger than one call. ``in place`` says whether
-the compiled module leaves the host pool where it is (no whole-pool copy in the HLO);
-``ok`` whether the moved rows are bit-exact.
+contiguous copy of the same bytes between the same memory kinds, measured in the same
+run; ``fraction`` = kernel GB/s / contiguous GB/s. Indices are random and distinct, the
+host pool several times larger than one call. ``in place`` says whether the compiled
+module leaves the host pool where it is (no whole-pool copy in the HLO); ``ok`` whether
+the moved rows are bit-exact (checked against destinations changed before every check).
+
+The contiguous copy ("the ceiling") is measured two ways, and the faster one counts:
+
+* ``contiguous[jax]``: a jitted copy of an [N, W] array into an existing buffer of the
+  other memory kind (the destination is donated and aliased, so nothing is allocated per
+  call: a ``device_put`` to ``pinned_host`` allocates pinned memory every time and runs
+  far below the link);
+* ``contiguous[memcpy]``: ``cudaMemcpyAsync`` between preallocated pinned host and device
+  buffers on one stream (through CuPy; GPU only, when CuPy is installed).
+
+Every measurement is repeated ``--reps`` times, interleaved (ceilings and kernels take
+turns, so a drift of the machine hits all of them alike). ``fraction`` compares the
+fastest repetition of each side, ``median fraction`` the medians.
 
     ula-jax bench fetch [--entries 64,1K,64K] [--impls xla,pallas,ffi] [--out FILE]
 """
@@ -23,9 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ula_jax import compat
 from ula_jax.bench import common
-from ula_jax.bench.common import (environment, fmt, parse_list, parse_sizes, time_calls,
-                                  write_json)
+from ula_jax.bench.common import (best_and_median, environment, fmt, parse_list, parse_sizes,
+                                  time_calls, write_json)
 from ula_jax.kernels.fetch import evict_rows, fetch_rows
 from ula_jax.kernels.fetch import ffi as fetch_ffi
 from ula_jax.kernels.fetch.hlo import pool_materializations
@@ -34,6 +48,8 @@ from ula_jax.kernels.fetch.pallas import CopyRowsConfig
 LAYOUTS = {"bf16x576": (jnp.bfloat16, 576), "fp8x656": (jnp.uint8, 656)}
 IMPLS = ("xla", "pallas", "ffi")
 DIRECTIONS = ("fetch", "evict")
+CEILINGS = ("jax", "memcpy")
+CEILING = "contiguous"  # impl label prefix of the ceiling rows: contiguous[jax], ...
 
 
 @dataclasses.dataclass
@@ -43,11 +59,15 @@ class Row:
   row_bytes: int
   entries: int
   impl: str
-  seconds: float | None = None
+  seconds: float | None = None  # fastest repetition
+  median_seconds: float | None = None
+  reps: int = 0
   gbps: float | None = None
-  baseline_gbps: float | None = None
+  baseline_gbps: float | None = None  # the fastest ceiling (fastest repetitions)
+  baseline: str | None = None  # which ceiling that was
   fraction: float | None = None
-  in_place: bool | None = None  # None: not checked (the xla path gathers on the host)
+  median_fraction: float | None = None
+  in_place: bool | None = None  # kernels: no whole-pool copy; ceilings: no allocation
   ok: bool | None = None
   error: str | None = None
 
@@ -59,16 +79,19 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {list(LAYOUTS)}")
   p.add_argument("--impls", default=",".join(IMPLS), help=f"of {list(IMPLS)}")
   p.add_argument("--directions", default=",".join(DIRECTIONS), help=f"of {list(DIRECTIONS)}")
+  p.add_argument("--ceilings", default=",".join(CEILINGS),
+                 help=f"contiguous-copy measurements, of {list(CEILINGS)}")
   p.add_argument("--host-rows", type=int, default=None,
                  help="rows of the host pool (default: 4 x the largest entry count)")
   p.add_argument("--pallas-block-units", default="1024",
                  help="Pallas sweep: 16-byte units per program, comma list")
   p.add_argument("--pallas-warps", default="4", help="Pallas sweep: warps per program")
-  p.add_argument("--min-iters", type=int, default=5)
+  p.add_argument("--reps", type=int, default=3, help="repetitions of every measurement")
+  p.add_argument("--min-iters", type=int, default=3)
   p.add_argument("--max-iters", type=int, default=500)
-  p.add_argument("--target-ms", type=float, default=200.0,
-                 help="time each measurement for about this long")
-  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--target-ms", type=float, default=100.0,
+                 help="time each repetition for about this long")
+  p.add_argument("--warmup", type=int, default=1)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-check", action="store_true", help="skip the bit-exactness checks")
   p.add_argument("--out", default="runs/bench/fetch.json", help="JSON output path")
@@ -119,6 +142,87 @@ def _bytes_equal(a: np.ndarray, b: np.ndarray) -> bool:
   return a.shape == b.shape and bool(np.array_equal(a.view(np.uint8), b.view(np.uint8)))
 
 
+def rows_of(pool: jax.Array, idx: np.ndarray, device: jax.sharding.Sharding) -> np.ndarray:
+  """``pool[idx]`` as numpy, read through a device copy of the pool.
+
+  ``np.asarray(pool)`` would cache a view of the pool's buffer on the array (an external
+  reference), after which donating the pool fails ("Donation requested for buffer with
+  external reference"). Here numpy only sees a temporary.
+  """
+  moved = pool if pool.sharding.memory_kind == "device" else jax.device_put(pool, device)
+  return np.asarray(jnp.take(moved, jnp.asarray(idx), axis=0))
+
+
+def _buffer_pointer(x: jax.Array) -> int | None:
+  try:
+    return x.unsafe_buffer_pointer()
+  except Exception:  # not every backend/memory kind exposes it
+    return None
+
+
+def _jax_ceiling(direction: str, block: np.ndarray, host_s, dev_s, timing: dict):
+  """A jitted contiguous copy into a donated (hence reused) buffer of the other kind.
+
+  returns (run one repetition -> seconds, whether the output reused the buffer)
+  """
+  src_s, dst_s = (host_s, dev_s) if direction == "fetch" else (dev_s, host_s)
+  space = compat.DEVICE if direction == "fetch" else compat.HOST
+  src = jax.device_put(block, src_s)
+  # keep_unused: the destination is only there to be donated and aliased to the output.
+  copy = jax.jit(lambda dst, src: jax.device_put(src, space), donate_argnums=0,
+                 keep_unused=True, out_shardings=dst_s)
+  # The first call's output is the buffer every later call reuses (the first input may
+  # alias numpy memory on some backends, which cannot be donated).
+  state = {"dst": copy(jax.device_put(np.zeros_like(block), dst_s), src)}
+  before = _buffer_pointer(state["dst"])
+  state["dst"] = copy(state["dst"], src)
+  after = _buffer_pointer(state["dst"])
+  reused = None if before is None or after is None else before == after
+
+  def run() -> float:
+    t, state["dst"] = time_calls(lambda d: copy(d, src), state["dst"], **timing)
+    return t
+
+  return run, reused
+
+
+def _memcpy_ceiling(direction: str, nbytes: int, timing: dict):
+  """``cudaMemcpyAsync`` between preallocated pinned host and device buffers (CuPy).
+
+  returns run one repetition -> seconds; raises RuntimeError where it cannot run
+  """
+  if jax.default_backend() != "gpu":
+    raise RuntimeError(f"needs a CUDA GPU (backend {jax.default_backend()!r})")
+  try:
+    import cupy
+  except ImportError as e:
+    raise RuntimeError(f"CuPy is not installed ({e})") from None
+  host = cupy.cuda.alloc_pinned_memory(nbytes)
+  dev = cupy.cuda.alloc(nbytes)
+  stream = cupy.cuda.Stream(non_blocking=True)
+  rt = cupy.cuda.runtime
+  if direction == "fetch":
+    dst, src, kind = dev.ptr, host.ptr, rt.memcpyHostToDevice
+  else:
+    dst, src, kind = host.ptr, dev.ptr, rt.memcpyDeviceToHost
+
+  def step(_):
+    rt.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
+
+  def run(_keep=(host, dev)) -> float:  # the buffers live as long as this function
+    t, _ = time_calls(step, None, wait=lambda _: stream.synchronize(), **timing)
+    return t
+
+  return run
+
+
+@dataclasses.dataclass
+class _Measured:
+  row: Row
+  run: Callable[[], float]
+  times: list[float] = dataclasses.field(default_factory=list)
+
+
 def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any]:
   """Measures everything ``args`` asks for; ``checkpoint`` gets the partial result after
   every entry count (so a run cut short still leaves its measurements)."""
@@ -126,11 +230,13 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   layouts = parse_list(args.layouts, LAYOUTS, flag="--layouts")
   names = parse_list(args.impls, IMPLS, flag="--impls")
   directions = parse_list(args.directions, DIRECTIONS, flag="--directions")
+  ceilings = parse_list(args.ceilings, CEILINGS, flag="--ceilings")
+  if args.reps < 1:
+    raise ValueError(f"--reps={args.reps}: expected >= 1")
+  skipped: dict[str, str] = {}
   if "ffi" in names and not fetch_ffi.available():
     names = [n for n in names if n != "ffi"]
-    skipped = {"ffi": "ula_jax_ffi is not installed or lacks this platform's handlers"}
-  else:
-    skipped = {}
+    skipped["ffi"] = "ula_jax_ffi is not installed or lacks this platform's handlers"
   impls = _impls(names, args)
   host_s, dev_s = _shardings()
   rng = np.random.default_rng(args.seed)
@@ -143,73 +249,142 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
 
   def result() -> dict[str, Any]:
     return {"benchmark": "fetch", "environment": environment(), "host_rows": Sh,
-            "device_rows": Sd, "skipped": skipped,
+            "device_rows": Sd, "reps": args.reps, "skipped": skipped,
             "rows": [dataclasses.asdict(r) for r in rows]}
 
   for layout in layouts:
     dtype, W = LAYOUTS[layout]
     row_bytes = W * jnp.dtype(dtype).itemsize
-    host_np = _random_pool(rng, Sh, dtype, W)
-    dev_np = _random_pool(rng, Sd, dtype, W)
-    host = jax.device_put(host_np, host_s)
-    dev = jax.device_put(dev_np, dev_s)
+    # numpy mirrors of both pools: kept equal to them by applying every copy here too.
+    mirror = {"host": _random_pool(rng, Sh, dtype, W), "dev": _random_pool(rng, Sd, dtype, W)}
+    pools = {"host": jax.device_put(mirror["host"], host_s),
+             "dev": jax.device_put(mirror["dev"], dev_s)}
+
+    def rebuild():
+      # A failed donated call may have consumed a pool: both come back from the mirrors.
+      pools["host"] = jax.device_put(mirror["host"], host_s)
+      pools["dev"] = jax.device_put(mirror["dev"], dev_s)
+
     for N in entries:
       h_idx = rng.choice(Sh, N, replace=False).astype(np.int32)
       d_idx = rng.permutation(Sd)[:N].astype(np.int32)
       hi, di = jax.device_put(h_idx, dev_s), jax.device_put(d_idx, dev_s)
       nbytes = N * row_bytes
       for direction in directions:
-        # The contiguous copy of the same bytes, between the same memory kinds.
-        if direction == "fetch":
-          block = jax.device_put(host_np[:N], host_s)
-          t_base, _ = time_calls(lambda _: jax.device_put(block, dev_s), None, **timing)
-        else:
-          block = jax.device_put(dev_np[:N], dev_s)
-          t_base, _ = time_calls(lambda _: jax.device_put(block, host_s), None, **timing)
-        base_gbps = nbytes / t_base / 1e9 if N else None
-        rows.append(Row(direction, layout, row_bytes, N, "contiguous copy", t_base, base_gbps,
-                        base_gbps, 1.0 if N else None))
+        measured: list[_Measured] = []
+        if N:
+          block = mirror["host" if direction == "fetch" else "dev"][:N]
+          for method in ceilings:
+            row = Row(direction, layout, row_bytes, N, f"{CEILING}[{method}]")
+            try:
+              if method == "jax":
+                fn, row.in_place = _jax_ceiling(direction, block, host_s, dev_s, timing)
+              else:
+                fn = _memcpy_ceiling(direction, nbytes, timing)
+            except RuntimeError as e:
+              skipped[f"{CEILING}[{method}]"] = str(e)
+              continue
+            except Exception as e:  # keep measuring the others; the table shows the error
+              row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            rows.append(row)
+            if row.error is None:
+              measured.append(_Measured(row, fn))
+        dst_key = "dev" if direction == "fetch" else "host"
         for label, impl, kwargs in impls:
-          row = Row(direction, layout, row_bytes, N, label, baseline_gbps=base_gbps)
+          row = Row(direction, layout, row_bytes, N, label)
           rows.append(row)
           try:
             fn = jax.jit(_call(direction, impl, kwargs), donate_argnums=2)
             if direction == "fetch":
-              args_of = lambda state: (host, hi, state, di)
-              state = dev
+              args_of = lambda state: (pools["host"], hi, state, di)
             else:
-              args_of = lambda state: (dev, di, state, hi)
-              state = host
-            compiled = fn.lower(*args_of(state)).compile()  # compiled once, timed as is
+              args_of = lambda state: (pools["dev"], di, state, hi)
+            compiled = fn.lower(*args_of(pools[dst_key])).compile()  # compiled once, timed as is
             if impl != "xla":
               row.in_place = not pool_materializations(compiled.as_text(), (Sh, W))
-            t, state = time_calls(lambda s: compiled(*args_of(s)), state, **timing)
-            if direction == "fetch":
-              dev = state
-            else:
-              host = state
-            row.seconds = t
-            row.gbps = nbytes / t / 1e9 if N else None
-            row.fraction = row.gbps / base_gbps if N and base_gbps else None
             if not args.no_check:
-              if direction == "fetch":
-                row.ok = _bytes_equal(np.asarray(dev)[d_idx], host_np[h_idx])
-              else:
-                row.ok = _bytes_equal(np.asarray(host)[h_idx], np.asarray(dev)[d_idx])
-              host_np = np.asarray(host) if direction == "evict" else host_np
-          except Exception as e:  # keep measuring the others; the table shows the error
+              row.ok = _check(direction, compiled, args_of, pools, mirror, h_idx, d_idx,
+                              dev_s)
+          except Exception as e:
             row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-            # A failed donated call may have consumed the pool: rebuild both.
-            host = jax.device_put(host_np, host_s)
-            dev = jax.device_put(dev_np, dev_s)
-      # Evict wrote device rows into the host pool; the numpy mirror follows it.
-      if "evict" in directions:
-        host_np = np.asarray(host)
-      dev_np = np.asarray(dev)
+            rebuild()
+            continue
+
+          def one_rep(compiled=compiled, args_of=args_of, dst_key=dst_key) -> float:
+            t, pools[dst_key] = time_calls(lambda s: compiled(*args_of(s)), pools[dst_key],
+                                           **timing)
+            return t
+
+          measured.append(_Measured(row, one_rep))
+        _repeat(measured, args.reps, timing["target_s"], rebuild)
+        _fractions([m.row for m in measured], [m.times for m in measured], nbytes)
       if checkpoint is not None:
         checkpoint(result())
-    del host, dev
+    del pools
   return result()
+
+
+def _check(direction: str, compiled, args_of, pools: dict, mirror: dict, h_idx: np.ndarray,
+           d_idx: np.ndarray, dev_s) -> bool:
+  """One call after changing what it must overwrite (so a call that copies nothing is
+  caught even when an earlier implementation already moved the same rows); returns
+  whether the destination rows are bit-exact. Updates the pools and their mirrors."""
+  if direction == "fetch":
+    # Poison the destination rows of the device pool.
+    dev = mirror["dev"].copy()
+    dev.view(np.uint8).reshape(dev.shape[0], -1)[d_idx] = 0xA5
+    out = compiled(*args_of(jax.device_put(dev, dev_s)))
+    want = mirror["host"][h_idx]
+    mirror["dev"][d_idx] = want
+    pools["dev"] = out
+  else:
+    # New source rows in the device pool: flip the lowest bit of every element (floats
+    # stay finite and normal, so no backend can alter them on the way).
+    dev = mirror["dev"].copy()
+    dev.view(np.uint8).reshape(dev.shape[0], -1)[d_idx, ::dev.dtype.itemsize] ^= 1
+    mirror["dev"] = dev
+    pools["dev"] = jax.device_put(dev, dev_s)
+    out = compiled(*args_of(pools["host"]))
+    want = dev[d_idx]
+    mirror["host"][h_idx] = want
+    pools["host"] = out
+  got = rows_of(out, d_idx if direction == "fetch" else h_idx, dev_s)
+  return _bytes_equal(got, want)
+
+
+def _repeat(measured: list[_Measured], reps: int, target_s: float, rebuild) -> None:
+  """Runs every measurement ``reps`` times, taking turns. One whose repetition already
+  lasts longer than ``target_s`` per call (a slow fallback) is not repeated."""
+  for rep in range(reps):
+    for m in measured:
+      if m.row.error is not None or (rep and m.times and m.times[0] > target_s):
+        continue
+      try:
+        m.times.append(m.run())
+      except Exception as e:  # keep measuring the others; the table shows the error
+        m.row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        rebuild()
+
+
+def _fractions(rows: list[Row], times: list[list[float]], nbytes: int) -> None:
+  """Fills the rates and the fractions of the fastest ceiling, best and median."""
+  rate = lambda t: nbytes / t / 1e9 if nbytes and t else None
+  best_ceiling: tuple[float, str] | None = None
+  median_ceiling: float | None = None
+  for row, ts in zip(rows, times):
+    row.seconds, row.median_seconds = best_and_median(ts)
+    row.reps = len(ts)
+    row.gbps = rate(row.seconds)
+    if row.impl.startswith(CEILING) and row.gbps:
+      if best_ceiling is None or row.gbps > best_ceiling[0]:
+        best_ceiling = (row.gbps, row.impl)
+      median_ceiling = max(median_ceiling or 0.0, rate(row.median_seconds))
+  for row in rows:
+    if best_ceiling is None or row.gbps is None:
+      continue
+    row.baseline_gbps, row.baseline = best_ceiling
+    row.fraction = row.gbps / best_ceiling[0]
+    row.median_fraction = rate(row.median_seconds) / median_ceiling
 
 
 def print_table(result: dict) -> None:
@@ -220,12 +395,13 @@ def print_table(result: dict) -> None:
     us = None if r["seconds"] is None else r["seconds"] * 1e6
     cells.append([r["direction"], r["layout"], str(r["entries"]), r["impl"], fmt(us, 1),
                   fmt(r["gbps"]), fmt(r["baseline_gbps"]), fmt(r["fraction"]),
-                  yes_no[r["in_place"]], yes_no[r["ok"]] if not r["error"] else "ERROR"])
+                  fmt(r["median_fraction"]), yes_no[r["in_place"]],
+                  "ERROR" if r["error"] else yes_no[r["ok"]]])
   common.print_table(
       f"row fetch/evict on {env['device']} ({env['backend']}, jax {env['jax']}); "
-      f"host pool {result['host_rows']} rows",
-      ("dir", "layout", "entries", "impl", "us/call", "GB/s", "contig GB/s", "fraction",
-       "in place", "ok"), cells, left=("dir", "layout", "impl"))
+      f"host pool {result['host_rows']} rows; best of {result['reps']} repetitions",
+      ("dir", "layout", "entries", "impl", "us/call", "GB/s", "ceiling GB/s", "fraction",
+       "median frac", "in place", "ok"), cells, left=("dir", "layout", "impl"))
   for r in result["rows"]:
     if r["error"]:
       print(f"error: {r['direction']} {r['layout']} N={r['entries']} {r['impl']}: {r['error']}")
@@ -239,8 +415,8 @@ def main(argv: list[str]) -> int:
   parser = _parser()
   args = parser.parse_args(argv)
   if args.quick:  # smaller defaults; explicit flags still win
-    quick = dict(entries="0,1,300", host_rows=1024, min_iters=1, max_iters=2, target_ms=1.0,
-                 warmup=1)
+    quick = dict(entries="0,1,300", host_rows=1024, reps=2, min_iters=1, max_iters=2,
+                 target_ms=1.0, warmup=1)
     for name, value in quick.items():
       if getattr(args, name) == parser.get_default(name):
         setattr(args, name, value)

@@ -1,6 +1,11 @@
-"""A short table from the benchmarks' JSON: the best configuration of each implementation.
+"""A short table from the benchmarks' JSON: the best configuration of each implementation,
+and whether the issue's targets are met.
 
     python -m ula_jax.bench.summary runs/bench/fetch.json runs/bench/attention.json
+
+Targets: fetch and evict of 1152-B entries reach ``FETCH_TARGET`` of the contiguous copy at
+>= 4K entries per call (Pallas or FFI); sparse attention reads at ``ATTENTION_TARGET`` of a
+device copy's traffic (read + write), i.e. as fast as the copy reads.
 """
 
 from __future__ import annotations
@@ -11,47 +16,76 @@ import sys
 
 from ula_jax.bench.common import fmt, print_table
 
+FETCH_TARGET = 0.85
+FETCH_TARGET_LAYOUT = "bf16x576"
+ATTENTION_TARGET = 0.50
+
 
 def _family(impl: str) -> str:
   return impl.split("[")[0]
 
 
-def fetch_rows(result: dict, min_entries: int = 4096) -> list[list[str]]:
-  """One line per (direction, layout, entries >= min_entries): each implementation's
-  fraction of the contiguous copy (Pallas: its best configuration, named)."""
-  groups: dict[tuple, dict[str, dict]] = {}
-  for r in result["rows"]:
-    if r["entries"] < min_entries or r["impl"] == "contiguous copy":
-      continue
-    g = groups.setdefault((r["direction"], r["layout"], r["entries"]), {})
+def _best(rows: list[dict], key: str) -> dict[str, dict]:
+  """family -> its row with the highest ``key`` (rows with errors only if nothing else)."""
+  best: dict[str, dict] = {}
+  for r in rows:
     fam = _family(r["impl"])
-    best = g.get(fam)
-    if best is None or (r["fraction"] or -1) > (best["fraction"] or -1):
-      g[fam] = r
+    cur = best.get(fam)
+    if cur is None or (r[key] or -1) > (cur[key] or -1):
+      best[fam] = r
+  return best
+
+
+def _met(value: float | None, target: float) -> str:
+  return "-" if value is None else ("yes" if value >= target else "NO")
+
+
+def fetch_rows(result: dict, min_entries: int = 4096) -> list[list[str]]:
+  """One line per (direction, layout, entries >= min_entries): the ceiling (fastest
+  contiguous copy, GB/s and how it was measured), each implementation's fraction of it
+  (Pallas: its best configuration, named), and the target where one applies."""
+  groups: dict[tuple, list[dict]] = {}
+  for r in result["rows"]:
+    if r["entries"] >= min_entries:
+      groups.setdefault((r["direction"], r["layout"], r["entries"]), []).append(r)
   out = []
-  for (direction, layout, n), g in groups.items():
+  for (direction, layout, n), rows in groups.items():
+    g = _best(rows, "fraction")
     cell = lambda fam: ("-" if fam not in g else "ERROR" if g[fam]["error"] else
                         fmt(g[fam]["fraction"]) + ("" if g[fam]["ok"] is not False else " BAD")
                         + (" copy!" if g[fam]["in_place"] is False else ""))
+    ceiling = next((r for r in rows if r["baseline_gbps"]), None)
+    ceiling_cell = ("-" if ceiling is None else
+                    f"{fmt(ceiling['baseline_gbps'], 1)} {ceiling['baseline'].split('[')[-1][:-1]}")
     pallas = g.get("pallas", {}).get("impl", "-")
-    out.append([direction, layout, str(n), cell("xla"), cell("pallas"), pallas, cell("ffi")])
+    kernels = [g[f]["fraction"] for f in ("pallas", "ffi")
+               if f in g and not g[f]["error"] and g[f]["ok"] is not False
+               and g[f]["fraction"] is not None]
+    target = _met(max(kernels) if kernels else None, FETCH_TARGET) if (
+        layout == FETCH_TARGET_LAYOUT) else "-"
+    out.append([direction, layout, str(n), ceiling_cell, cell("xla"), cell("pallas"), pallas,
+                cell("ffi"), target])
   return out
 
 
 def attention_rows(result: dict) -> list[list[str]]:
-  """One line per batch: xla and the best Pallas configuration, fraction and max error."""
-  groups: dict[int, dict[str, dict]] = {}
+  """One line per batch: the copy's traffic rate, xla and the best Pallas configuration
+  (fraction, max error, launch), and the target."""
+  groups: dict[int, list[dict]] = {}
   for r in result["rows"]:
-    g = groups.setdefault(r["batch"], {})
-    fam = _family(r["impl"])
-    best = g.get(fam)
-    if best is None or (r["fraction"] or -1) > (best["fraction"] or -1):
-      g[fam] = r
+    groups.setdefault(r["batch"], []).append(r)
   out = []
-  for batch, g in groups.items():
+  for batch, rows in groups.items():
+    g = _best(rows, "fraction")
     cell = lambda fam: ("-" if fam not in g else "ERROR" if g[fam]["error"] else
                         f"{fmt(g[fam]['fraction'])} (err {fmt(g[fam]['max_err'], 4)})")
-    out.append([str(batch), cell("xla"), cell("pallas"), g.get("pallas", {}).get("impl", "-")])
+    copy = next((r["copy_gbps"] for r in rows if r.get("copy_gbps")), None)
+    p = g.get("pallas")
+    launch = "-" if p is None or p.get("block_h") is None else (
+        f"h{p['block_h']} s{p['splits']} w{p['num_warps']}")
+    value = None if p is None or p["error"] else p["fraction"]
+    out.append([str(batch), fmt(copy, 0), cell("xla"), cell("pallas"),
+                "-" if p is None else p["impl"], launch, _met(value, ATTENTION_TARGET)])
   return out
 
 
@@ -63,14 +97,17 @@ def summarize(paths: list[str]) -> None:
       continue
     result = json.loads(p.read_text())
     if result.get("benchmark") == "fetch":
-      print_table("fetch/evict: fraction of a contiguous copy of the same bytes",
-                  ("dir", "layout", "entries", "xla", "pallas", "best pallas", "ffi"),
+      print_table(f"fetch/evict: fraction of a contiguous copy of the same bytes (best of "
+                  f"{result.get('reps', 1)}; target {FETCH_TARGET} for {FETCH_TARGET_LAYOUT})",
+                  ("dir", "layout", "entries", "ceiling GB/s", "xla", "pallas", "best pallas",
+                   "ffi", "target"),
                   fetch_rows(result), left=("dir", "layout", "best pallas"))
     elif result.get("benchmark") == "attention":
       g = result["geometry"]
       print_table(f"sparse attention (H={g['heads']} k={g['k']}): read rate as a fraction "
-                  "of a device copy's traffic", ("batch", "xla", "pallas", "best pallas"),
-                  attention_rows(result), left=("best pallas",))
+                  f"of a device copy's traffic (target {ATTENTION_TARGET})",
+                  ("batch", "copy GB/s", "xla", "pallas", "best pallas", "launch", "target"),
+                  attention_rows(result), left=("best pallas", "launch"))
 
 
 def main(argv: list[str]) -> int:

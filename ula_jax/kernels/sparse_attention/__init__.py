@@ -33,7 +33,7 @@ def impl_function(impl: str) -> Callable[..., jax.Array]:
 
 def sparse_mla_attention(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
                          slots: jax.Array, valid: jax.Array, *, scale: float,
-                         impl: str = "xla") -> jax.Array:
+                         impl: str = "xla", interpret: bool | None = None) -> jax.Array:
   """Absorbed-form MLA attention over selected pool rows.
 
   q_lat:  [B, H, Dl] latent queries
@@ -42,6 +42,7 @@ def sparse_mla_attention(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
   slots:  [B, k] int32 pool rows to read (ignored where not valid)
   valid:  [B, k] bool; a row with nothing valid returns zeros
   scale:  softmax scale; impl: one of ``IMPLS``
+  interpret: Pallas interpret mode (None: on everywhere but on GPU); 'xla' ignores it
   returns o_lat: [B, H, Dl] float32
   """
   fn = impl_function(impl)
@@ -55,7 +56,9 @@ def sparse_mla_attention(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
   if slots.ndim != 2 or slots.shape[0] != B or valid.shape != slots.shape:
     raise ValueError(f"slots.shape={slots.shape}, valid.shape={valid.shape}: expected "
                      f"both [B, k] with B={B}")
-  return fn(q_lat, q_rope, pool, slots, valid, scale=scale)
+  # One config field (kernels.interpret) serves every kernel: only Pallas uses it.
+  kwargs = {"interpret": interpret} if impl == "pallas" else {}
+  return fn(q_lat, q_rope, pool, slots, valid, scale=scale, **kwargs)
 
 
 __all__ = ["IMPLS", "impl_function", "sparse_mla_attention"]

@@ -4,50 +4,75 @@ Same contract as ``reference.sparse_mla_attention_reference``: per request row `
 every head attends over the ``k`` pool rows ``slots[b]`` (where ``valid``), in absorbed
 form (scores from the 576-wide latent rows, outputs in the latent space).
 
-Grid: (B, head blocks, k splits). A program holds ``block_h`` heads' queries, walks its
-share of the selection ``block_k`` rows at a time (gathering the rows by slot straight
-from the pool), and keeps an online softmax in float32. With one split it writes the
-normalised output; with several (flash-decoding, so that small batches still fill the
-GPU) each split writes its normalised partial output and log-sum-exp and a small jnp
-epilogue merges them. Rows with no valid entry produce zeros.
+Grid: (head blocks, k splits, B), head blocks varying fastest so that the programs that
+gather the same rows (one request, one split, different heads) run side by side and
+share them through L2. A program holds ``block_h`` heads' queries and walks its share of
+the selection ``block_k`` rows at a time: it gathers each row once by slot straight from
+the pool and uses it for all its heads, as two tensor-core matmuls per step
+(``[block_h, Dl+Dr] x [Dl+Dr, block_k]`` for the scores, ``[block_h, block_k] x
+[block_k, Dl]`` for the output), with an online softmax in float32 (base 2).
+
+With one split a program writes the normalised output. With several (flash-decoding,
+for batches whose ``B x head blocks`` programs leave SMs idle), each split writes its normalised
+partial output and log-sum-exp and a second, small kernel merges them: those partials are
+extra traffic (``AttentionCost.partial_bytes``), and the merge an extra launch. The
+automatic launch (``AttentionConfig.launch``) weighs them against the SMs a split
+occupies with a roofline model (``launch_seconds``). Rows with no valid entry produce
+zeros.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Programs the automatic split count aims for: about two per SM of an H100/H200.
-TARGET_PROGRAMS = 264
+_LOG2E = math.log2(math.e)
 
 
 def _pow2(n: int) -> bool:
   return n >= 1 and not n & (n - 1)
 
 
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
   """Tuning of the Pallas sparse attention (static and hashable).
 
-  block_h:    heads per program (power of 2, >= 16 for the tensor cores); None: 16 for
-              up to 16 heads, else 32
+  block_h:    heads per program (power of 2, >= 16 for the tensor cores); None: chosen
+              with ``num_splits`` by ``launch_seconds`` among 16, 32 and 64
   block_k:    selected rows per loop step (power of 2, >= 16)
-  num_splits: programs per request row and head block along k; None: enough to reach
-              ``TARGET_PROGRAMS`` programs
+  num_splits: programs per request row and head block along k; None: chosen by
+              ``launch_seconds`` among powers of 2
   num_warps:  warps per program; None: 4 for block_h <= 16, else 8
-  num_stages: software pipelining stages (Triton)
+  num_stages: software pipelining stages of the row gathers (Triton)
+  num_sms, hbm_gbps, l2_gbps, sm_tflops, merge_us: the GPU as the launch model sees it
+              (defaults: an H200; sm_tflops is a tensor-core rate per SM reachable from
+              Triton, merge_us the cost of the extra launch that merges splits)
+  smem_kb:    shared memory an automatic head block may plan for: the pipelined row
+              tiles and the queries (``smem_bytes``); an H200 block may use 227 KB,
+              and Triton needs some for itself
   """
 
   block_h: int | None = None
-  block_k: int = 32
+  block_k: int = 64
   num_splits: int | None = None
   num_warps: int | None = None
   num_stages: int = 2
+  num_sms: int = 132
+  hbm_gbps: float = 4000.0
+  l2_gbps: float = 10000.0
+  sm_tflops: float = 3.0
+  merge_us: float = 3.0
+  smem_kb: float = 200.0
 
   def __post_init__(self):
     for name in ("block_h", "block_k"):
@@ -58,23 +83,67 @@ class AttentionConfig:
       raise ValueError(f"num_splits={self.num_splits}: expected >= 1 (or None)")
     if self.num_warps is not None and not _pow2(self.num_warps):
       raise ValueError(f"num_warps={self.num_warps}: expected a power of 2")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages={self.num_stages}: expected >= 1")
+    for name in ("num_sms", "hbm_gbps", "l2_gbps", "sm_tflops", "smem_kb"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name}={getattr(self, name)}: expected > 0")
 
-  def heads_per_program(self, H: int) -> int:
-    if self.block_h is not None:
-      return self.block_h
-    return 16 if H <= 16 else 32
-
-  def warps(self, H: int) -> int:
+  def warps(self, block_h: int) -> int:
     if self.num_warps is not None:
       return self.num_warps
-    return 4 if self.heads_per_program(H) <= 16 else 8
+    return 4 if block_h <= 16 else 8
 
-  def splits(self, B: int, H: int, k: int) -> int:
-    blocks = pl.cdiv(k, self.block_k)
+  def smem_bytes(self, block_h: int, Dl: int, Dr: int, itemsize: int) -> int:
+    """Shared memory of a program, roughly: ``num_stages`` row tiles in flight and the
+    queries (kept there for the tensor cores)."""
+    return (self.num_stages * self.block_k + block_h) * (Dl + Dr) * itemsize
+
+  def launch(self, B: int, H: int, k: int, Dl: int, Dr: int,
+             itemsize: int) -> tuple[int, int]:
+    """(block_h, splits) for these shapes: the given ones, else the candidates with the
+    smallest ``launch_seconds`` (ties: fewer splits, then larger head blocks)."""
+    blocks = max(pl.cdiv(k, self.block_k), 1)
+    if self.block_h is not None:
+      heads = [self.block_h]
+    else:
+      heads = [h for h in (64, 32, 16) if h <= max(16, _next_pow2(H))]
+      budget = self.smem_kb * 1024
+      heads = [h for h in heads if self.smem_bytes(h, Dl, Dr, itemsize) <= budget] or [16]
     if self.num_splits is not None:
-      return max(1, min(self.num_splits, blocks))
-    programs = B * pl.cdiv(H, self.heads_per_program(H))
-    return max(1, min(blocks, pl.cdiv(TARGET_PROGRAMS, max(programs, 1))))
+      splits = {_drop_empty(self.num_splits, blocks)}
+    else:
+      splits = {_drop_empty(1 << i, blocks) for i in range(blocks.bit_length())}
+    best = min((launch_seconds(self, B, H, k, Dl, Dr, itemsize, bh, ns), ns, -bh)
+               for bh in heads for ns in sorted(splits))
+    return -best[2], best[1]
+
+
+def _drop_empty(splits: int, blocks: int) -> int:
+  """Splits that each get a block of k: e.g. 5 blocks in 4 splits are (2, 2, 1), 3."""
+  splits = max(1, min(splits, blocks))
+  return pl.cdiv(blocks, pl.cdiv(blocks, splits))
+
+
+def launch_seconds(config: AttentionConfig, B: int, H: int, k: int, Dl: int, Dr: int,
+                   itemsize: int, block_h: int, splits: int) -> float:
+  """A roofline estimate of one call with this launch: the slowest of HBM traffic (the
+  selected rows once, the split partials written and read back), L2 traffic (every head
+  block gathers the rows; repeats hit L2) and tensor-core work (the busiest SM's
+  programs), plus the merge launch when split. It chooses the launch; the attention
+  benchmark prints it beside the measured time."""
+  num_hb = pl.cdiv(H, block_h)
+  programs = B * num_hb * splits
+  rows_per_program = min(k, pl.cdiv(pl.cdiv(k, config.block_k), splits) * config.block_k)
+  row_bytes = (Dl + Dr) * itemsize
+  partial = 0 if splits == 1 else 2 * B * splits * H * (Dl + 1) * 4
+  hbm = B * k * row_bytes + partial
+  l2 = B * num_hb * k * row_bytes + partial
+  waves = pl.cdiv(programs, config.num_sms)
+  work = waves * 2 * block_h * rows_per_program * (2 * Dl + Dr)
+  seconds = max(hbm / (config.hbm_gbps * 1e9), l2 / (config.l2_gbps * 1e9),
+                work / (config.sm_tflops * 1e12))
+  return seconds + (config.merge_us * 1e-6 if splits > 1 else 0.0)
 
 
 def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: int,
@@ -83,7 +152,7 @@ def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: 
   # q_lat_ref: [B, H, Dl]; q_rope_ref: [B, H, Dr]; pool_ref: [S, Dl + Dr]
   # slots_ref: [B, k] int32, -1 where not valid
   # out_refs: (o [B, H, Dl] f32,) or (o [B, NS, H, Dl] f32, lse [B, NS, H] f32)
-  b, hb, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  hb, sp, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   h0 = hb * block_h
   head_ok = (h0 + jnp.arange(block_h, dtype=jnp.int32)) < H  # [bh]
   compute = pool_ref.dtype if jnp.dtype(pool_ref.dtype).itemsize == 2 else jnp.float32
@@ -94,6 +163,8 @@ def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: 
                       other=0).astype(compute)  # [bh, Dr]
   lat_cols = jnp.arange(Dl, dtype=jnp.int32)
   rope_cols = Dl + jnp.arange(Dr, dtype=jnp.int32)
+  # Scores in log2 units: exp2 is one instruction, exp a library call.
+  scale2 = scale * _LOG2E
 
   def body(i, carry):
     m, l, acc = carry  # [bh], [bh], [bh, Dl] float32
@@ -102,20 +173,21 @@ def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: 
     slot = plgpu.load(slots_ref.at[b, pl.ds(j0, block_k)], mask=in_k, other=-1)  # [bk]
     ok = slot >= 0
     rows = jnp.where(ok, slot, 0)[:, None]
-    # Masked rows load as 0 so that garbage (even NaN) in unused slots cannot leak in.
+    # One gather per row for every head of the block. Masked rows load as 0 so that
+    # garbage (even NaN) in unused slots cannot leak into the output.
     c = plgpu.load(pool_ref.at[rows, lat_cols[None, :]], mask=ok[:, None], other=0)
     kr = plgpu.load(pool_ref.at[rows, rope_cols[None, :]], mask=ok[:, None], other=0)
-    s = (plgpu.dot(q_lat, c.astype(compute), trans_b=True, precision=precision)
+    c = c.astype(compute)  # [bk, Dl]
+    s = (plgpu.dot(q_lat, c, trans_b=True, precision=precision)
          + plgpu.dot(q_rope, kr.astype(compute), trans_b=True, precision=precision))
-    s = jnp.where(ok[None, :], s * scale, -jnp.inf)  # [bh, bk]
+    s = jnp.where(ok[None, :], s * scale2, -jnp.inf)  # [bh, bk]
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    # While a row has seen nothing valid, m is -inf: shift by 0 so exp() gives 0, not NaN.
+    # While a row has seen nothing valid, m is -inf: shift by 0 so exp2() gives 0, not NaN.
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.exp(s - m_safe[:, None])
+    alpha = jnp.exp2(m - m_safe)
+    p = jnp.exp2(s - m_safe[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + plgpu.dot(p.astype(compute), c.astype(compute),
-                                           precision=precision)
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(compute), c, precision=precision)
     return m_new, l, acc
 
   init = (jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32),
@@ -127,13 +199,15 @@ def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: 
     plgpu.store(o_ref.at[b, pl.ds(h0, block_h), :], o, mask=head_ok[:, None])
   else:
     o_ref, lse_ref = out_refs
-    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+    # Natural-log log-sum-exp of the split's scores: ln(2^m * l).
+    lse = jnp.where(l > 0, m / _LOG2E + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
     plgpu.store(o_ref.at[b, sp, pl.ds(h0, block_h), :], o, mask=head_ok[:, None])
     plgpu.store(lse_ref.at[b, sp, pl.ds(h0, block_h)], lse, mask=head_ok)
 
 
 def merge_splits(o_bshc: jax.Array, lse_bsh: jax.Array) -> jax.Array:
-  """Merges per-split normalised outputs by their log-sum-exp.
+  """Merges per-split normalised outputs by their log-sum-exp (the jnp reference of
+  ``merge_splits_pallas``).
 
   o_bshc: [B, NS, H, Dl] float32; lse_bsh: [B, NS, H] float32 (-inf: split saw nothing)
   returns [B, H, Dl] float32 (zeros where no split saw anything)
@@ -142,8 +216,105 @@ def merge_splits(o_bshc: jax.Array, lse_bsh: jax.Array) -> jax.Array:
   top_bh = jnp.where(jnp.isfinite(top_bh), top_bh, 0.0)
   w_bsh = jnp.exp(lse_bsh - top_bh[:, None])
   den_bh = jnp.sum(w_bsh, axis=1)
-  o_bhc = jnp.einsum("bsh,bshc->bhc", w_bsh, o_bshc)
+  o_bhc = jnp.sum(w_bsh[..., None] * o_bshc, axis=1)
   return o_bhc / jnp.where(den_bh > 0, den_bh, 1.0)[..., None]
+
+
+# Merge kernel tile: heads x latent columns per program (small, so that even batch 1
+# spreads the partials over dozens of programs).
+MERGE_BLOCK_H = 16
+MERGE_BLOCK_C = 64
+
+
+def _merge_kernel(o_ref, lse_ref, out_ref, *, H: int, splits: int, block_h: int,
+                  block_c: int):
+  # o_ref: [B, NS, H, Dl] f32; lse_ref: [B, NS, H] f32; out_ref: [B, H, Dl] f32
+  cb, hb, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  h0, c0 = hb * block_h, cb * block_c
+  head_ok = (h0 + jnp.arange(block_h, dtype=jnp.int32)) < H  # [bh]
+
+  def body(sp, carry):  # one pass, rescaling as a larger log-sum-exp shows up
+    m, den, acc = carry  # [bh], [bh], [bh, bc]
+    lse = plgpu.load(lse_ref.at[b, sp, pl.ds(h0, block_h)], mask=head_ok, other=-jnp.inf)
+    o = plgpu.load(o_ref.at[b, sp, pl.ds(h0, block_h), pl.ds(c0, block_c)],
+                   mask=head_ok[:, None], other=0.0)
+    m_new = jnp.maximum(m, lse)
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha, w = jnp.exp(m - m_safe), jnp.exp(lse - m_safe)
+    return m_new, den * alpha + w, acc * alpha[:, None] + w[:, None] * o
+
+  init = (jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32),
+          jnp.zeros((block_h, block_c), jnp.float32))
+  _, den, acc = jax.lax.fori_loop(0, splits, body, init)
+  out = acc / jnp.where(den > 0, den, 1.0)[:, None]
+  plgpu.store(out_ref.at[b, pl.ds(h0, block_h), pl.ds(c0, block_c)], out,
+              mask=head_ok[:, None])
+
+
+def merge_splits_pallas(o_bshc: jax.Array, lse_bsh: jax.Array, *,
+                        interpret: bool | None = None) -> jax.Array:
+  """``merge_splits`` as one kernel launch (XLA would take several reductions).
+
+  o_bshc: [B, NS, H, Dl] float32 (Dl a power of 2); lse_bsh: [B, NS, H] float32
+  returns [B, H, Dl] float32
+  """
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  B, NS, H, Dl = o_bshc.shape
+  block_c = min(MERGE_BLOCK_C, Dl)
+  kernel = functools.partial(_merge_kernel, H=H, splits=NS, block_h=MERGE_BLOCK_H,
+                             block_c=block_c)
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((B, H, Dl), jnp.float32),
+      grid=(pl.cdiv(Dl, block_c), pl.cdiv(H, MERGE_BLOCK_H), B),
+      in_specs=[any_spec] * 2,
+      out_specs=any_spec,
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      name="ula_sparse_mla_attention_merge",
+  )(o_bshc, lse_bsh)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCost:
+  """What one call moves and computes (for the benchmark's explanation of a rate).
+
+  must_read:     bytes any implementation must read: the k selected rows per request
+                 and the queries
+  partial_bytes: split partial outputs and log-sum-exps, written then read by the merge
+  row_reads:     selected-row bytes gathered by all programs (head blocks re-read a
+                 request's rows; L2 absorbs the repeats when they run side by side)
+  flops:         tensor-core FLOPs (scores and outputs)
+  block_h, splits, programs, num_warps: the launch
+  model_us:      the launch model's estimate (``launch_seconds``)
+  """
+
+  must_read: int
+  partial_bytes: int
+  row_reads: int
+  flops: int
+  block_h: int
+  splits: int
+  programs: int
+  num_warps: int
+  model_us: float
+
+
+def attention_cost(B: int, H: int, k: int, Dl: int, Dr: int, pool_dtype, q_dtype,
+                   config: AttentionConfig | None = None) -> AttentionCost:
+  """The cost of ``sparse_mla_attention_pallas`` on these shapes (see ``AttentionCost``)."""
+  config = config or AttentionConfig()
+  itemsize = jnp.dtype(pool_dtype).itemsize
+  bh, ns = config.launch(B, H, k, Dl, Dr, itemsize)
+  num_hb = pl.cdiv(H, bh)
+  partial = 0 if ns == 1 else 2 * B * ns * H * (Dl + 1) * 4
+  return AttentionCost(
+      must_read=bytes_read(B, H, k, Dl, Dr, pool_dtype, q_dtype), partial_bytes=partial,
+      row_reads=B * num_hb * k * (Dl + Dr) * itemsize, flops=2 * B * H * k * (2 * Dl + Dr),
+      block_h=bh, splits=ns, programs=B * num_hb * ns, num_warps=config.warps(bh),
+      model_us=launch_seconds(config, B, H, k, Dl, Dr, itemsize, bh, ns) * 1e6)
 
 
 def sparse_mla_attention_pallas(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
@@ -178,11 +349,9 @@ def sparse_mla_attention_pallas(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   # pool like the reference does.
   slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), -1).astype(jnp.int32)
 
-  block_h = config.heads_per_program(H)
+  block_h, splits = config.launch(B, H, k, Dl, Dr, jnp.dtype(pool.dtype).itemsize)
   num_hb = pl.cdiv(H, block_h)
-  splits = config.splits(B, H, k)
   blocks_per_split = pl.cdiv(pl.cdiv(k, config.block_k), splits)
-  splits = pl.cdiv(pl.cdiv(k, config.block_k), blocks_per_split)  # drop empty splits
   split_out = splits > 1
   kernel = functools.partial(
       _attention_kernel, H=H, k=k, Dl=Dl, Dr=Dr, block_h=block_h, block_k=config.block_k,
@@ -196,25 +365,26 @@ def sparse_mla_attention_pallas(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   outs = pl.pallas_call(
       kernel,
       out_shape=out_shape,
-      grid=(B, num_hb, splits),
+      grid=(num_hb, splits, B),
       in_specs=[any_spec] * 4,
       out_specs=tuple(any_spec for _ in out_shape),
       interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=config.warps(H),
+      compiler_params=plgpu.CompilerParams(num_warps=config.warps(block_h),
                                            num_stages=config.num_stages),
       name="ula_sparse_mla_attention",
   )(q_lat, q_rope, pool, slots)
   if split_out:
-    return merge_splits(*outs)
+    return merge_splits_pallas(*outs, interpret=interpret)
   return outs[0]
 
 
 def bytes_read(B: int, H: int, k: int, Dl: int, Dr: int, pool_dtype, q_dtype) -> int:
-  """Bytes a sparse decode step must read: the k selected rows per request, the
-  queries and the slot list (what the attention benchmark divides by time)."""
+  """Bytes a sparse decode step must read: the k selected rows of every request and the
+  queries (what the attention benchmark divides by time)."""
   row = (Dl + Dr) * jnp.dtype(pool_dtype).itemsize
-  return B * k * row + B * H * (Dl + Dr) * jnp.dtype(q_dtype).itemsize + B * k * 4
+  return B * k * row + B * H * (Dl + Dr) * jnp.dtype(q_dtype).itemsize
 
 
-__all__ = ["AttentionConfig", "TARGET_PROGRAMS", "bytes_read", "merge_splits",
+__all__ = ["AttentionConfig", "AttentionCost", "attention_cost", "bytes_read",
+           "launch_seconds", "merge_splits", "merge_splits_pallas",
            "sparse_mla_attention_pallas"]

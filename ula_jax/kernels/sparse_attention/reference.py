@@ -7,12 +7,17 @@ Absorbed-form MLA decoding reads one shared row per selected token,
     o_lat[h]    = sum_i softmax(score[h])_i * c_i
 
 Only the selected slots of the pool are read. Rows with no valid slot return zeros.
+Products are computed at full float32 precision (``Precision.HIGHEST``): on GPUs the
+default float32 matmul rounds its inputs to TF32, which would make the reference less
+exact than the kernels it checks.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def masked_softmax(s: jax.Array, mask: jax.Array) -> jax.Array:
@@ -42,11 +47,13 @@ def sparse_mla_attention_reference(q_lat: jax.Array, q_rope: jax.Array, pool: ja
   returns o_lat: [B, H, Dl] float32
   """
   Dl = q_lat.shape[-1]
-  # Invalid slots may hold INVALID (-1); read row 0 instead and mask it out below.
+  # Invalid slots may hold INVALID (-1); read row 0 instead and zero it below: a
+  # weight of 0 times an uninitialised (NaN) row would still be NaN.
   idx = jnp.where(valid, jnp.clip(slots, 0, pool.shape[0] - 1), 0)
-  ent_bkw = pool[idx].astype(jnp.float32)
+  ent_bkw = jnp.where(valid[..., None], pool[idx].astype(jnp.float32), 0.0)
   c_bkc, kr_bkr = ent_bkw[..., :Dl], ent_bkw[..., Dl:]
-  s_bhk = (jnp.einsum("bhc,bkc->bhk", q_lat.astype(jnp.float32), c_bkc)
-           + jnp.einsum("bhr,bkr->bhk", q_rope.astype(jnp.float32), kr_bkr)) * scale
+  s_bhk = (jnp.einsum("bhc,bkc->bhk", q_lat.astype(jnp.float32), c_bkc, precision=_HIGHEST)
+           + jnp.einsum("bhr,bkr->bhk", q_rope.astype(jnp.float32), kr_bkr,
+                        precision=_HIGHEST)) * scale
   p_bhk = masked_softmax(s_bhk, valid[:, None, :])
-  return jnp.einsum("bhk,bkc->bhc", p_bhk, c_bkc)
+  return jnp.einsum("bhk,bkc->bhc", p_bhk, c_bkc, precision=_HIGHEST)
