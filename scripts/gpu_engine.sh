@@ -12,6 +12,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_engine_out}
 mkdir -p "$OUT"
+RUNS=${RUNS:-/tmp/gpu_engine_runs}
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import pydantic, omegaconf" 2>/dev/null && [ -d .whl ]; then
   "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -24,16 +25,19 @@ BASE="configs/experiments/quickstart.yaml mesh=dp1 mesh.platform=gpu model=small
       model.index_topk=64 workload.num_requests=16 engine.max_batch=8"
 {
   echo "== exactness on $($PY -c 'import jax; print(jax.devices()[0].device_kind, jax.__version__)')"
-  $CLI run $BASE --no-progress --out "$OUT/runs/resident" | tail -n 25
+  $CLI run $BASE --no-progress --out "$RUNS/resident" | tail -n 25
+  $CLI run $BASE --no-progress --out "$RUNS/resident2" > /dev/null
+  $CLI compare "$RUNS/resident" "$RUNS/resident2" > /dev/null \
+    && echo "TOKENS EQUAL: resident run twice" || echo "TOKENS DIFFER: resident run twice"
   for sys in "ula memory.policy=pb_lru memory.device_pool=780 memory.host_pool=4096" \
              "ula memory.policy=lru memory.device_pool=780 memory.host_pool=4096" \
              "hisparse memory.hisparse.device_buffer_size=64 memory.hisparse.host_to_device_ratio=8" \
              "far_tier memory.far_tier.mode=on_demand"; do
     name=$(echo "$sys" | tr ' =.' '___' | cut -c1-40)
     # shellcheck disable=SC2086
-    $CLI run $BASE memory.system=$sys --no-progress --out "$OUT/runs/$name" \
+    $CLI run $BASE memory.system=$sys --no-progress --out "$RUNS/$name" \
       | grep -E "hit|finished|tokens/s"
-    $CLI compare "$OUT/runs/resident" "$OUT/runs/$name" && echo "TOKENS EQUAL: $sys" \
+    $CLI compare "$RUNS/resident" "$RUNS/$name" && echo "TOKENS EQUAL: $sys" \
       || echo "TOKENS DIFFER: $sys"
   done
 } 2>&1 | tee "$OUT/exact.txt"
@@ -41,6 +45,8 @@ $PY -c "
 import sys
 from ula_jax.bench import step_cost
 sys.exit(step_cost.main(sys.argv[1:]))" --config configs/experiments/quickstart.yaml \
-  --batch 32 --prompt 1024 --output 48 --json "$OUT/step_cost.json" \
+  --batch 32 --prompt 1024 --output 64 --json "$OUT/step_cost.json" \
   mesh=dp1 mesh.platform=gpu model=small model.index_topk=256 2>&1 | tee "$OUT/step_cost.txt"
+rm -rf "$RUNS/resident2"
+for d in "$RUNS"/*/; do rm -f "$d/metrics.jsonl" "$d/config.yaml" "$d/requests.jsonl"; done
 { grep -E "TOKENS" "$OUT/exact.txt"; tail -n 8 "$OUT/step_cost.txt"; } | tee "$OUT/summary.txt"

@@ -7,6 +7,8 @@ is created): on CPU it asks jax for as many simulated devices as the mesh needs.
 
 from __future__ import annotations
 
+import os
+
 import jax
 from jax.sharding import AxisType, Mesh
 
@@ -14,6 +16,7 @@ from ula_jax.config import ConfigError, ExperimentConfig, check_devices
 
 AXES = ("dp", "tp")
 _JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda"}
+_DETERMINISTIC_GPU_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0")
 
 
 def configure_platform(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
@@ -25,6 +28,15 @@ def configure_platform(cfg: ExperimentConfig, num_devices: int | None = None) ->
   """
   n = num_devices or cfg.mesh.num_devices
   platform = cfg.mesh.platform
+  if cfg.kernels.deterministic and platform in ("auto", "gpu"):
+    # Read when the GPU backend starts. Autotuning may pick different GEMM algorithms
+    # for the same shape in two programs (resident's and ula's steps), and atomics make
+    # reductions order-dependent: either breaks token-for-token comparisons.
+    flags = os.environ.get("XLA_FLAGS", "")
+    for flag in _DETERMINISTIC_GPU_FLAGS:
+      if flag.split("=")[0] not in flags:
+        flags = f"{flags} {flag}".strip()
+    os.environ["XLA_FLAGS"] = flags
   try:
     if platform != "auto" and jax.config.jax_platforms != _JAX_PLATFORM[platform]:
       jax.config.update("jax_platforms", _JAX_PLATFORM[platform])

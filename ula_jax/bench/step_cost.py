@@ -3,7 +3,8 @@
 ``ula-jax bench step_cost [--config CONFIG] [--batch B] [--prompt T] [--output N]
 [--systems resident,ula] [a.b=value ...]`` builds one engine per memory system on the same
 model, mesh and requests (every request the same length, all arriving at once, so the
-running batch is flat), with a device pool that holds every entry (no step misses), runs
+running batch is flat once every prompt is in, one chunk per rank and step), with a
+device pool that holds every entry (no step misses), runs
 the workload twice (the first run compiles) and compares the median decode-step time of
 the second run over the steps where the whole batch decodes. Prints a table and writes
 JSON with the ratio of each system to ``resident``.
@@ -50,13 +51,15 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
     cfg = load_config(config, list(overrides) + [
         f"memory.system={system}", f"memory.device_pool={pool}", "memory.host_pool=0",
         f"engine.max_batch={batch}", f"engine.max_context={context}",
-        "engine.progress=false"])
+        f"engine.prefill_chunk={prompt}", "engine.progress=false"])
     engine = Engine(cfg, mesh, max_context=context)
     engine.run(reqs)  # compiles
     res = engine.run(reqs)
-    full = [m for m in res.steps if m.kind == "decode" and m.running == batch * dp]
+    # decode_time_s times the decode part alone, also in steps that prefilled too.
+    full = [m for m in res.steps if m.running == batch * dp]
     if not full:
-      raise RuntimeError(f"{system}: no step decoded the whole batch; raise --output")
+      raise RuntimeError(f"{system}: no step decoded the whole batch; raise --output above "
+                         f"{batch} (one request is prefilled per rank and step)")
     misses = sum(m.extra.get("misses", 0) for m in full)
     times = [m.decode_time_s for m in full]
     rows[system] = {"median_step_s": statistics.median(times), "steps": len(full),

@@ -229,6 +229,10 @@ class KernelsConfig(Section):
       "jnp", description="the resolve stages (dedupe, hits, victims)")
   interpret: bool | None = Field(
       None, description="run Pallas kernels in interpret mode; None = interpret on CPU only")
+  deterministic: bool = Field(
+      True, description="GPU: the same kernels for the same shapes in every compiled program "
+      "(XLA autotuning off, deterministic reductions and scatters), so memory systems can be "
+      "compared token for token; false lets XLA autotune")
 
   @property
   def uses_pallas(self) -> bool:

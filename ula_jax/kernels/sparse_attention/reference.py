@@ -51,6 +51,9 @@ def sparse_mla_attention_reference(q_lat: jax.Array, q_rope: jax.Array, pool: ja
   # weight of 0 times an uninitialised (NaN) row would still be NaN.
   idx = jnp.where(valid, jnp.clip(slots, 0, pool.shape[0] - 1), 0)
   ent_bkw = jnp.where(valid[..., None], pool[idx].astype(jnp.float32), 0.0)
+  # The gathered rows are the same in every memory system, its pool's shape is not: keep
+  # the gather out of the fusions below so their code depends only on [B, k, W].
+  ent_bkw = jax.lax.optimization_barrier(ent_bkw)
   c_bkc, kr_bkr = ent_bkw[..., :Dl], ent_bkw[..., Dl:]
   s_bhk = (jnp.einsum("bhc,bkc->bhk", q_lat.astype(jnp.float32), c_bkc, precision=_HIGHEST)
            + jnp.einsum("bhr,bkr->bhk", q_rope.astype(jnp.float32), kr_bkr,
