@@ -13,4 +13,4 @@ wherever jax does. ``summary`` condenses their JSON (``python -m ula_jax.bench.s
 
 from __future__ import annotations
 
-BENCHMARKS = ("fetch", "attention", "step_cost")
+BENCHMARKS = ("fetch", "attention", "resolve", "step_cost")

@@ -28,7 +28,8 @@ condition, ``Sd >= max_batch * (top_k + 1)``, is checked by ``validate``.
 
 Per decode step and group, ``resolve`` plans (stage/dedupe -> mark hits -> pick victims
 -> plan fetch and write-back -> update the table -> publish slots aligned with
-``sel_addr``) and ``move_layer`` copies one layer's rows through ``kernels.fetch``
+``sel_addr``; ``resolve_meta`` in jnp, or the fused Pallas kernels of
+``kernels.resolve`` when ``resolve_impl == 'pallas'``, with identical results) and ``move_layer`` copies one layer's rows through ``kernels.fetch``
 (``fetch_rows`` / ``evict_rows``, implementation ``self.fetch_impl``). Every shape is
 static: a step moves at most ``M = B * k + B`` entries each way, as fixed-size lists
 compacted to the front, with counts (``UlaPlan``).
@@ -45,6 +46,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax.kernels.fetch import evict_rows, fetch_rows
+from ula_jax.kernels.resolve import resolve_group
 from ula_jax.memory.base import (INVALID, CapacityReport, MemorySystem, Resolution,
                                  device_zeros, parse_size, replace_at, tp_replicated)
 from ula_jax.memory.policies import POLICIES, bitmap, make_policy
@@ -358,8 +360,10 @@ class Ula(MemorySystem):
                          meta=tuple(metas))
 
   def resolve(self, state: UlaState, group, sel_addr, sel_valid, new_addr, active):
-    meta, slots, new_slot, plan, stats = self.resolve_meta(
-        state.meta[group], sel_addr, sel_valid, new_addr, active)
+    # ``resolve_meta`` itself ('jnp') or the fused Pallas kernels ('pallas'): same arrays.
+    meta, slots, new_slot, plan, stats = resolve_group(
+        self, state.meta[group], sel_addr, sel_valid, new_addr, active,
+        impl=self.resolve_impl, interpret=self.resolve_interpret)
     state = state.replace(meta=replace_at(state.meta, group, meta))
     return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot, plan=plan,
                              stats=stats)

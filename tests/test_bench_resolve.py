@@ -1,0 +1,91 @@
+"""The resolve benchmark runs end to end at tiny sizes, writes what it prints, and checks
+the issue's targets on its rows."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from ula_jax.bench import resolve
+
+
+def test_resolve_benchmark_at_tiny_sizes(tmp_path, capsys):
+  out = tmp_path / "resolve.json"
+  rc = resolve.main(["--quick", "--batch", "2", "--pools", "64,32", "--policies", "pb_lru",
+                     "--out", str(out)])
+  assert rc == 0
+  result = json.loads(out.read_text())
+  assert result["benchmark"] == "resolve" and result["stream"]["k"] == 16
+  rows = {(r["pool"], r["impl"]): r for r in result["rows"]}
+  assert sorted(rows) == [(32, "jnp"), (32, "pallas"), (64, "jnp"), (64, "pallas")]
+  for impl in ("jnp", "pallas"):
+    # 2 * 17 entries per step do not fit a 32-slot pool
+    assert rows[(32, impl)]["error"] == ("skipped: a 32-slot pool holds less than one "
+                                         "step (34 entries)")
+    r = rows[(64, impl)]
+    assert r["error"] is None and r["us"] > 0 and r["resolves"] == 2
+    assert len(r["segments_us"]) == 1
+    # The device pool is full: every entry placed (the misses and one new token per
+    # request) evicts one; every miss is fetched.
+    assert r["evictions"] == r["placed"] == r["misses"] + 2
+    assert r["fetches"] == r["misses"]
+    assert r["work"]["M"] == 2 * 16 + 2
+  # Both implementations resolve the same stream to the same arrays: the same counts.
+  count = lambda r: (r["hits"], r["misses"], r["evictions"], r["fetches"])
+  assert count(rows[(64, "jnp")]) == count(rows[(64, "pallas")])
+  assert rows[(64, "pallas")]["work"]["launches"] == 5
+  assert "resolve of one layer group on" in capsys.readouterr().out
+
+
+def _row(pool, batch, policy, impl, us):
+  return resolve.Row(pool=pool, batch=batch, policy=policy, impl=impl, k=2048, us=us)
+
+
+def test_targets_from_rows():
+  rows = [_row(1 << 20, 64, "pb_lru", "pallas", 40.0), _row(1 << 20, 64, "lru", "pallas", 100.0),
+          _row(1 << 20, 64, "pb_lru", "jnp", 300.0), _row(1 << 20, 64, "lru", "jnp", 360.0),
+          _row(1 << 20, 8, "pb_lru", "jnp", 10.0), _row(1 << 20, 8, "lru", "jnp", 100.0)]
+  got = {(t["target"], t["impl"], t.get("policy")): (t["value"], t["met"])
+         for t in resolve.targets(rows, 2048)}
+  assert got == {
+      ("pb_lru >= 1.5x faster than lru", "jnp", None): (1.2, False),
+      ("pb_lru >= 1.5x faster than lru", "pallas", None): (2.5, True),
+      ("fused resolve <= 50 us", "pallas", "lru"): (100.0, False),
+      ("fused resolve <= 50 us", "pallas", "pb_lru"): (40.0, True),
+  }  # batch 8 is below the speedup target's batch 32
+  assert resolve.targets(rows, 1024) == [t for t in resolve.targets(rows, 2048)
+                                         if "faster" in t["target"]]
+
+
+def test_work_model_counts():
+  system = types.SimpleNamespace(device_slots=2048, host_rows=4096, num_logical=6144,
+                                 buckets=4)
+  B, k = 2, 16
+  M = B * k + B
+  lru = resolve.work_model("jnp", "lru", system, B, k, placed=5.0)
+  assert lru["ranked"] == M + 2048  # the argsort of M addresses, top_k over every slot
+  pb = resolve.work_model("pallas", "pb_lru", system, B, k, placed=5.0)
+  assert pb["ranked"] == 0 and pb["launches"] == 5
+  # 5 placed entries each read 32 counts per level: address (6144 bits: 3 levels, 2 of
+  # siblings), device (2048 bits: 2 levels), host (4096 bits: 2 levels)
+  assert pb["pyramid_reads"] == 5 * 32 * (2 + 2 + 2)
+  for w in (lru, pb):
+    assert w["bytes"] == 4 * (w["table_lookups"] + w["bitmap_words"] + w["pyramid_reads"]
+                              + w["ranked"] + w["scratch_words"]) + 5 * M
+
+
+def test_unknown_implementation_flag():
+  with pytest.raises(ValueError, match=r"--impls='jnp,cuda': unknown \['cuda'\]; expected a "
+                     r"comma list of \['jnp', 'pallas'\]"):
+    resolve.main(["--quick", "--impls", "jnp,cuda"])
+
+
+def test_pool_sizes_accept_k_and_m():
+  assert resolve.parse_pools("64K, 1M,300") == [65536, 1 << 20, 300]
+  with pytest.raises(ValueError, match=r"--pools: size '2G': expected an integer, "
+                     r"optionally with a K or M suffix \(e.g. 64K,1M\)"):
+    resolve.parse_pools("64K,2G")
+  with pytest.raises(ValueError, match=r"--pools: size '0': expected >= 1 slot"):
+    resolve.parse_pools("0")

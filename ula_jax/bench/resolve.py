@@ -1,0 +1,472 @@
+"""Benchmark: resolve of one layer group (dedupe, hits, victims, table update).
+
+For each device pool size, batch size, policy (PB-LRU, exact LRU) and implementation
+(the jnp resolve, the fused Pallas kernels), a synthetic selection stream is resolved in
+one jitted loop and the time per resolve is reported in microseconds (compile and
+warm-up excluded; the median of several timed segments).
+
+The stream: request ``b`` owns logical addresses ``[b * L, (b + 1) * L)``. Before the
+loop every request's first ``L0`` positions are stored in random order, twice what the
+device pool holds (``L0 = 2 * Sd / B``): the device pool is full and half the entries are
+on the host, so every miss needs a victim. Each step every request decodes one new token
+(placed on the device, and selected by its own row) and keeps its top-k selection except
+a fraction ``--churn`` of it, redrawn uniformly over its history: temporal locality as in
+decoding, where consecutive steps select mostly the same entries.
+
+Each row also reports what one resolve touches (``work``, a model from the sizes and the
+measured counts: table lookups, bitmap words, pyramid reads, sorted keys, bytes, kernel
+launches), so a time can be explained. ``ula-jax bench resolve --help`` lists the flags.
+
+    ula-jax bench resolve [--batch 1,8,32,64,128] [--pools 64K,1M] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import math
+import statistics
+import time
+import types
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ula_jax.bench import common
+from ula_jax.bench.common import environment, fmt, parse_list, parse_sizes, write_json
+from ula_jax.kernels.resolve import resolve_group
+from ula_jax.kernels.resolve.pallas import ResolveConfig, default_interpret
+from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
+from ula_jax.memory.policies import bitmap
+from ula_jax.memory.ula import Ula
+
+IMPLS = ("jnp", "pallas")
+POLICIES = ("pb_lru", "lru")
+PAGE = 64
+# Targets (H200): PB-LRU this much faster than exact LRU at batch >= SPEEDUP_BATCH, and
+# the fused resolve within this many microseconds at batch TARGET_BATCH, top-k 2048.
+SPEEDUP, SPEEDUP_BATCH = 1.5, 32
+TARGET_US, TARGET_BATCH, TARGET_K = 50.0, 64, 2048
+
+
+@dataclasses.dataclass
+class Row:
+  pool: int
+  batch: int
+  policy: str
+  impl: str
+  k: int
+  us: float | None = None  # microseconds per resolve (one layer group)
+  segments_us: list | None = None
+  resolves: int = 0  # timed
+  hits: float | None = None  # per resolve, averaged over the timed resolves
+  misses: float | None = None
+  evictions: float | None = None
+  fetches: float | None = None  # misses moved in (placed)
+  placed: float | None = None  # misses + fresh new tokens per resolve
+  work: dict | None = None
+  error: str | None = None
+
+
+def parse_pools(text: str) -> list[int]:
+  """'64K,1M' -> [65536, 1048576] (K = 1024, M = 1024 * 1024; plain integers too)."""
+  out = []
+  for part in (p.strip().upper() for p in text.split(",")):
+    if not part:
+      continue
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(part[-1], 1)
+    try:
+      value = int(part[:-1] if scale > 1 else part) * scale
+    except ValueError:
+      raise ValueError(f"--pools: size {part!r}: expected an integer, optionally with a K "
+                       "or M suffix (e.g. 64K,1M)") from None
+    if value < 1:
+      raise ValueError(f"--pools: size {part!r}: expected >= 1 slot")
+    out.append(value)
+  return out
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="ula-jax bench resolve", description=__doc__.split("\n\n")[0])
+  p.add_argument("--batch", default="1,8,32,64,128", help="requests per resolve, comma list")
+  p.add_argument("--k", type=int, default=2048, help="selected entries per request (top-k)")
+  p.add_argument("--pools", default="64K,1M",
+                 help="device pool slots, comma list (K = 1024, M = 1024 * 1024)")
+  p.add_argument("--policies", default=",".join(POLICIES), help=f"of {list(POLICIES)}")
+  p.add_argument("--impls", default=",".join(IMPLS), help=f"of {list(IMPLS)}")
+  p.add_argument("--buckets", type=int, default=4, help="PB-LRU recent buckets")
+  p.add_argument("--churn", type=float, default=0.1,
+                 help="fraction of each request's selection redrawn per step")
+  p.add_argument("--steps", type=int, default=32, help="resolves per timed segment")
+  p.add_argument("--segments", type=int, default=3, help="timed segments (median reported)")
+  p.add_argument("--warmup", type=int, default=2,
+                 help="untimed segments first (the pool reaches its steady state)")
+  p.add_argument("--pallas-block-elems", default="1024",
+                 help="Pallas sweep: entries per program (mark, publish), comma list")
+  p.add_argument("--pallas-block-place", default="256",
+                 help="Pallas sweep: entries per program (place), comma list")
+  p.add_argument("--pallas-warps", default="4", help="Pallas sweep: warps per program")
+  p.add_argument("--interpret", choices=("auto", "on", "off"), default="auto",
+                 help="Pallas interpret mode (auto: on everywhere but on GPU)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default="runs/bench/resolve.json", help="JSON output path")
+  p.add_argument("--quick", action="store_true",
+                 help="tiny sizes and few steps (smoke test, e.g. on CPU)")
+  return p
+
+
+# ----------------------------------------------------------------------------------
+# The system and the stream
+# ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """Sizes of one measurement (per request: ``L0`` stored positions, ``L`` addresses)."""
+
+  pool: int  # device slots
+  batch: int
+  k: int
+  buckets: int
+  steps_total: int  # decode steps the stream runs (warm-up and timed)
+
+  @property
+  def L0(self) -> int:
+    return max(-(-2 * self.pool // self.batch), self.k)
+
+  @property
+  def L(self) -> int:
+    return self.L0 + self.steps_total
+
+  @property
+  def host(self) -> int:
+    """Host slots: every address not on the device, rounded up to whole pages."""
+    total = -(-(self.batch * self.L) // PAGE) * PAGE
+    return total - self.pool + PAGE
+
+
+def build_system(setup: Setup, policy: str) -> Ula:
+  """A one-rank ``Ula`` (memory config as a namespace: no config package needed)."""
+  cfg = types.SimpleNamespace(system="ula", device_pool=setup.pool, host_pool=setup.host,
+                              policy=policy, pb_lru_buckets=setup.buckets)
+  geo = KVGeometry(num_layers=1, group_size=1, entry_width=576, index_dim=128,
+                   top_k=setup.k, kv_dtype="bfloat16")
+  system = Ula(cfg, geo, MeshInfo(1, 1), max_batch=setup.batch, page_size=PAGE,
+               max_context=setup.L)
+  system.validate()
+  return system
+
+
+def filler(system: Ula, setup: Setup) -> Callable[[int], Any]:
+  """``seed -> meta``: every request's first ``L0`` positions stored, in random order
+  (free device slots first, then the host), so the device pool is full."""
+  B, L, L0 = setup.batch, setup.L, setup.L0
+  addrs = (np.arange(B)[:, None] * L + np.arange(L0)[None, :]).reshape(-1)
+  chunk = min(1 << 16, 1 << (addrs.shape[0] - 1).bit_length())
+  prefill = jax.jit(lambda m, a: system.prefill_meta(m, a, a >= 0)[0], donate_argnums=0)
+  init = jax.jit(system.init_group_meta)
+
+  def fill(seed: int):
+    order = np.random.default_rng(seed).permutation(addrs).astype(np.int32)
+    meta = init()
+    for i in range(0, order.shape[0], chunk):
+      part = np.full((chunk,), INVALID, np.int32)
+      part[:order[i:i + chunk].shape[0]] = order[i:i + chunk]
+      meta = prefill(meta, jnp.asarray(part))
+    return meta
+
+  return fill
+
+
+def make_stream(setup: Setup, churn: float, seed: int) -> tuple[jax.Array, jax.Array]:
+  """(sel [T, B, k] int32, new [T, B] int32) for ``T = steps_total`` decode steps.
+
+  Step t: request b decodes position ``L0 + t``; its selection is the previous one with
+  each entry redrawn with probability ``churn`` (uniformly over positions ``< L0 + t``),
+  and entry 0 is the new token itself.
+  """
+  B, k, L, L0, T = setup.batch, setup.k, setup.L, setup.L0, setup.steps_total
+  base = (jnp.arange(B, dtype=jnp.int32) * L)[:, None]
+
+  def step(carry, t):
+    pos, key = carry
+    key, k_redraw, k_pos = jax.random.split(key, 3)
+    redraw = jax.random.bernoulli(k_redraw, churn, (B, k))
+    fresh_pos = jax.random.randint(k_pos, (B, k), 0, L0 + t, dtype=jnp.int32)
+    pos = jnp.where(redraw, fresh_pos, pos)
+    new = L0 + t
+    sel = (base + pos).at[:, 0].set(base[:, 0] + new)
+    return (pos, key), (sel, base[:, 0] + new)
+
+  key = jax.random.key(seed)
+  key, k0 = jax.random.split(key)
+  pos0 = jax.random.randint(k0, (B, k), 0, L0, dtype=jnp.int32)
+  _, (sel, new) = jax.jit(lambda c: jax.lax.scan(step, c, jnp.arange(T, dtype=jnp.int32)))(
+      (pos0, key))
+  return sel, new
+
+
+def resolve_loop(system: Ula, impl: str, *, config: ResolveConfig | None,
+                 interpret: bool) -> Callable:
+  """``(meta, sel [T, B, k], new [T, B]) -> (meta, totals [4] int32)``: T resolves in one
+  jitted loop (totals: hits, misses, evictions, fetches)."""
+
+  def run(meta, sel, new):
+    T, B, _ = sel.shape
+    valid = jnp.ones(sel.shape[1:], jnp.bool_)
+    active = jnp.ones((B,), jnp.bool_)
+
+    def body(t, carry):
+      meta, totals = carry
+      meta, _, _, plan, stats = resolve_group(system, meta, sel[t], valid, new[t], active,
+                                              impl=impl, interpret=interpret, config=config)
+      counts = jnp.stack([stats["hits"], stats["misses"], stats["evictions"],
+                          plan.n_fetch]).astype(jnp.int32)
+      return meta, totals + counts
+
+    return jax.lax.fori_loop(0, T, body, (meta, jnp.zeros((4,), jnp.int32)))
+
+  return jax.jit(run, donate_argnums=0)
+
+
+# ----------------------------------------------------------------------------------
+# What one resolve touches (a model from the sizes and the measured counts)
+# ----------------------------------------------------------------------------------
+
+
+def work_model(impl: str, policy: str, system: Ula, B: int, k: int,
+               placed: float) -> dict[str, Any]:
+  """Counts per resolve: ``table_lookups`` (reads and writes of the mapping table and
+  owner arrays), ``bitmap_words`` (32-bit words of every bitmap read or written),
+  ``pyramid_reads`` (Pallas: count-pyramid entries read by the placed entries),
+  ``ranked`` (keys sorted or ranked: jnp's argsort of the M addresses; exact LRU's
+  top-k over every slot), ``bytes`` (4 bytes per counted item plus the selection),
+  ``launches`` (Pallas kernels and the scratch fill; the jnp path is XLA's to fuse).
+  """
+  M = B * k + B
+  Sd, Hr, N = system.device_slots, system.host_rows, system.num_logical
+  R = system.buckets if policy == "pb_lru" else 1
+  lv_d, lv_h, lv_n = (bitmap.level_sizes(x) for x in (Sd, Hr, N))
+  dev_words, host_words, addr_words = sum(lv_d), sum(lv_h), sum(lv_n)
+  n_bitmaps = R + 2 if policy == "pb_lru" else 0
+  sel_bytes = M * 5  # int32 address + bool valid
+  out = {"M": M, "device_slots": Sd, "host_rows": Hr, "num_logical": N}
+  if impl == "pallas":
+    table = 2 * M + 4 * placed  # mark and publish lookups; place: loc, table, owners
+    words = (2 * 2 * n_bitmaps * dev_words  # round and publish read and write every bucket
+             + 2 * lv_d[0] + 4 * host_words + addr_words  # hit/placed bits, host, address
+             + M)  # hit / miss atomics of mark
+    # per placed entry: its rank (address pyramid), its slot (device pyramid, PB-LRU)
+    # and its victim's host slot (host pyramid; a full pool evicts for every entry)
+    pyramid = placed * 32 * ((len(lv_n) - 1) + (len(lv_d) - 1 if policy == "pb_lru" else 0)
+                             + (len(lv_h) - 1))
+    scratch = 8 + n_bitmaps + lv_d[0] + lv_h[0] + lv_n[0] + n_bitmaps * sum(lv_d[1:]) + sum(
+        lv_h[1:]) + sum(lv_n[1:])
+    ranked = Sd if policy == "lru" else 0
+    out.update(table_lookups=int(table), bitmap_words=int(words), pyramid_reads=int(pyramid),
+               ranked=ranked, scratch_words=int(scratch),
+               launches=5 if policy == "pb_lru" else "5 + XLA top_k")
+  else:
+    table = 2 * M + 4 * placed
+    if policy == "pb_lru":
+      # begin_round (every level), two touches (summarize every bucket), the pick
+      # (select_first of M over R + 1 lists), host: or, summarize twice, select_first.
+      words = (3 * R * dev_words + 2 * n_bitmaps * (2 * lv_d[0] + dev_words)
+               + (R + 1) * sum(min(M, w) for w in lv_d)
+               + 6 * host_words + sum(min(M, w) for w in lv_h))
+      ranked = M
+    else:
+      words = 6 * host_words + sum(min(M, w) for w in lv_h)
+      ranked = M + Sd  # the argsort of the selection, and top_k over every stamp
+    out.update(table_lookups=int(table), bitmap_words=int(words), pyramid_reads=0,
+               ranked=int(ranked), scratch_words=0, launches="XLA")
+  out["bytes"] = int(4 * (out["table_lookups"] + out["bitmap_words"] + out["pyramid_reads"]
+                          + out["ranked"] + out["scratch_words"]) + sel_bytes)
+  return out
+
+
+# ----------------------------------------------------------------------------------
+# The measurement
+# ----------------------------------------------------------------------------------
+
+
+def _impls(names: list[str], args) -> list[tuple[str, str, ResolveConfig | None]]:
+  out = []
+  for name in names:
+    if name != "pallas":
+      out.append((name, name, None))
+      continue
+    sweep = list(itertools.product(parse_sizes(args.pallas_block_elems),
+                                   parse_sizes(args.pallas_block_place),
+                                   parse_sizes(args.pallas_warps)))
+    for e, p, w in sweep:
+      label = "pallas" if len(sweep) == 1 else f"pallas[e{e},p{p},w{w}]"
+      out.append((label, "pallas", ResolveConfig(block_elems=e, block_place=p, num_warps=w)))
+  return out
+
+
+def measure(row: Row, setup: Setup, system: Ula, fill: Callable, stream: tuple, impl: str,
+            config: ResolveConfig | None, args, interpret: bool) -> None:
+  T = args.steps
+  sel, new = stream
+  meta = fill(args.seed)
+  loop = resolve_loop(system, impl, config=config, interpret=interpret)
+  compiled = loop.lower(meta, sel[:T], new[:T]).compile()
+  for s in range(args.warmup):
+    meta, _ = compiled(meta, sel[s * T:(s + 1) * T], new[s * T:(s + 1) * T])
+  jax.block_until_ready(meta)
+  times, totals = [], np.zeros((4,), np.int64)
+  for s in range(args.warmup, args.warmup + args.segments):
+    t0 = time.perf_counter()
+    meta, counts = compiled(meta, sel[s * T:(s + 1) * T], new[s * T:(s + 1) * T])
+    counts = np.asarray(jax.block_until_ready(counts))
+    times.append((time.perf_counter() - t0) / T)
+    totals += counts
+  n = args.segments * T
+  row.segments_us = [t * 1e6 for t in times]
+  row.us = statistics.median(times) * 1e6
+  row.resolves = n
+  row.hits, row.misses, row.evictions, row.fetches = (float(x) / n for x in totals)
+  row.placed = row.misses + setup.batch  # each step places one new token per request
+  row.work = work_model(impl, row.policy, system, setup.batch, setup.k, row.placed)
+
+
+def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any]:
+  """Measures everything ``args`` asks for; ``checkpoint`` gets the partial result after
+  every row."""
+  batches = parse_sizes(args.batch)
+  pools = parse_pools(args.pools)
+  policies = parse_list(args.policies, POLICIES, flag="--policies")
+  impls = _impls(parse_list(args.impls, IMPLS, flag="--impls"), args)
+  interpret = {"auto": default_interpret(), "on": True, "off": False}[args.interpret]
+  steps_total = (args.warmup + args.segments) * args.steps
+  rows: list[Row] = []
+
+  def result() -> dict[str, Any]:
+    return {"benchmark": "resolve", "environment": environment(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "stream": {"k": args.k, "churn": args.churn, "steps": args.steps,
+                       "segments": args.segments, "warmup": args.warmup,
+                       "buckets": args.buckets, "interpret": interpret},
+            "rows": [dataclasses.asdict(r) for r in rows],
+            "targets": targets(rows, args.k)}
+
+  for pool, batch in itertools.product(pools, batches):
+    setup = Setup(pool=pool, batch=batch, k=args.k, buckets=args.buckets,
+                  steps_total=steps_total)
+    need = batch * (args.k + 1)
+    stream = None
+    for policy in policies:
+      system = fill = None
+      for label, impl, config in impls:
+        row = Row(pool=pool, batch=batch, policy=policy, impl=label, k=args.k)
+        rows.append(row)
+        if pool < need:
+          row.error = f"skipped: a {pool}-slot pool holds less than one step ({need} entries)"
+          continue
+        try:
+          # One stream per size and one system per policy: every row replays the same.
+          stream = stream or make_stream(setup, args.churn, args.seed)
+          if system is None:
+            system = build_system(setup, policy)
+            fill = filler(system, setup)
+          measure(row, setup, system, fill, stream, impl, config, args, interpret)
+        except Exception as e:  # keep measuring the others; the table shows the error
+          row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        if checkpoint is not None:
+          checkpoint(result())
+  return result()
+
+
+def targets(rows: list[Row], k: int) -> list[dict]:
+  """The issue's targets, checked on the rows measured: PB-LRU vs exact LRU speedup at
+  batch >= 32 (per pool and implementation), the fused resolve's time at batch 64."""
+  out = []
+  by = {(r.pool, r.batch, r.policy, r.impl): r for r in rows if r.us is not None}
+  for (pool, batch, policy, impl), r in sorted(by.items()):
+    if policy != "pb_lru" or batch < SPEEDUP_BATCH:
+      continue
+    lru = by.get((pool, batch, "lru", impl))
+    if lru is not None:
+      ratio = lru.us / r.us
+      out.append({"target": f"pb_lru >= {SPEEDUP}x faster than lru", "pool": pool,
+                  "batch": batch, "impl": impl, "value": ratio, "met": ratio >= SPEEDUP})
+  for (pool, batch, policy, impl), r in sorted(by.items()):
+    if impl.startswith("pallas") and batch == TARGET_BATCH and k == TARGET_K:
+      out.append({"target": f"fused resolve <= {TARGET_US:g} us", "pool": pool,
+                  "batch": batch, "impl": impl, "policy": policy, "value": r.us,
+                  "met": r.us <= TARGET_US})
+  return out
+
+
+def print_table(result: dict) -> None:
+  env = result["environment"]
+  cells = []
+  for r in result["rows"]:
+    w = r["work"] or {}
+    cells.append([str(r["pool"]), str(r["batch"]), r["policy"], r["impl"],
+                  "ERROR" if r["error"] and not r["error"].startswith("skipped") else
+                  ("-" if r["us"] is None else fmt(r["us"], 1)),
+                  fmt(r["hits"], 0), fmt(r["misses"], 0), fmt(r["evictions"], 0),
+                  str(w.get("table_lookups", "-")), str(w.get("bitmap_words", "-")),
+                  str(w.get("ranked", "-")), fmt(w["bytes"] / 1e6, 2) if w else "-"])
+  s = result["stream"]
+  common.print_table(
+      f"resolve of one layer group on {env['device']} ({env['backend']}, jax {env['jax']}); "
+      f"k={s['k']}, churn {s['churn']}, PB-LRU buckets {s['buckets']}",
+      ("pool", "batch", "policy", "impl", "us/resolve", "hits", "misses", "evict",
+       "table ops", "bitmap words", "ranked", "MB touched"), cells,
+      left=("policy", "impl"))
+  for r in result["rows"]:
+    if r["error"]:
+      print(f"{r['error'].split(':')[0]}: pool {r['pool']} batch {r['batch']} {r['policy']} "
+            f"{r['impl']}: {r['error']}")
+  for t in result["targets"]:
+    print(f"target {t['target']}: pool {t['pool']} batch {t['batch']} {t['impl']}"
+          f"{' ' + t['policy'] if 'policy' in t else ''}: {fmt(t['value'])} "
+          f"{'met' if t['met'] else 'MISSED'}")
+
+
+def print_summary(result: dict) -> None:
+  """A short table from a result (the JSON): per pool and batch, each policy's time under
+  each implementation and the PB-LRU speedup over exact LRU; then the targets."""
+  best: dict[tuple, float] = {}
+  for r in result["rows"]:
+    if r["us"] is not None:
+      key = (r["pool"], r["batch"], r["policy"], r["impl"].split("[")[0])
+      best[key] = min(best.get(key, math.inf), r["us"])
+  cells = []
+  for pool, batch in sorted({k[:2] for k in best}):
+    line = [str(pool), str(batch)]
+    for impl in IMPLS:
+      pb, lru = best.get((pool, batch, "pb_lru", impl)), best.get((pool, batch, "lru", impl))
+      line += [fmt(pb, 1), fmt(lru, 1), fmt(lru / pb if pb and lru else None)]
+    cells.append(line)
+  common.print_table(f"resolve: us per layer group (k={result['stream']['k']}; Pallas: best "
+                     "configuration)", ("pool", "batch", "jnp pb_lru", "jnp lru", "jnp x",
+                                        "pallas pb_lru", "pallas lru", "pallas x"), cells)
+  for t in result["targets"]:
+    print(f"{'met   ' if t['met'] else 'MISSED'} {t['target']}: pool {t['pool']} batch "
+          f"{t['batch']} {t['impl']}{' ' + t['policy'] if 'policy' in t else ''}: "
+          f"{fmt(t['value'])}")
+
+
+def main(argv: list[str]) -> int:
+  """Runs the resolve benchmark; returns 0, or 1 when a measurement failed."""
+  parser = _parser()
+  args = parser.parse_args(argv)
+  if args.quick:  # smaller defaults; explicit flags still win
+    quick = dict(batch="1,3", k=16, pools="64,256", steps=2, segments=1, warmup=1,
+                 pallas_block_elems="32", pallas_block_place="16")
+    for name, value in quick.items():
+      if getattr(args, name) == parser.get_default(name):
+        setattr(args, name, value)
+  result = run(args, checkpoint=lambda partial: write_json(args.out, partial))
+  print_table(result)
+  path = write_json(args.out, result)
+  print(f"wrote {path}")
+  bad = [r for r in result["rows"] if r["error"] and not r["error"].startswith("skipped")]
+  return 1 if bad else 0
