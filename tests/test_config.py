@@ -200,12 +200,16 @@ def test_every_problem_is_listed_in_one_message():
     ({"memory": {"system": "hisparse", "hisparse": {"device_buffer_size": 4}}},
      r"memory.hisparse.device_buffer_size=4 is smaller than top-k=8"),
     ({"memory": {"system": "ula", "device_pool": 4}},
-     r"memory.device_pool=4 holds 4 tokens per device, fewer than one request's top-k=8"),
+     r"memory.device_pool=4 holds 4 tokens per device, fewer than one decode step needs on "
+     r"the device: engine.max_batch \* \(top-k \+ 1\) = 8 \* \(8 \+ 1\) = 72"),
     ({"memory": {"system": "ula", "device_pool": "1KiB"}},
      # tiny: 4 layers x 48 values x 4 bytes = 768 bytes per token
      r"memory.device_pool='1KiB' holds 1 tokens per device"),
     ({"memory": {"system": "ula", "local_buffer": 4}, "mesh": {"tp": 2}},
-     r"memory.local_buffer=4 is smaller than top-k=8"),
+     r"memory.local_buffer=4 is smaller than one decode step's selection: "
+     r"engine.max_batch \* \(top-k \+ 1\) = 72"),
+    ({"memory": {"system": "ula", "layout": "replicated"}, "mesh": {"tp": 2}},
+     r"memory.layout='replicated' is resident's TP layout"),
 ])
 def test_impossible_combinations_are_rejected(sections, match):
   with pytest.raises(ConfigError, match=match):
@@ -213,7 +217,8 @@ def test_impossible_combinations_are_rejected(sections, match):
 
 
 def test_combination_checks_pass_where_they_should():
-  cfg_of(memory={"system": "ula", "device_pool": 8, "local_buffer": 8}, mesh={"tp": 2})
+  cfg_of(memory={"system": "ula", "device_pool": 128, "local_buffer": 72}, mesh={"tp": 2})
+  cfg_of(memory={"system": "ula", "device_pool": 72})
   cfg_of(memory={"system": "hisparse", "hisparse": {"device_buffer_size": 8}})
   # Single-device ula ignores the TP local buffer.
   cfg_of(memory={"system": "ula", "local_buffer": 4})

@@ -116,6 +116,10 @@ class MemoryConfig(Section):
   local_buffer: int | None = Field(
       None, ge=1, description="ula TP local buffer of recently selected entries, tokens per rank; "
       "None = the system's default")
+  index_scoring: Literal["aligned", "local"] = Field(
+      "aligned", description="ula TP indexer: 'aligned' scores every position with the keys a "
+      "rank does not own zeroed (selection bit-identical to one device); 'local' scores only "
+      "owned positions (1/P of the work; near-equal scores may order differently)")
   hisparse: HiSparseConfig = Field(default_factory=HiSparseConfig)
   far_tier: FarTierConfig = Field(default_factory=FarTierConfig)
 
@@ -360,16 +364,24 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
         f"buffer must hold its whole selection")
 
   if mem.system == "ula":
-    if mem.device_pool is not None:
+    step = cfg.engine.max_batch * (top_k + 1)
+    if mem.device_pool is not None and mesh.tp == 1:
       tokens = parse_size(mem.device_pool, field="memory.device_pool",
                           token_bytes=model.kv_geometry().token_bytes)
-      if tokens < top_k:
+      if tokens < step:
         problems.append(
             f"memory.device_pool={mem.device_pool!r} holds {tokens} tokens per device, "
-            f"fewer than one request's top-k={top_k} (model.index_topk)")
-    if mesh.tp > 1 and mem.local_buffer is not None and mem.local_buffer < top_k:
-      problems.append(
-          f"memory.local_buffer={mem.local_buffer} is smaller than top-k={top_k} "
-          f"(model.index_topk): a rank's local buffer must hold one request's selection")
+            f"fewer than one decode step needs on the device: engine.max_batch * (top-k + 1) "
+            f"= {cfg.engine.max_batch} * ({top_k} + 1) = {step} (model.index_topk={top_k})")
+    if mesh.tp > 1:
+      if mem.layout == "replicated":
+        problems.append(
+            "memory.layout='replicated' is resident's TP layout (a full copy per rank); "
+            "for memory.system=ula use 'mod', 'block' or 'request', or set "
+            "memory.system=resident")
+      if mem.local_buffer is not None and mem.local_buffer < step:
+        problems.append(
+            f"memory.local_buffer={mem.local_buffer} is smaller than one decode step's "
+            f"selection: engine.max_batch * (top-k + 1) = {step} (model.index_topk={top_k})")
 
   return problems
