@@ -275,7 +275,17 @@ def _or_scalar(ref, i, val, *, interpret: bool) -> None:
 
 
 def _popcount(x):
-  return jax.lax.population_count(x).astype(_I32)
+  """Set bits of each 32-bit word (x: any shape, uint32 or int32) as int32.
+
+  A SWAR count with shifts, masks and one multiply: ``lax.population_count`` lowers to
+  ``math.ctpop``, which Triton does not legalize. Shifts are on uint32 so they are
+  logical (an int32 word's sign bit must not smear into the count).
+  """
+  x = x.astype(_U32)
+  x = x - ((x >> 1) & jnp.uint32(0x55555555))
+  x = (x & jnp.uint32(0x33333333)) + ((x >> 2) & jnp.uint32(0x33333333))
+  x = (x + (x >> 4)) & jnp.uint32(0x0F0F0F0F)
+  return ((x * jnp.uint32(0x01010101)) >> 24).astype(_I32)
 
 
 def _select_bit(word, rank):
