@@ -149,8 +149,9 @@ def test_attention_configs_parse():
 
 def test_argument_lists_are_checked():
   assert parse_sizes("64, 1K,64k") == [64, 1024, 65536]
+  assert parse_sizes("1M") == [1 << 20]
   with pytest.raises(ValueError, match=r"size 'X1': expected an integer, optionally with a K "
-                     r"suffix"):
+                     r"or M suffix"):
     parse_sizes("64,x1")
   with pytest.raises(ValueError, match=r"size '-3': expected >= 0"):
     parse_sizes("-3")

@@ -85,7 +85,7 @@ def test_unknown_implementation_flag():
 def test_pool_sizes_accept_k_and_m():
   assert resolve.parse_pools("64K, 1M,300") == [65536, 1 << 20, 300]
   with pytest.raises(ValueError, match=r"--pools: size '2G': expected an integer, "
-                     r"optionally with a K or M suffix \(e.g. 64K,1M\)"):
+                     r"optionally with a K or M suffix \(e.g. 64,1K,1M\)"):
     resolve.parse_pools("64K,2G")
   with pytest.raises(ValueError, match=r"--pools: size '0': expected >= 1 slot"):
     resolve.parse_pools("0")

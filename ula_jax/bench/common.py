@@ -13,21 +13,26 @@ from typing import Any, Callable, Sequence
 import jax
 
 
-def parse_sizes(text: str) -> list[int]:
-  """'64,1K,64K' -> [64, 1024, 65536] (K = 1024)."""
+def parse_sizes(text: str, *, flag: str | None = None, minimum: int = 0,
+                unit: str = "") -> list[int]:
+  """'64,1K,1M' -> [64, 1024, 1048576] (K = 1024, M = 1024 * 1024).
+
+  flag: the option named in errors; minimum: the smallest value allowed; unit: its name.
+  """
+  where = f"{flag}: " if flag else ""
   out = []
   for part in text.split(","):
     part = part.strip().upper()
     if not part:
       continue
-    scale = 1024 if part.endswith("K") else 1
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(part[-1], 1)
     try:
       value = int(part[:-1] if scale > 1 else part) * scale
     except ValueError:
-      raise ValueError(f"size {part!r}: expected an integer, optionally with a K suffix "
-                       "(e.g. 64,1K,64K)") from None
-    if value < 0:
-      raise ValueError(f"size {part!r}: expected >= 0")
+      raise ValueError(f"{where}size {part!r}: expected an integer, optionally with a K or M "
+                       "suffix (e.g. 64,1K,1M)") from None
+    if value < minimum:
+      raise ValueError(f"{where}size {part!r}: expected >= {minimum}{unit}")
     out.append(value)
   return out
 

@@ -72,21 +72,8 @@ class Row:
 
 
 def parse_pools(text: str) -> list[int]:
-  """'64K,1M' -> [65536, 1048576] (K = 1024, M = 1024 * 1024; plain integers too)."""
-  out = []
-  for part in (p.strip().upper() for p in text.split(",")):
-    if not part:
-      continue
-    scale = {"K": 1 << 10, "M": 1 << 20}.get(part[-1], 1)
-    try:
-      value = int(part[:-1] if scale > 1 else part) * scale
-    except ValueError:
-      raise ValueError(f"--pools: size {part!r}: expected an integer, optionally with a K "
-                       "or M suffix (e.g. 64K,1M)") from None
-    if value < 1:
-      raise ValueError(f"--pools: size {part!r}: expected >= 1 slot")
-    out.append(value)
-  return out
+  """'64K,1M' -> [65536, 1048576] device-pool slots (K = 1024, M = 1024 * 1024)."""
+  return parse_sizes(text, flag="--pools", minimum=1, unit=" slot")
 
 
 def _parser() -> argparse.ArgumentParser:

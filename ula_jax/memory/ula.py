@@ -49,7 +49,7 @@ from ula_jax.kernels.fetch import evict_rows, fetch_rows
 from ula_jax.kernels.resolve import resolve_group
 from ula_jax.memory.base import (INVALID, CapacityReport, MemorySystem, Resolution,
                                  device_zeros, parse_size, replace_at, tp_replicated)
-from ula_jax.memory.policies import POLICIES, bitmap, make_policy
+from ula_jax.memory.policies import bitmap, make_policy, policy_fields
 
 _I32 = jnp.int32
 
@@ -132,14 +132,7 @@ class Ula(MemorySystem):
     return dev_tokens, host_tokens
 
   def _policy_fields(self) -> tuple[str, int]:
-    policy = getattr(self.cfg, "policy", "pb_lru")
-    if policy not in POLICIES:
-      raise ValueError(f"memory.policy={policy!r}: expected one of {list(POLICIES)}")
-    r = getattr(self.cfg, "pb_lru_buckets", 4)
-    if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 1:
-      raise ValueError(f"memory.pb_lru_buckets={r!r}: expected an integer >= 1 (recent "
-                       f"buckets in the PB-LRU ring, besides the cold bucket)")
-    return policy, int(r)
+    return policy_fields(self.cfg)
 
   @property
   def step_entries(self) -> int:

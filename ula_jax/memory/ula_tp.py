@@ -70,7 +70,7 @@ from ula_jax.memory.addressing import all_addrs
 from ula_jax.memory.base import (INVALID, CapacityReport, KVGeometry, MemorySystem, MeshInfo,
                                  Resolution, parse_size, replace_at)
 from ula_jax.memory.layouts import LAYOUTS, Layout, make_layout
-from ula_jax.memory.policies import POLICIES, make_policy
+from ula_jax.memory.policies import make_policy, policy_fields
 from ula_jax.memory.ula import Ula, UlaState
 
 _I32 = jnp.int32
@@ -365,14 +365,7 @@ class UlaTP(MemorySystem):
   # -- configuration ---------------------------------------------------------------
 
   def _policy_fields(self) -> tuple[str, int]:
-    policy = getattr(self.cfg, "policy", "pb_lru")
-    if policy not in POLICIES:
-      raise ValueError(f"memory.policy={policy!r}: expected one of {list(POLICIES)}")
-    r = getattr(self.cfg, "pb_lru_buckets", 4)
-    if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 1:
-      raise ValueError(f"memory.pb_lru_buckets={r!r}: expected an integer >= 1 (recent "
-                       f"buckets in the PB-LRU ring, besides the cold bucket)")
-    return policy, int(r)
+    return policy_fields(self.cfg)
 
   @property
   def step_entries(self) -> int:

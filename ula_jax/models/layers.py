@@ -24,7 +24,6 @@ import numpy as np
 from flax import nnx
 
 from ula_jax.kernels.sparse_attention.reference import masked_softmax
-from ula_jax.memory.base import INVALID
 from ula_jax.models.config import ModelConfig
 
 F32 = jnp.float32
