@@ -31,7 +31,6 @@ from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
 from ula_jax.memory.policies import bitmap
 from ula_jax.memory.ula import Ula, UlaState
 
-ON_GPU = jax.default_backend() == "gpu"
 POISON = 1_234_567_891  # no slot, address, count or INVALID has this value
 
 
@@ -178,7 +177,6 @@ class ResolvePallasCases:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (the interpret-mode twin runs on CPU)")
 class TestResolvePallasGpu(ResolvePallasCases):
   INTERPRET = False
 

@@ -68,8 +68,6 @@ class FarTierPlan:
 
 class FarTier(MemorySystem):
   name = "far_tier"
-  # ``ula_jax.kernels.fetch`` implementation of the far <-> device row copies
-  # (the ``kernels.fetch`` config field): 'xla' | 'pallas' | 'ffi'.
 
   def __init__(self, cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *, max_batch: int,
                page_size: int, max_context: int):

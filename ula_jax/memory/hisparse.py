@@ -89,8 +89,6 @@ class HiSparsePlan:
 
 class HiSparse(MemorySystem):
   name = "hisparse"
-  # ``ula_jax.kernels.fetch`` implementation of the host <-> device row copies
-  # (the ``kernels.fetch`` config field): 'xla' | 'pallas' | 'ffi'.
 
   def __init__(self, cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *, max_batch: int,
                page_size: int, max_context: int):
