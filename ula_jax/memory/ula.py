@@ -99,6 +99,37 @@ def _compact(mask: jax.Array, values: jax.Array, size: int) -> jax.Array:
   return out.at[jnp.where(mask, rank, size)].set(values.astype(_I32), mode="drop")
 
 
+
+def stage_selection(sel_addr: jax.Array, sel_valid: jax.Array, new_addr: jax.Array,
+                    active: jax.Array, num_logical: int):
+  """Resolve's first stage: the addresses one step needs, deduplicated by sorting.
+
+  sel_addr/sel_valid: [B, k]; new_addr/active: [B]; elements are the B*k selections
+  followed by the B new tokens (M = B*k + B).
+  returns (want [M] bool: element is a valid address,
+           uid [M] int32: element -> its unique entry,
+           u [M] int32: the unique addresses, ascending, INVALID past the last,
+           u_ok [M] bool: u is an entry, u_new [M] bool: some element of it is a new token)
+  """
+  B, k = sel_addr.shape
+  M, N = B * k + B, num_logical
+  addr = jnp.concatenate([sel_addr.reshape(-1), new_addr]).astype(_I32)
+  want = jnp.concatenate([sel_valid.reshape(-1), active]) & (addr >= 0) & (addr < N)
+  is_new = jnp.concatenate([jnp.zeros((B * k,), jnp.bool_), jnp.ones((B,), jnp.bool_)])
+  key = jnp.where(want, addr, N)
+  order = jnp.argsort(key, stable=True)
+  skey = key[order]
+  head = (skey < N) & jnp.concatenate([jnp.ones((1,), jnp.bool_), skey[1:] != skey[:-1]])
+  uid_sorted = (jnp.cumsum(head) - 1).astype(_I32)
+  uid = jnp.zeros((M,), _I32).at[order].set(uid_sorted)
+  n_u = jnp.sum(head)
+  u = jnp.full((M,), INVALID, _I32).at[jnp.where(head, uid_sorted, M)].set(skey, mode="drop")
+  u_ok = jnp.arange(M) < n_u
+  u_new = jnp.zeros((M,), _I32).at[jnp.where(want, uid, M)].max(
+      (is_new & want).astype(_I32), mode="drop") > 0
+  return want, uid, u, u_ok, u_new
+
+
 class Ula(MemorySystem):
   name = "ula"
 
@@ -251,20 +282,7 @@ class Ula(MemorySystem):
     N, Sd, Hr = self.num_logical, self.device_slots, self.host_rows
 
     # Stage: the addresses the step needs on the device, deduplicated (sorted).
-    addr = jnp.concatenate([sel_addr.reshape(-1), new_addr]).astype(_I32)
-    want = jnp.concatenate([sel_valid.reshape(-1), active]) & (addr >= 0) & (addr < N)
-    is_new = jnp.concatenate([jnp.zeros((B * k,), jnp.bool_), jnp.ones((B,), jnp.bool_)])
-    key = jnp.where(want, addr, N)
-    order = jnp.argsort(key, stable=True)
-    skey = key[order]
-    head = (skey < N) & jnp.concatenate([jnp.ones((1,), jnp.bool_), skey[1:] != skey[:-1]])
-    uid_sorted = (jnp.cumsum(head) - 1).astype(_I32)
-    uid = jnp.zeros((M,), _I32).at[order].set(uid_sorted)  # element -> its unique entry
-    n_u = jnp.sum(head)
-    u = jnp.full((M,), INVALID, _I32).at[jnp.where(head, uid_sorted, M)].set(skey, mode="drop")
-    u_ok = jnp.arange(M) < n_u
-    u_new = jnp.zeros((M,), _I32).at[jnp.where(want, uid, M)].max(
-        (is_new & want).astype(_I32), mode="drop") > 0
+    want, uid, u, u_ok, u_new = stage_selection(sel_addr, sel_valid, new_addr, active, N)
 
     # Mark: where each needed entry is now.
     loc = jnp.where(u_ok, meta.table[jnp.clip(u, 0, N - 1)], INVALID)

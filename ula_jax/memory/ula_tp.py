@@ -71,7 +71,7 @@ from ula_jax.memory.base import (INVALID, CapacityReport, KVGeometry, MemorySyst
                                  Resolution, parse_size, replace_at)
 from ula_jax.memory.layouts import LAYOUTS, Layout, make_layout
 from ula_jax.memory.policies import make_policy, policy_fields
-from ula_jax.memory.ula import Ula, UlaState
+from ula_jax.memory.ula import Ula, UlaState, stage_selection
 
 _I32 = jnp.int32
 TP_AXIS = "tp"
@@ -571,20 +571,7 @@ class UlaTP(MemorySystem):
     bm = sh.meta[group]
 
     # Stage: the addresses the step needs in the buffer, deduplicated (sorted).
-    addr = jnp.concatenate([sel_addr.reshape(-1), new_addr]).astype(_I32)
-    want = jnp.concatenate([sel_valid.reshape(-1), active]) & (addr >= 0) & (addr < N)
-    is_new = jnp.concatenate([jnp.zeros((B * k,), jnp.bool_), jnp.ones((B,), jnp.bool_)])
-    key = jnp.where(want, addr, N)
-    order = jnp.argsort(key, stable=True)
-    skey = key[order]
-    head = (skey < N) & jnp.concatenate([jnp.ones((1,), jnp.bool_), skey[1:] != skey[:-1]])
-    uid_sorted = (jnp.cumsum(head) - 1).astype(_I32)
-    uid = jnp.zeros((M,), _I32).at[order].set(uid_sorted)
-    n_u = jnp.sum(head)
-    u = jnp.full((M,), INVALID, _I32).at[jnp.where(head, uid_sorted, M)].set(skey, mode="drop")
-    u_ok = jnp.arange(M) < n_u
-    u_new = jnp.zeros((M,), _I32).at[jnp.where(want, uid, M)].max(
-        (is_new & want).astype(_I32), mode="drop") > 0
+    want, uid, u, u_ok, u_new = stage_selection(sel_addr, sel_valid, new_addr, active, N)
 
     # Mark hits; the rest take buffer slots (hits join the round first: never victims).
     bslot = jnp.where(u_ok, bm.table[jnp.clip(u, 0, N - 1)], INVALID)
