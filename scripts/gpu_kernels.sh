@@ -41,26 +41,9 @@ export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONUNBUFFERED=1
 
-STATUS=()
-# step NAME TIMEOUT_S CMD...: runs CMD with a timeout clipped to the remaining budget, logs
-# to $WORK/NAME.log, and records "NAME rc seconds" (rc 124: timed out; "skipped": no time).
-step() {
-  local name=$1 limit=$2
-  shift 2
-  local left=$((BUDGET_S - (SECONDS - START) - 15))
-  if ((left < 20)); then
-    STATUS+=("$name skipped 0")
-    return 1
-  fi
-  ((limit > left)) && limit=$left
-  local t0=$SECONDS
-  echo "== $name (limit ${limit}s)"
-  timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
-  local rc=$?
-  STATUS+=("$name $rc $((SECONDS - t0))")
-  tail -n 15 "$WORK/$name.log"
-  return $rc
-}
+STEP_TAIL=15
+# shellcheck source=scripts/gpu_steps.sh
+source "$ROOT/scripts/gpu_steps.sh"
 
 step env 60 bash -c "nvidia-smi; $PY -c '
 import jax, jaxlib
@@ -151,12 +134,7 @@ step tests_rest 150 "$PY" -m pytest -m "not gpu" $KERNEL_TESTS \
   tests/test_sparse_attention_reference.py tests/test_bench.py -q -rf -p no:cacheprovider
 
 {
-  echo "== steps (rc 0 = ok, 124 = timed out) =="
-  printf '%-12s %8s %8s\n' step rc seconds
-  for s in "${STATUS[@]}"; do
-    # shellcheck disable=SC2086
-    printf '%-12s %8s %8s\n' $s
-  done
+  print_steps
   echo "total $((SECONDS - START)) s of BUDGET_S=$BUDGET_S"
   echo
   echo "tests_gpu:  $(grep -E " (passed|failed|error)" "$WORK/tests_gpu.log" | tail -n 1)"

@@ -34,25 +34,9 @@ export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONUNBUFFERED=1
 
-STATUS=()
-# step NAME TIMEOUT_S CMD...: runs CMD with a timeout clipped to the remaining budget, logs
-# to $WORK/NAME.log, and records "NAME rc seconds" (rc 124: timed out; "skipped": no time).
-step() {
-  local name=$1 limit=$2
-  shift 2
-  local left=$((BUDGET_S - (SECONDS - START) - 15))
-  if ((left < 20)); then
-    STATUS+=("$name skipped 0")
-    return
-  fi
-  ((limit > left)) && limit=$left
-  local t0=$SECONDS
-  echo "== $name (limit ${limit}s)"
-  timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
-  local rc=$?
-  STATUS+=("$name $rc $((SECONDS - t0))")
-  tail -n 25 "$WORK/$name.log"
-}
+STEP_TAIL=25
+# shellcheck source=scripts/gpu_steps.sh
+source "$ROOT/scripts/gpu_steps.sh"
 
 step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -c '
 import jax, jaxlib
@@ -118,12 +102,7 @@ step tests_rest 100 "$PY" -m pytest -m "not gpu" tests/test_resolve_kernel.py \
   tests/test_bench_resolve.py -q -rf -p no:cacheprovider
 
 {
-  echo "== steps (rc 0 = ok, 124 = timed out) =="
-  printf '%-12s %8s %8s\n' step rc seconds
-  for s in "${STATUS[@]}"; do
-    # shellcheck disable=SC2086
-    printf '%-12s %8s %8s\n' $s
-  done
+  print_steps
   echo
   grep -E " (passed|failed|skipped|error)" "$WORK/tests_gpu.log" | tail -n 1
   grep -E "^FAILED|^ERROR" "$WORK/tests_gpu.log" | head -n 20

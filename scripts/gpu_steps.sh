@@ -1,0 +1,36 @@
+# Sourced by the GPU scripts: a budgeted step runner and its status table.
+# Needs WORK (log folder), BUDGET_S and START (the script's $SECONDS at start).
+# STEP_TAIL: lines of each step's log printed after it (default 25).
+
+STATUS=()
+# step NAME TIMEOUT_S CMD...: runs CMD with a timeout clipped to the remaining budget, logs
+# to $WORK/NAME.log, records "NAME rc seconds" (rc 124: timed out; "skipped": no time) and
+# returns CMD's exit status (1 when skipped).
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((BUDGET_S - (SECONDS - START) - 15))
+  if ((left < 20)); then
+    STATUS+=("$name skipped 0")
+    return 1
+  fi
+  ((limit > left)) && limit=$left
+  local t0=$SECONDS
+  echo "== $name (limit ${limit}s)"
+  timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
+  local rc=$?
+  STATUS+=("$name $rc $((SECONDS - t0))")
+  tail -n "${STEP_TAIL:-25}" "$WORK/$name.log"
+  return $rc
+}
+
+# print_steps: the table of every step's exit status and seconds.
+print_steps() {
+  echo "== steps (rc 0 = ok, 124 = timed out) =="
+  printf '%-12s %8s %8s\n' step rc seconds
+  local s
+  for s in "${STATUS[@]}"; do
+    # shellcheck disable=SC2086
+    printf '%-12s %8s %8s\n' $s
+  done
+}
