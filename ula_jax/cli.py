@@ -214,7 +214,7 @@ def _compare(args: argparse.Namespace) -> int:
 def _bench_args(p: argparse.ArgumentParser) -> None:
   from ula_jax.bench import BENCHMARKS
 
-  p.add_argument("benchmark", choices=BENCHMARKS, help="which kernel benchmark")
+  p.add_argument("benchmark", choices=BENCHMARKS, help="which benchmark")
   p.add_argument("args", nargs=argparse.REMAINDER,
                  help="the benchmark's own arguments (ula-jax bench NAME --help)")
 
@@ -287,7 +287,8 @@ VERBS: dict[str, Verb] = {v.name: v for v in [
          _config),
     Verb("compare", "compare two runs' generated tokens request by request (exit 1 on a "
          "mismatch)", _compare_args, _compare),
-    Verb("bench", "kernel benchmarks (fetch, attention): a table and JSON", _bench_args,
+    Verb("bench", "benchmarks (fetch, attention, resolve, step_cost, tp_link, serving): "
+         "a table and JSON", _bench_args,
          _bench),
     Verb("launch", "run an experiment as several jax.distributed processes (one host or "
          "many)", _launch_args, _launch),

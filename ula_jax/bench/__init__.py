@@ -6,6 +6,9 @@ JSON (``ula-jax bench NAME``; ``BENCHMARKS`` lists the module names).
 * ``attention``: sparse MLA decode attention, bytes it must read per second as a fraction
   of a device-to-device copy measured in the same run.
 * ``step_cost``: an all-hit decode step of each memory system against ``resident``.
+* ``tp_link``: TP mode's cross-device miss delivery against a device-to-device copy.
+* ``serving``: capacity and tokens/s against running batch of every system on every
+  device of the host at equal device and host budgets (a table, JSON and a plot).
 
 ``fetch`` and ``attention`` import neither ``ula_jax.config`` nor the model, so they run
 wherever jax does. ``summary`` condenses their JSON (``python -m ula_jax.bench.summary``).
@@ -13,4 +16,4 @@ wherever jax does. ``summary`` condenses their JSON (``python -m ula_jax.bench.s
 
 from __future__ import annotations
 
-BENCHMARKS = ("fetch", "attention", "resolve", "step_cost")
+BENCHMARKS = ("fetch", "attention", "resolve", "step_cost", "tp_link", "serving")

@@ -209,7 +209,8 @@ def resolve_loop(system: Ula, impl: str, *, config: ResolveConfig | None,
     def body(t, carry):
       meta, totals = carry
       meta, _, _, plan, stats = resolve_group(system, meta, sel[t], valid, new[t], active,
-                                              impl=impl, interpret=interpret, config=config)
+                                              impl=impl, interpret=interpret, config=config,
+                                              fast_path=False)
       counts = jnp.stack([stats["hits"], stats["misses"], stats["evictions"],
                           plan.n_fetch]).astype(jnp.int32)
       return meta, totals + counts

@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
   p.add_argument("--prompt", type=int, default=200)
   p.add_argument("--output", type=int, default=24)
   p.add_argument("--json", default="runs/bench/step_cost.json")
-  args = p.parse_args(argv)
+  args = p.parse_intermixed_args(argv)
   systems = [s.strip() for s in args.systems.split(",") if s.strip()]
   if "resident" not in systems:
     p.error(f"--systems={args.systems!r} must include resident (the reference)")

@@ -231,6 +231,11 @@ class KernelsConfig(Section):
       "xla", description="host->device fetch / write-back of entries (ffi = the custom call)")
   resolve: Literal["jnp", "pallas"] = Field(
       "jnp", description="the resolve stages (dedupe, hits, victims)")
+  resolve_fast_path: bool = Field(
+      True, description="a resolve whose step moves nothing (every selection on the device, "
+      "room for the new tokens in free device slots) skips the full resolve for an all-hit "
+      "path with identical results, chosen on device per layer group; false always runs "
+      "kernels.resolve in full")
   interpret: bool | None = Field(
       None, description="run Pallas kernels in interpret mode; None = interpret on CPU only")
   deterministic: bool = Field(

@@ -206,6 +206,7 @@ class Engine:
                                    max_context=self.max_context,
                                    fetch_impl=cfg.kernels.fetch,
                                    resolve_impl=cfg.kernels.resolve,
+                                   resolve_fast_path=cfg.kernels.resolve_fast_path,
                                    interpret=interpret_kernels(cfg, mesh.devices.flat[0].platform))
     self.attention_impl = cfg.kernels.attention
     self.report_every = max(1, int(getattr(ecfg, "report_every", 1)))

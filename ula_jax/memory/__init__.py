@@ -27,13 +27,16 @@ def system_class(name: str) -> type[MemorySystem]:
 def build_memory_system(cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
                         max_batch: int, page_size: int, max_context: int,
                         fetch_impl: str = "xla", resolve_impl: str = "jnp",
+                        resolve_fast_path: bool = True,
                         interpret: bool | None = None) -> MemorySystem:
   """Instantiates ``cfg.system`` and validates its sizes (before any compute).
 
   ``ula`` with ``mesh_info.tp > 1`` is TP mode (``ula_tp.UlaTP``).
 
   fetch_impl / resolve_impl: the ``kernels.fetch`` / ``kernels.resolve`` implementations
-  its row copies and resolve use; interpret: run Pallas kernels in interpret mode.
+  its row copies and resolve use; resolve_fast_path: ``kernels.resolve_fast_path`` (steps
+  that move nothing take the all-hit fast path); interpret: run Pallas kernels in
+  interpret mode.
   """
   cls = system_class(cfg.system)
   if cfg.system == "ula" and mesh_info.tp > 1:
@@ -44,6 +47,7 @@ def build_memory_system(cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
                max_context=max_context)
   system.fetch_impl, system.fetch_interpret = fetch_impl, interpret
   system.resolve_impl, system.resolve_interpret = resolve_impl, interpret
+  system.resolve_fast_path = resolve_fast_path
   system.validate()
   return system
 

@@ -228,6 +228,9 @@ class MemorySystem(abc.ABC):
   # for systems that have one.
   resolve_impl: str = "jnp"
   resolve_interpret: bool | None = None
+  # Steps that move nothing take the resolve's all-hit fast path (same results;
+  # ``kernels.resolve_fast_path``).
+  resolve_fast_path: bool = True
 
   def __init__(self, cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
                max_batch: int, page_size: int, max_context: int):

@@ -29,10 +29,13 @@ condition, ``Sd >= max_batch * (top_k + 1)``, is checked by ``validate``.
 Per decode step and group, ``resolve`` plans (stage/dedupe -> mark hits -> pick victims
 -> plan fetch and write-back -> update the table -> publish slots aligned with
 ``sel_addr``; ``resolve_meta`` in jnp, or the fused Pallas kernels of
-``kernels.resolve`` when ``resolve_impl == 'pallas'``, with identical results) and ``move_layer`` copies one layer's rows through ``kernels.fetch``
-(``fetch_rows`` / ``evict_rows``, implementation ``self.fetch_impl``). Every shape is
-static: a step moves at most ``M = B * k + B`` entries each way, as fixed-size lists
-compacted to the front, with counts (``UlaPlan``).
+``kernels.resolve`` when ``resolve_impl == 'pallas'``, with identical results; with
+``resolve_fast_path``, a step that moves nothing takes the all-hit fast path of
+``kernels.resolve.fastpath``, again with identical results) and ``move_layer`` copies
+one layer's rows through ``kernels.fetch`` (``fetch_rows`` / ``evict_rows``,
+implementation ``self.fetch_impl``). Every shape is static: a step moves at most
+``M = B * k + B`` entries each way, as fixed-size lists compacted to the front, with
+counts (``UlaPlan``).
 """
 
 from __future__ import annotations
@@ -374,7 +377,7 @@ class Ula(MemorySystem):
     # ``resolve_meta`` itself ('jnp') or the fused Pallas kernels ('pallas'): same arrays.
     meta, slots, new_slot, plan, stats = resolve_group(
         self, state.meta[group], sel_addr, sel_valid, new_addr, active,
-        impl=self.resolve_impl, interpret=self.resolve_interpret)
+        impl=self.resolve_impl, interpret=self.resolve_interpret, fast_path=self.resolve_fast_path)
     state = state.replace(meta=replace_at(state.meta, group, meta))
     return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot, plan=plan,
                              stats=stats)

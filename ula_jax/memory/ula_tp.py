@@ -168,6 +168,35 @@ def broadcast_owned_rows(rows: jax.Array, mine: jax.Array, axis: str = TP_AXIS) 
   return out.reshape(M, W + pad)[:, :W]
 
 
+def deliver_misses(pool: jax.Array, fetch_slot: jax.Array, fetch_dst: jax.Array,
+                   n_fetch: jax.Array, buf: jax.Array, axis: str = TP_AXIS) -> jax.Array:
+  """One layer's misses copied from their owners' device pools into every rank's buffer
+  (inside shard_map; the cross-device data path of TP mode).
+
+  pool:       [S, W] this rank's device pool
+  fetch_slot: [F] int32 pool slot of each miss on this rank (INVALID: owned elsewhere);
+              F a multiple of ``FETCH_PIECES``
+  fetch_dst:  [F] int32 buffer slot receiving each miss (INVALID past ``n_fetch``)
+  n_fetch:    [] int32 misses (the same on every rank of ``axis``)
+  buf:        [L, W] this rank's buffer
+  returns the buffer with every miss written, bit for bit, on every rank
+
+  The misses cross in pieces of ``F / FETCH_PIECES`` rows, as many as ``n_fetch`` needs.
+  """
+  L = buf.shape[0]
+  C = fetch_dst.shape[0] // FETCH_PIECES
+
+  def piece(i, buf):
+    slot = jax.lax.dynamic_slice_in_dim(fetch_slot, i * C, C)
+    dst = jax.lax.dynamic_slice_in_dim(fetch_dst, i * C, C)
+    # Every rank of the dp rank runs the same number of pieces (n_fetch is the same on
+    # all of them), so the collectives match up.
+    rows = broadcast_owned_rows(pool[jnp.clip(slot, 0, pool.shape[0] - 1)], slot >= 0, axis)
+    return buf.at[jnp.where(dst >= 0, dst, L)].set(rows, mode="drop")
+
+  return jax.lax.fori_loop(0, (n_fetch + C - 1) // C, piece, buf)
+
+
 def merge_topk(scores: jax.Array, pos: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """The top-k of candidates gathered from several ranks, ties to the lower position.
 
@@ -428,6 +457,7 @@ class UlaTP(MemorySystem):
       u = self.store.ula
       u.fetch_impl, u.fetch_interpret = self.fetch_impl, self.fetch_interpret
       u.resolve_impl, u.resolve_interpret = self.resolve_impl, self.resolve_interpret
+      u.resolve_fast_path = self.resolve_fast_path
 
   # -- layout ----------------------------------------------------------------------
 
@@ -625,20 +655,10 @@ class UlaTP(MemorySystem):
 
   def move_layer(self, state: UlaTPState, layer, res: Resolution) -> UlaTPState:
     p: TPPlan = res.plan
-    L = self.buffer_slots
     ranked = self.store.move_layer(state.ranked, layer, p.owner)
     pool = self.store.dev_pool(ranked, layer)
-    C = p.fetch_dst.shape[0] // FETCH_PIECES
-
-    def piece(i, buf):
-      slot = jax.lax.dynamic_slice_in_dim(p.fetch_slot, i * C, C)
-      dst = jax.lax.dynamic_slice_in_dim(p.fetch_dst, i * C, C)
-      # Every rank of the dp rank runs the same number of pieces (n_fetch is the same
-      # on all of them), so the collectives match up.
-      rows = broadcast_owned_rows(pool[jnp.clip(slot, 0, pool.shape[0] - 1)], slot >= 0)
-      return buf.at[jnp.where(dst >= 0, dst, L)].set(rows, mode="drop")
-
-    buf = jax.lax.fori_loop(0, (p.n_fetch + C - 1) // C, piece, state.shared.buffers[layer])
+    buf = deliver_misses(pool, p.fetch_slot, p.fetch_dst, p.n_fetch,
+                         state.shared.buffers[layer])
     return UlaTPState(shared=state.shared.replace(
         buffers=replace_at(state.shared.buffers, layer, buf)), ranked=ranked)
 

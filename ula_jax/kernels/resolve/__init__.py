@@ -10,6 +10,12 @@ arrays as ``Ula.resolve_meta``:
   group, no sort: dedupe by location bitmaps, order by count pyramids, PB-LRU's
   bucket search over its bitmaps (``interpret=True`` runs them on CPU).
 
+With ``fast_path=True`` (the config field ``kernels.resolve_fast_path``) a step that needs
+no data movement -- every selection already on the device, the new tokens unstored and
+enough free device slots for them -- takes the all-hit fast path (``fastpath.py``): the
+same arrays from ``O(B * k)`` gathers and ``O(Sd / 32)``-word reductions, chosen per call
+on device with ``jax.lax.cond``; any other step runs ``impl`` in full.
+
 Implementations are imported on first use.
 """
 
@@ -36,7 +42,8 @@ def impl_function(impl: str) -> Callable[..., Any]:
 
 def resolve_group(system: Any, meta: Any, sel_addr: jax.Array, sel_valid: jax.Array,
                   new_addr: jax.Array, active: jax.Array, *, impl: str = "jnp",
-                  interpret: bool | None = None, config: Any = None):
+                  interpret: bool | None = None, config: Any = None,
+                  fast_path: bool = True):
   """Resolves one layer group's selection for a batch of requests.
 
   system:    a ``ula.Ula`` (static: sizes and policy)
@@ -46,11 +53,21 @@ def resolve_group(system: Any, meta: Any, sel_addr: jax.Array, sel_valid: jax.Ar
   impl:      'jnp' | 'pallas'
   interpret: Pallas interpret mode (None: on everywhere but on GPU); 'jnp' ignores it
   config:    ``pallas.ResolveConfig`` for 'pallas' (None: defaults)
+  fast_path: take the all-hit fast path (``fastpath.py``) when the step moves nothing;
+             the result is the same either way
   returns (meta, slots [B, k] int32, new_slot [B] int32, plan ``UlaPlan``, stats dict
            of int32 scalars ``hits``, ``misses``, ``evictions``)
   """
-  return impl_function(impl)(system, meta, sel_addr, sel_valid, new_addr, active,
-                             config=config, interpret=interpret)
+  fn = impl_function(impl)
+
+  def full(meta, sel_addr, sel_valid, new_addr, active):
+    return fn(system, meta, sel_addr, sel_valid, new_addr, active, config=config,
+              interpret=interpret)
+
+  if not fast_path:
+    return full(meta, sel_addr, sel_valid, new_addr, active)
+  from ula_jax.kernels.resolve.fastpath import resolve_fast_or  # first use, like the impls
+  return resolve_fast_or(full, system, meta, sel_addr, sel_valid, new_addr, active)
 
 
 __all__ = ["IMPLS", "impl_function", "resolve_group"]

@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# Runs on a host with several GPUs (run from the repository root; the config packages
+# travel as wheels in .whl/ when the machine lacks them), in two parts that each fit one
+# device call:
+#
+#     PART=a OUT=/some/dir bash scripts/gpu_multi.sh
+#     PART=b OUT=/some/dir bash scripts/gpu_multi.sh
+#
+# Part a (every GPU of the host):
+#   env          GPUs, their links (nvidia-smi topo -m), jax
+#   exact_dp     greedy tokens of ula DP (dp = G, a device pool of ~1.5 x top-k per row:
+#                most steps evict to the host pool) equal resident's (dp = G)
+#   exact_tp     ula TP (tp = G, layout mod; device-only, and with a host pool) equal
+#                resident's (tp = G, the latent replicated)
+#   tp_link      ula_jax.bench.tp_link: TP miss delivery against the d2d copy bandwidth
+#   serving_a    ula_jax.bench.serving for resident_tp, hisparse, ula_dp ($SERVING_A)
+# Part b:
+#   ffi_build    the CUDA FFI handlers (background, while the GPU works)
+#   serving_b    ula_jax.bench.serving for ula_tp ($SERVING_B)
+#   exact_kern   one GPU: ula's tokens equal resident's with the Pallas fetch, resolve and
+#                attention kernels, and with the FFI fetch
+#   step_cost    one GPU: an all-hit decode step of ula against resident (jnp resolve with
+#                and without the all-hit fast path, Pallas resolve)
+# Results under $OUT (8 files at most): summary.txt (printed last), the benchmarks' JSON,
+# serving.png, logs.tar.gz. BUDGET_S (default 560) bounds each part.
+# PLATFORM=cpu runs the same steps at toy sizes on simulated CPU devices (a dry run).
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PART=${PART:-a}
+OUT=${OUT:-$ROOT/gpu_multi_out}
+WORK=${WORK:-/tmp/gpu_multi_work/$PART}  # logs; only chosen files go to $OUT
+RUNS=${RUNS:-/tmp/gpu_multi_runs}
+mkdir -p "$WORK" "$RUNS"
+PY=${PYTHON:-python3}
+BUDGET_S=${BUDGET_S:-560}
+START=$SECONDS
+PLATFORM=${PLATFORM:-gpu}
+SERVING_A=${SERVING_A:-resident_tp,hisparse,ula_dp}  # systems of bench serving, per part
+SERVING_B=${SERVING_B:-ula_tp}
+
+if ! "$PY" -c "import pydantic, omegaconf" 2>/dev/null && [ -d .whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+CLI="$PY -m ula_jax.cli"
+
+if [ "$PLATFORM" = gpu ]; then
+  G=$(nvidia-smi -L | wc -l)
+  MODEL="model=small model.index_topk=64"
+  SERVE="--context 8K --device-budget 64K --host-budget 128K --batches 1,4,16,32"
+  SERVE_MODEL="model=small"
+  KOPTS="kernels.fetch=pallas kernels.resolve=pallas"
+else  # a dry run on simulated CPU devices
+  G=${G:-2}
+  MODEL="model=tiny"
+  SERVE="--context 512 --device-budget 1024 --host-budget 1024 --batches 2 --max-rows 16 --decode-steps 2"
+  SERVE_MODEL="model=tiny"
+  KOPTS="kernels.fetch=pallas kernels.resolve=pallas"
+fi
+BASE="configs/experiments/quickstart.yaml mesh.platform=$PLATFORM $MODEL workload.num_requests=16"
+
+STEP_TAIL=${STEP_TAIL:-12}
+# shellcheck source=scripts/gpu_steps.sh
+source "$ROOT/scripts/gpu_steps.sh"
+
+# exact NAME "A overrides" "B overrides": two runs, their tokens compared.
+exact_pair() {
+  local name=$1 a=$2 b=$3
+  # shellcheck disable=SC2086
+  $CLI run $BASE $a --no-progress --out "$RUNS/${name}_ref" | grep -E "finished|tokens/s|peak" \
+    && $CLI run $BASE $b --no-progress --out "$RUNS/$name" | grep -E "finished|tokens/s|hit|misses|xdev|distinct" \
+    && { $CLI compare "$RUNS/${name}_ref" "$RUNS/$name" | tail -n 2; } \
+    && echo "TOKENS EQUAL: $name" || { echo "TOKENS DIFFER (or failed): $name"; return 1; }
+}
+export -f exact_pair
+export CLI BASE RUNS
+
+serving() {  # serving NAME SYSTEMS [more args]
+  local name=$1 systems=$2
+  shift 2
+  # shellcheck disable=SC2086
+  $PY -m ula_jax.cli bench serving --systems "$systems" --devices "$G" $SERVE --out "$WORK/$name" \
+    "$@" mesh.platform=$PLATFORM $SERVE_MODEL $KOPTS
+}
+export -f serving
+export PY WORK PLATFORM SERVE SERVE_MODEL KOPTS G
+
+if [ "$PART" = a ]; then
+  step env 60 bash -c "nvidia-smi -L; nvidia-smi topo -m; $PY -c '
+import jax; print(\"jax\", jax.__version__, jax.devices())'" || true
+  step exact_dp 150 bash -c "exact_pair dp 'mesh.dp=$G mesh.tp=1 engine.max_batch=4' \
+    'mesh.dp=$G mesh.tp=1 engine.max_batch=4 memory.system=ula memory.policy=pb_lru memory.device_pool=400 memory.host_pool=4096'"
+  step exact_tp 200 bash -c "exact_pair tp 'mesh.dp=1 mesh.tp=$G engine.max_batch=8' \
+    'mesh.dp=1 mesh.tp=$G engine.max_batch=8 memory.system=ula memory.layout=mod' && \
+    exact_pair tp_host 'mesh.dp=1 mesh.tp=$G engine.max_batch=8' \
+    'mesh.dp=1 mesh.tp=$G engine.max_batch=8 memory.system=ula memory.layout=mod memory.device_pool=1120 memory.host_pool=4096'"
+  if [ "$PLATFORM" = gpu ]; then
+    step tp_link 90 $CLI bench tp_link --devices "$G" --out "$OUT/tp_link.json"
+  else
+    step tp_link 90 $CLI bench tp_link --devices "$G" --quick --out "$OUT/tp_link.json"
+  fi
+  step serving_a 400 bash -c "serving serving_a $SERVING_A"
+  cp "$WORK/serving_a/serving.json" "$OUT/serving_a.json" 2>/dev/null
+  cp "$WORK/serving_a/serving.png" "$OUT/serving_a.png" 2>/dev/null
+else
+  if [ "$PLATFORM" = gpu ]; then
+    (ULA_JAX_FFI_CUDA=ON "$PY" -m pip install --no-build-isolation --no-deps --force-reinstall \
+      -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 ./custom_calls >"$WORK/ffi_build.log" 2>&1;
+     echo "rc $?" >>"$WORK/ffi_build.log") &
+  fi
+  step serving_b 300 bash -c "serving serving_b $SERVING_B"
+  cp "$WORK/serving_b/serving.json" "$OUT/serving_b.json" 2>/dev/null
+  cp "$WORK/serving_b/serving.png" "$OUT/serving_b.png" 2>/dev/null
+  ONE="mesh.dp=1 mesh.tp=1 engine.max_batch=8"
+  EVICT="memory.system=ula memory.device_pool=780 memory.host_pool=4096"
+  wait  # the FFI build
+  tail -n 3 "$WORK/ffi_build.log" 2>/dev/null
+  step exact_kern 200 env CUDA_VISIBLE_DEVICES=0 bash -c "
+    exact_pair k_pallas '$ONE' '$ONE $EVICT kernels.fetch=pallas kernels.resolve=pallas kernels.attention=pallas' ;
+    a=\$?; exact_pair k_ffi '$ONE' '$ONE $EVICT kernels.fetch=ffi' ; exit \$((a + \$?))"
+  for variant in "jnp kernels.resolve=jnp" "jnp_nofast kernels.resolve=jnp kernels.resolve_fast_path=false" \
+                 "pallas kernels.resolve=pallas"; do
+    set -- $variant
+    name=$1; shift
+    if [ "$PLATFORM" = gpu ]; then
+      SC="--batch 32 --prompt 1024 --output 64 model=small model.index_topk=256"
+    else
+      SC="--batch 2 --prompt 64 --output 6 model=tiny"
+    fi
+    # shellcheck disable=SC2086
+    step "cost_$name" 120 env CUDA_VISIBLE_DEVICES=0 $CLI bench step_cost $SC \
+      --json "$WORK/step_cost_$name.json" mesh.dp=1 mesh.tp=1 mesh.platform=$PLATFORM "$@"
+  done
+  ($PY - "$WORK" "$OUT/step_cost.json" <<'EOF'
+import json, pathlib, sys
+work = pathlib.Path(sys.argv[1])
+out = {p.stem.removeprefix("step_cost_"): json.loads(p.read_text())
+       for p in sorted(work.glob("step_cost_*.json"))}
+pathlib.Path(sys.argv[2]).write_text(json.dumps(out, indent=2))
+for name, r in out.items():
+  for s, row in r["systems"].items():
+    print(f"step_cost {name:11s} {s:9s} {row['median_step_s'] * 1e3:8.3f} ms  ratio "
+          f"{row['ratio_to_resident']:.3f}  misses {row['misses']}  equal {row['tokens_equal_resident']}")
+EOF
+  ) >"$WORK/step_cost_summary.log" 2>&1
+  cat "$WORK/step_cost_summary.log"
+fi
+
+tar -czf "$OUT/logs.tar.gz" -C "$WORK" . 2>/dev/null
+{
+  print_steps
+  echo "total $((SECONDS - START)) s of BUDGET_S=$BUDGET_S (part $PART, $G devices, $PLATFORM)"
+  grep -h -E "TOKENS" "$WORK"/*.log 2>/dev/null
+  grep -h -E "^step_cost" "$WORK"/*.log 2>/dev/null
+  for f in "$WORK"/serving_*.log; do [ -f "$f" ] && grep -E "^  [a-z_]+ +batch" "$f"; done
+  [ -f "$WORK/tp_link.log" ] && grep -E "│" "$WORK/tp_link.log" | tail -n 16
+} | tee "$OUT/summary.txt"
