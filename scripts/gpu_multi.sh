@@ -23,7 +23,8 @@
 #                and without the all-hit fast path, Pallas resolve)
 # Results under $OUT (8 files at most): summary.txt (printed last), the benchmarks' JSON,
 # serving.png, logs.tar.gz. BUDGET_S (default 560) bounds each part.
-# PLATFORM=cpu runs the same steps at toy sizes on simulated CPU devices (a dry run).
+# SKIP_EXACT_DP=1 leaves out exact_dp. PLATFORM=cpu runs the same steps at toy sizes on
+# simulated CPU devices (a dry run).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -91,7 +92,7 @@ export PY WORK PLATFORM SERVE SERVE_MODEL KOPTS G
 if [ "$PART" = a ]; then
   step env 60 bash -c "nvidia-smi -L; nvidia-smi topo -m; $PY -c '
 import jax; print(\"jax\", jax.__version__, jax.devices())'" || true
-  step exact_dp 150 bash -c "exact_pair dp 'mesh.dp=$G mesh.tp=1 engine.max_batch=4' \
+  [ -n "${SKIP_EXACT_DP:-}" ] || step exact_dp 150 bash -c "exact_pair dp 'mesh.dp=$G mesh.tp=1 engine.max_batch=4' \
     'mesh.dp=$G mesh.tp=1 engine.max_batch=4 memory.system=ula memory.policy=pb_lru memory.device_pool=400 memory.host_pool=4096'"
   step exact_tp 200 bash -c "exact_pair tp 'mesh.dp=1 mesh.tp=$G engine.max_batch=8' \
     'mesh.dp=1 mesh.tp=$G engine.max_batch=8 memory.system=ula memory.layout=mod' && \

@@ -69,10 +69,18 @@ class Setup:
   overrides: tuple[str, ...]
 
 
+def _size(value: str) -> str:
+  """A budget as the config takes it: '64K' tokens -> 65536; '1GiB' stays bytes."""
+  try:
+    return str(parse_sizes(value)[0])
+  except ValueError:
+    return value
+
+
 def setup(name: str, devices: int, *, device_budget: str, host_budget: str,
           hisparse_buffer: int) -> Setup:
-  dev = f"memory.device_pool={device_budget}"
-  host = f"memory.host_pool={host_budget}"
+  dev = f"memory.device_pool={_size(device_budget)}"
+  host = f"memory.host_pool={_size(host_budget)}"
   tp_mesh, dp_mesh = (1, devices), (devices, 1)
   table = {
       "resident_tp": (tp_mesh, ["memory.system=resident", dev]),

@@ -35,8 +35,8 @@ Per decode step and layer group (the order of ``base.py``):
 4. ``move_layer``: owners copy host entries to their device pool if needed, gather the
    misses they own, and a collective over ``tp`` (a sum of owner-masked rows, on their
    bits so the copy is exact) delivers every miss to every rank's buffer. Shapes are
-   static, so the misses cross in pieces of ``B * k / FETCH_PIECES`` rows, only as
-   many pieces as the step needs.
+   static, so the misses cross in one collective of ``F / 8``, ``F / 4``, ``F / 2`` or
+   ``F`` rows (``F >= B * k``), the smallest that holds the step's misses, or none.
 5. ``write_token``: the new token's entry goes into every rank's buffer and into its
    owner's pool. Attention reads the buffer (``read_pool``) at ``res.slots``.
 
@@ -81,9 +81,10 @@ TP_AXIS = "tp"
 # scores T / P per rank, but XLA may round the smaller products differently in the last
 # bit, so near-equal scores may order differently than the unsharded indexer).
 INDEX_SCORING: tuple[str, ...] = ("aligned", "local")
-# Misses cross devices in pieces of ceil(B * k / FETCH_PIECES) rows, as many pieces as a
-# step needs (shapes stay static): a step that hits everything sends nothing, one that
-# misses a little sends one piece rather than a worst-case B * k rows.
+# Misses cross devices in one collective over the first F / FETCH_PIECES * 2**i rows of
+# the (compacted) fetch lists, the smallest such size that holds them (shapes stay
+# static): a step that hits everything sends nothing, one that misses a little sends
+# F / FETCH_PIECES rows rather than a worst-case B * k.
 FETCH_PIECES = 8
 
 
@@ -177,24 +178,33 @@ def deliver_misses(pool: jax.Array, fetch_slot: jax.Array, fetch_dst: jax.Array,
   fetch_slot: [F] int32 pool slot of each miss on this rank (INVALID: owned elsewhere);
               F a multiple of ``FETCH_PIECES``
   fetch_dst:  [F] int32 buffer slot receiving each miss (INVALID past ``n_fetch``)
-  n_fetch:    [] int32 misses (the same on every rank of ``axis``)
+  n_fetch:    [] int32 misses, listed first (the same on every rank of ``axis``)
   buf:        [L, W] this rank's buffer
   returns the buffer with every miss written, bit for bit, on every rank
 
-  The misses cross in pieces of ``F / FETCH_PIECES`` rows, as many as ``n_fetch`` needs.
+  One collective moves the first ``F / FETCH_PIECES * 2**i`` rows, the smallest such
+  count that holds ``n_fetch`` (``lax.switch``; every rank takes the same branch, so the
+  collectives match up); no collective when nothing misses.
   """
-  L = buf.shape[0]
-  C = fetch_dst.shape[0] // FETCH_PIECES
+  L, F = buf.shape[0], fetch_dst.shape[0]
+  sizes = []
+  size = F // FETCH_PIECES
+  while size < F:
+    sizes.append(size)
+    size *= 2
+  sizes.append(F)
 
-  def piece(i, buf):
-    slot = jax.lax.dynamic_slice_in_dim(fetch_slot, i * C, C)
-    dst = jax.lax.dynamic_slice_in_dim(fetch_dst, i * C, C)
-    # Every rank of the dp rank runs the same number of pieces (n_fetch is the same on
-    # all of them), so the collectives match up.
-    rows = broadcast_owned_rows(pool[jnp.clip(slot, 0, pool.shape[0] - 1)], slot >= 0, axis)
-    return buf.at[jnp.where(dst >= 0, dst, L)].set(rows, mode="drop")
+  def move(size: int):
+    def branch(buf):
+      slot, dst = fetch_slot[:size], fetch_dst[:size]
+      rows = broadcast_owned_rows(pool[jnp.clip(slot, 0, pool.shape[0] - 1)], slot >= 0,
+                                  axis)
+      return buf.at[jnp.where(dst >= 0, dst, L)].set(rows, mode="drop")
+    return branch
 
-  return jax.lax.fori_loop(0, (n_fetch + C - 1) // C, piece, buf)
+  fits = jnp.asarray(sizes, _I32) >= n_fetch
+  which = jnp.where(n_fetch > 0, 1 + jnp.argmax(fits), 0)
+  return jax.lax.switch(which, [lambda b: b] + [move(n) for n in sizes], buf)
 
 
 def merge_topk(scores: jax.Array, pos: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
