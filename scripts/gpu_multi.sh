@@ -14,6 +14,10 @@
 #                resident's (tp = G, the latent replicated)
 #   tp_link      ula_jax.bench.tp_link: TP miss delivery against the d2d copy bandwidth
 #   serving_a    ula_jax.bench.serving for resident_tp, hisparse, ula_dp ($SERVING_A)
+# Part c (what a and b leave, one call): step_cost (jnp, Pallas), gpu_decode_probe.py
+# (the fixed cost of a decode step and pool-sized buffers in its HLO, by host-pool
+# size), serving of $SERVING_B at batch 4 and capacity, exact_kern (Pallas), serving of
+# ula_dp at its capacity.
 # Part b:
 #   ffi_build    the CUDA FFI handlers (background, while the GPU works)
 #   serving_b    ula_jax.bench.serving for ula_tp ($SERVING_B)
@@ -32,7 +36,7 @@ PART=${PART:-a}
 OUT=${OUT:-$ROOT/gpu_multi_out}
 WORK=${WORK:-/tmp/gpu_multi_work/$PART}  # logs; only chosen files go to $OUT
 RUNS=${RUNS:-/tmp/gpu_multi_runs}
-mkdir -p "$WORK" "$RUNS"
+mkdir -p "$OUT" "$WORK" "$RUNS"
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-560}
 START=$SECONDS
@@ -106,6 +110,34 @@ import jax; print(\"jax\", jax.__version__, jax.devices())'" || true
   step serving_a 400 bash -c "serving serving_a $SERVING_A"
   cp "$WORK/serving_a/serving.json" "$OUT/serving_a.json" 2>/dev/null
   cp "$WORK/serving_a/serving.png" "$OUT/serving_a.png" 2>/dev/null
+elif [ "$PART" = c ]; then  # what part a/b left: one call's worth
+  if [ "$PLATFORM" = gpu ]; then
+    SC="--batch 32 --prompt 1024 --output 64 model=small model.index_topk=256"
+    PROBE="model=small"
+  else
+    SC="--batch 2 --prompt 64 --output 6 model=tiny"
+    PROBE="model=tiny --host 0,1024 --device 1024 --steps 4"
+  fi
+  for variant in "jnp kernels.resolve=jnp" "pallas kernels.resolve=pallas"; do
+    set -- $variant
+    name=$1; shift
+    # shellcheck disable=SC2086
+    step "cost_$name" 120 env CUDA_VISIBLE_DEVICES=0 $CLI bench step_cost $SC \
+      --json "$WORK/step_cost_$name.json" mesh.dp=1 mesh.tp=1 mesh.platform=$PLATFORM "$@"
+  done
+  # shellcheck disable=SC2086
+  step probe 150 env CUDA_VISIBLE_DEVICES=0 $PY scripts/gpu_decode_probe.py $PROBE \
+    mesh.platform=$PLATFORM kernels.fetch=pallas kernels.resolve=pallas
+  SERVE="$SERVE --batches 4"
+  step serving_c 200 bash -c "serving serving_c $SERVING_B"
+  cp "$WORK/serving_c/serving.json" "$OUT/serving_c.json" 2>/dev/null
+  ONE="mesh.dp=1 mesh.tp=1 engine.max_batch=8"
+  EVICT="memory.system=ula memory.device_pool=780 memory.host_pool=4096"
+  step exact_kern 150 env CUDA_VISIBLE_DEVICES=0 bash -c "exact_pair k_pallas '$ONE' \
+    '$ONE $EVICT kernels.fetch=pallas kernels.resolve=pallas kernels.attention=pallas'"
+  SERVE="${SERVE% --batches 4} --batches 48"
+  step serving_d 120 bash -c "serving serving_d ula_dp"
+  cp "$WORK/serving_d/serving.json" "$OUT/serving_d.json" 2>/dev/null
 else
   if [ "$PLATFORM" = gpu ]; then
     (ULA_JAX_FFI_CUDA=ON "$PY" -m pip install --no-build-isolation --no-deps --force-reinstall \
@@ -135,6 +167,9 @@ else
     step "cost_$name" 120 env CUDA_VISIBLE_DEVICES=0 $CLI bench step_cost $SC \
       --json "$WORK/step_cost_$name.json" mesh.dp=1 mesh.tp=1 mesh.platform=$PLATFORM "$@"
   done
+fi
+
+if ls "$WORK"/step_cost_*.json >/dev/null 2>&1; then
   ($PY - "$WORK" "$OUT/step_cost.json" <<'EOF'
 import json, pathlib, sys
 work = pathlib.Path(sys.argv[1])
@@ -156,6 +191,7 @@ tar -czf "$OUT/logs.tar.gz" -C "$WORK" . 2>/dev/null
   echo "total $((SECONDS - START)) s of BUDGET_S=$BUDGET_S (part $PART, $G devices, $PLATFORM)"
   grep -h -E "TOKENS" "$WORK"/*.log 2>/dev/null
   grep -h -E "^step_cost" "$WORK"/*.log 2>/dev/null
+  [ -f "$WORK/probe.log" ] && tail -n 6 "$WORK/probe.log"
   for f in "$WORK"/serving_*.log; do [ -f "$f" ] && grep -E "^  [a-z_]+ +batch" "$f"; done
   [ -f "$WORK/tp_link.log" ] && grep -E "│" "$WORK/tp_link.log" | tail -n 16
 } | tee "$OUT/summary.txt"
