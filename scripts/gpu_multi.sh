@@ -77,7 +77,8 @@ exact_pair() {
   # shellcheck disable=SC2086
   $CLI run $BASE $a --no-progress --out "$RUNS/${name}_ref" | grep -E "finished|tokens/s|peak" \
     && $CLI run $BASE $b --no-progress --out "$RUNS/$name" | grep -E "finished|tokens/s|hit|misses|xdev|distinct" \
-    && { $CLI compare "$RUNS/${name}_ref" "$RUNS/$name" | tail -n 2; } \
+    && { cmp_out=$($CLI compare "$RUNS/${name}_ref" "$RUNS/$name"); cmp_rc=$?;
+         echo "$cmp_out" | tail -n 2; [ "$cmp_rc" -eq 0 ]; } \
     && echo "TOKENS EQUAL: $name" || { echo "TOKENS DIFFER (or failed): $name"; return 1; }
 }
 export -f exact_pair
@@ -133,11 +134,27 @@ elif [ "$PART" = c ]; then  # what part a/b left: one call's worth
   cp "$WORK/serving_c/serving.json" "$OUT/serving_c.json" 2>/dev/null
   ONE="mesh.dp=1 mesh.tp=1 engine.max_batch=8"
   EVICT="memory.system=ula memory.device_pool=780 memory.host_pool=4096"
-  step exact_kern 150 env CUDA_VISIBLE_DEVICES=0 bash -c "exact_pair k_pallas '$ONE' \
+  # Attention is the model's, not the memory system's: both sides use the same kernel.
+  step exact_kern 150 env CUDA_VISIBLE_DEVICES=0 bash -c "exact_pair k_pallas \
+    '$ONE kernels.attention=pallas' \
     '$ONE $EVICT kernels.fetch=pallas kernels.resolve=pallas kernels.attention=pallas'"
   SERVE="${SERVE% --batches 4} --batches 48"
   step serving_d 120 bash -c "serving serving_d ula_dp"
   cp "$WORK/serving_d/serving.json" "$OUT/serving_d.json" 2>/dev/null
+elif [ "$PART" = d ]; then  # after the move_layer ordering fix: probe, kernels, ula_dp
+  PROBE="model=small --systems resident,ula --host 0,131072 --steps 8"
+  [ "$PLATFORM" = gpu ] || PROBE="model=tiny --host 0,1024 --device 1024 --steps 4"
+  # shellcheck disable=SC2086
+  step probe 100 env CUDA_VISIBLE_DEVICES=0 $PY scripts/gpu_decode_probe.py $PROBE \
+    mesh.platform=$PLATFORM kernels.fetch=pallas kernels.resolve=pallas
+  ONE="mesh.dp=1 mesh.tp=1 engine.max_batch=8"
+  EVICT="memory.system=ula memory.device_pool=780 memory.host_pool=4096"
+  step exact_kern 100 env CUDA_VISIBLE_DEVICES=0 bash -c "exact_pair k_pallas \
+    '$ONE kernels.attention=pallas' \
+    '$ONE $EVICT kernels.fetch=pallas kernels.resolve=pallas kernels.attention=pallas'"
+  SERVE="${SERVE% --batches *} --batches 16"
+  step serving_e 150 bash -c "serving serving_e ula_dp"
+  cp "$WORK/serving_e/serving.json" "$OUT/serving_e.json" 2>/dev/null
 else
   if [ "$PLATFORM" = gpu ]; then
     (ULA_JAX_FFI_CUDA=ON "$PY" -m pip install --no-build-isolation --no-deps --force-reinstall \

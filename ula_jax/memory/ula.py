@@ -391,8 +391,13 @@ class Ula(MemorySystem):
     # Both sides are read before either is written: a victim may take the host slot a
     # miss vacates, and a miss the device slot a victim vacates. The victims' rows are
     # set aside on the device, the misses fetched over their slots, then written back.
+    # The barriers order each in-place write after the reads of the same pool (the
+    # victims' gather before the fetch writes dev, the fetch before the evict writes
+    # host); without them XLA copies the pool to let the two run in either order.
     victims = dev.at[jnp.clip(p.evict_src, 0, Sd - 1)].get(mode="promise_in_bounds")
+    victims, dev = jax.lax.optimization_barrier((victims, dev))
     dev = fetch_rows(host, p.fetch_src, dev, p.fetch_dst, impl=self.fetch_impl)
+    dev, host = jax.lax.optimization_barrier((dev, host))
     staged = jnp.where(p.evict_src >= 0, jnp.arange(M, dtype=_I32), INVALID)
     host = evict_rows(victims, staged, host, p.evict_dst, impl=self.fetch_impl)
     return state.replace(dev_pools=replace_at(state.dev_pools, layer, dev),
