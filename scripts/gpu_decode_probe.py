@@ -1,7 +1,7 @@
 """The engine's decode step of ``ula`` with host pools of several sizes on one GPU: its
-time with no request running (the fixed cost of a step) and the pool-sized buffers its
-compiled HLO materialises beside the parameters (a host pool copied per step shows up
-here). Run from the repository root:
+time with no request running (the fixed cost of a step) and the instructions of its
+compiled HLO that materialise a device or host pool (``kernels.fetch.hlo``: a pool copied
+per step shows up here; ``tests/test_decode_hlo.py`` asserts there are none). Run from the repository root:
 
     python scripts/gpu_decode_probe.py [--host 0,4096,131072] [a.b=value ...]
 
@@ -11,7 +11,6 @@ Prints one line per host-pool size and system, and a table last.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ def main(argv: list[str]) -> int:
   import jax.numpy as jnp
   from ula_jax.config import load_config
   from ula_jax.engine import Engine
+  from ula_jax.kernels.fetch.hlo import pool_materializations
   from ula_jax.mesh import build_mesh, configure_platform
 
   rows = []
@@ -49,12 +49,10 @@ def main(argv: list[str]) -> int:
       inputs = (put(np.zeros((1, B), np.int32)), put(np.zeros((1, B), np.int32)),
                 put(np.full((1, B, P), -1, np.int32)), put(np.zeros((1, B), bool)))
       text = engine._decode.lower(engine.params, engine.state, *inputs).compile().as_text()
-      shapes = {",".join(map(str, x.shape[1:])) for x in jax.tree.leaves(engine.state)
-                if x.ndim >= 3 and x.shape[1] >= max(host, 1) and host}
-      copies = [l.strip()[:160] for l in text.splitlines()
-                if any(f"[1,{s}]" in l or f"[{s}]" in l for s in shapes)
-                and "parameter(" not in l and not l.strip().startswith("ROOT")
-                and re.search(r"= \S+\[[^\]]*\][^ ]* (copy|fusion|dynamic-update-slice)\(", l)]
+      pools = [x.shape[1:] for x in (*engine.state.dev_pools, *engine.state.host_pools)
+               ] if system == "ula" else []
+      copies = sorted({line[:160] for shape in set(pools)
+                       for line in pool_materializations(text, shape)})
       state = engine.state
       times = []
       for _ in range(args.steps):
