@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs on a host with several GPUs (run from the repository root; the config packages
-# travel as wheels in .whl/ when the machine lacks them), in two parts that each fit one
-# device call:
+# travel as wheels in .whl/ when the machine lacks them), in three parts that each fit
+# one device call:
 #
-#     PART=a OUT=/some/dir bash scripts/gpu_multi.sh
-#     PART=b OUT=/some/dir bash scripts/gpu_multi.sh
+#     PART=a OUT=/some/dir bash scripts/gpu_multi.sh     # exactness, TP link
+#     PART=b OUT=/some/dir bash scripts/gpu_multi.sh     # capacity and throughput
+#     PART=c OUT=/some/dir bash scripts/gpu_multi.sh     # one GPU: kernels, step cost
 #
 # Part a (every GPU of the host):
 #   env          GPUs, their links (nvidia-smi topo -m), jax
@@ -13,22 +14,20 @@
 #   exact_tp     ula TP (tp = G, layout mod; device-only, and with a host pool) equal
 #                resident's (tp = G, the latent replicated)
 #   tp_link      ula_jax.bench.tp_link: TP miss delivery against the d2d copy bandwidth
-#   serving_a    ula_jax.bench.serving for resident_tp, hisparse, ula_dp ($SERVING_A)
-# Part c (what a and b leave, one call): step_cost (jnp, Pallas), gpu_decode_probe.py
-# (the fixed cost of a decode step and pool-sized buffers in its HLO, by host-pool
-# size), serving of $SERVING_B at batch 4 and capacity, exact_kern (Pallas), serving of
-# ula_dp at its capacity.
-# Part b:
-#   ffi_build    the CUDA FFI handlers (background, while the GPU works)
-#   serving_b    ula_jax.bench.serving for ula_tp ($SERVING_B)
-#   exact_kern   one GPU: ula's tokens equal resident's with the Pallas fetch, resolve and
-#                attention kernels, and with the FFI fetch
-#   step_cost    one GPU: an all-hit decode step of ula against resident (jnp resolve with
-#                and without the all-hit fast path, Pallas resolve)
+# Part b: serving   ula_jax.bench.serving for $SERVING (default resident_tp, hisparse,
+#                ula_dp, ula_tp; each point's result is kept as it comes)
+# Part c (GPU 0):
+#   ffi_build    the CUDA FFI handlers (in the background while the GPU works)
+#   exact_kern   ula's tokens equal resident's with the Pallas fetch, resolve and attention
+#                (the same attention kernel on both sides), and with the FFI fetch
+#   cost_*       an all-hit decode step of ula against resident (jnp and Pallas resolve,
+#                with and without the all-hit fast path; the fast path's conditionals
+#                inside CUDA graphs)
+#   probe        scripts/gpu_decode_probe.py: a decode step's fixed cost and the pools
+#                its compiled HLO copies, by host-pool size
 # Results under $OUT (8 files at most): summary.txt (printed last), the benchmarks' JSON,
-# serving.png, logs.tar.gz. BUDGET_S (default 560) bounds each part.
-# SKIP_EXACT_DP=1 leaves out exact_dp. PLATFORM=cpu runs the same steps at toy sizes on
-# simulated CPU devices (a dry run).
+# serving.png, logs.tar.gz. BUDGET_S (default 560) bounds each part. PLATFORM=cpu runs
+# the same steps at toy sizes on simulated CPU devices (a dry run).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -41,8 +40,7 @@ PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-560}
 START=$SECONDS
 PLATFORM=${PLATFORM:-gpu}
-SERVING_A=${SERVING_A:-resident_tp,hisparse,ula_dp}  # systems of bench serving, per part
-SERVING_B=${SERVING_B:-ula_tp}
+SERVING=${SERVING:-resident_tp,hisparse,ula_dp,ula_tp}  # the systems part b measures
 
 if ! "$PY" -c "import pydantic, omegaconf" 2>/dev/null && [ -d .whl ]; then
   "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
@@ -97,93 +95,56 @@ export PY WORK PLATFORM SERVE SERVE_MODEL KOPTS G
 if [ "$PART" = a ]; then
   step env 60 bash -c "nvidia-smi -L; nvidia-smi topo -m; $PY -c '
 import jax; print(\"jax\", jax.__version__, jax.devices())'" || true
-  [ -n "${SKIP_EXACT_DP:-}" ] || step exact_dp 150 bash -c "exact_pair dp 'mesh.dp=$G mesh.tp=1 engine.max_batch=4' \
+  step exact_dp 150 bash -c "exact_pair dp 'mesh.dp=$G mesh.tp=1 engine.max_batch=4' \
     'mesh.dp=$G mesh.tp=1 engine.max_batch=4 memory.system=ula memory.policy=pb_lru memory.device_pool=400 memory.host_pool=4096'"
   step exact_tp 200 bash -c "exact_pair tp 'mesh.dp=1 mesh.tp=$G engine.max_batch=8' \
     'mesh.dp=1 mesh.tp=$G engine.max_batch=8 memory.system=ula memory.layout=mod' && \
     exact_pair tp_host 'mesh.dp=1 mesh.tp=$G engine.max_batch=8' \
     'mesh.dp=1 mesh.tp=$G engine.max_batch=8 memory.system=ula memory.layout=mod memory.device_pool=1120 memory.host_pool=4096'"
-  if [ "$PLATFORM" = gpu ]; then
-    step tp_link 90 $CLI bench tp_link --devices "$G" --out "$OUT/tp_link.json"
-  else
-    step tp_link 90 $CLI bench tp_link --devices "$G" --quick --out "$OUT/tp_link.json"
-  fi
-  step serving_a 400 bash -c "serving serving_a $SERVING_A"
-  cp "$WORK/serving_a/serving.json" "$OUT/serving_a.json" 2>/dev/null
-  cp "$WORK/serving_a/serving.png" "$OUT/serving_a.png" 2>/dev/null
-elif [ "$PART" = c ]; then  # what part a/b left: one call's worth
-  if [ "$PLATFORM" = gpu ]; then
-    SC="--batch 32 --prompt 1024 --output 64 model=small model.index_topk=256"
-    PROBE="model=small"
-  else
-    SC="--batch 2 --prompt 64 --output 6 model=tiny"
-    PROBE="model=tiny --host 0,1024 --device 1024 --steps 4"
-  fi
-  for variant in "jnp kernels.resolve=jnp" "pallas kernels.resolve=pallas"; do
-    set -- $variant
-    name=$1; shift
-    # shellcheck disable=SC2086
-    step "cost_$name" 120 env CUDA_VISIBLE_DEVICES=0 $CLI bench step_cost $SC \
-      --json "$WORK/step_cost_$name.json" mesh.dp=1 mesh.tp=1 mesh.platform=$PLATFORM "$@"
-  done
-  # shellcheck disable=SC2086
-  step probe 150 env CUDA_VISIBLE_DEVICES=0 $PY scripts/gpu_decode_probe.py $PROBE \
-    mesh.platform=$PLATFORM kernels.fetch=pallas kernels.resolve=pallas
-  SERVE="$SERVE --batches 4"
-  step serving_c 200 bash -c "serving serving_c $SERVING_B"
-  cp "$WORK/serving_c/serving.json" "$OUT/serving_c.json" 2>/dev/null
-  ONE="mesh.dp=1 mesh.tp=1 engine.max_batch=8"
-  EVICT="memory.system=ula memory.device_pool=780 memory.host_pool=4096"
-  # Attention is the model's, not the memory system's: both sides use the same kernel.
-  step exact_kern 150 env CUDA_VISIBLE_DEVICES=0 bash -c "exact_pair k_pallas \
-    '$ONE kernels.attention=pallas' \
-    '$ONE $EVICT kernels.fetch=pallas kernels.resolve=pallas kernels.attention=pallas'"
-  SERVE="${SERVE% --batches 4} --batches 48"
-  step serving_d 120 bash -c "serving serving_d ula_dp"
-  cp "$WORK/serving_d/serving.json" "$OUT/serving_d.json" 2>/dev/null
-elif [ "$PART" = d ]; then  # after the move_layer ordering fix: probe, kernels, ula_dp
-  PROBE="model=small --systems resident,ula --host 0,131072 --steps 8"
-  [ "$PLATFORM" = gpu ] || PROBE="model=tiny --host 0,1024 --device 1024 --steps 4"
-  # shellcheck disable=SC2086
-  step probe 100 env CUDA_VISIBLE_DEVICES=0 $PY scripts/gpu_decode_probe.py $PROBE \
-    mesh.platform=$PLATFORM kernels.fetch=pallas kernels.resolve=pallas
-  ONE="mesh.dp=1 mesh.tp=1 engine.max_batch=8"
-  EVICT="memory.system=ula memory.device_pool=780 memory.host_pool=4096"
-  step exact_kern 100 env CUDA_VISIBLE_DEVICES=0 bash -c "exact_pair k_pallas \
-    '$ONE kernels.attention=pallas' \
-    '$ONE $EVICT kernels.fetch=pallas kernels.resolve=pallas kernels.attention=pallas'"
-  SERVE="${SERVE% --batches *} --batches 16"
-  step serving_e 150 bash -c "serving serving_e ula_dp"
-  cp "$WORK/serving_e/serving.json" "$OUT/serving_e.json" 2>/dev/null
+  QUICK=""
+  [ "$PLATFORM" = gpu ] || QUICK="--quick"
+  step tp_link 90 $CLI bench tp_link --devices "$G" $QUICK --out "$OUT/tp_link.json"
+elif [ "$PART" = b ]; then
+  step serving "$BUDGET_S" bash -c "serving serving $SERVING"
+  cp "$WORK/serving/serving.json" "$WORK/serving/serving.png" "$OUT/" 2>/dev/null
 else
   if [ "$PLATFORM" = gpu ]; then
     (ULA_JAX_FFI_CUDA=ON "$PY" -m pip install --no-build-isolation --no-deps --force-reinstall \
       -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 ./custom_calls >"$WORK/ffi_build.log" 2>&1;
      echo "rc $?" >>"$WORK/ffi_build.log") &
+    SC="--batch 32 --prompt 1024 --output 64 model=small model.index_topk=256"
+    PROBE="model=small --host 0,4096,131072"
+  else
+    SC="--batch 2 --prompt 64 --output 6 model=tiny"
+    PROBE="model=tiny --host 0,1024 --device 1024 --steps 4"
   fi
-  step serving_b 300 bash -c "serving serving_b $SERVING_B"
-  cp "$WORK/serving_b/serving.json" "$OUT/serving_b.json" 2>/dev/null
-  cp "$WORK/serving_b/serving.png" "$OUT/serving_b.png" 2>/dev/null
+  # The fast path's lax.cond per layer group, with and without conditionals captured in
+  # CUDA graphs (cmdbuf), against the full resolve every step (nofast).
+  CMDBUF="XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL"
+  for variant in "jnp - kernels.resolve=jnp" \
+                 "jnp_nofast - kernels.resolve=jnp kernels.resolve_fast_path=false" \
+                 "pallas - kernels.resolve=pallas" \
+                 "pallas_nofast - kernels.resolve=pallas kernels.resolve_fast_path=false" \
+                 "pallas_cmdbuf $CMDBUF kernels.resolve=pallas"; do
+    set -- $variant
+    name=$1 envs=$2; shift 2
+    [ "$envs" = - ] && envs="CUDA_VISIBLE_DEVICES=0"
+    # shellcheck disable=SC2086
+    step "cost_$name" 120 env CUDA_VISIBLE_DEVICES=0 $envs $CLI bench step_cost $SC \
+      --json "$WORK/step_cost_$name.json" mesh.dp=1 mesh.tp=1 mesh.platform=$PLATFORM "$@"
+  done
+  # shellcheck disable=SC2086
+  step probe 150 env CUDA_VISIBLE_DEVICES=0 $PY scripts/gpu_decode_probe.py $PROBE \
+    mesh.platform=$PLATFORM kernels.fetch=pallas kernels.resolve=pallas
   ONE="mesh.dp=1 mesh.tp=1 engine.max_batch=8"
   EVICT="memory.system=ula memory.device_pool=780 memory.host_pool=4096"
   wait  # the FFI build
   tail -n 3 "$WORK/ffi_build.log" 2>/dev/null
+  # Attention is the model's, not the memory system's: both sides use the same kernel.
   step exact_kern 200 env CUDA_VISIBLE_DEVICES=0 bash -c "
-    exact_pair k_pallas '$ONE' '$ONE $EVICT kernels.fetch=pallas kernels.resolve=pallas kernels.attention=pallas' ;
+    exact_pair k_pallas '$ONE kernels.attention=pallas' \
+      '$ONE $EVICT kernels.fetch=pallas kernels.resolve=pallas kernels.attention=pallas' ;
     a=\$?; exact_pair k_ffi '$ONE' '$ONE $EVICT kernels.fetch=ffi' ; exit \$((a + \$?))"
-  for variant in "jnp kernels.resolve=jnp" "jnp_nofast kernels.resolve=jnp kernels.resolve_fast_path=false" \
-                 "pallas kernels.resolve=pallas"; do
-    set -- $variant
-    name=$1; shift
-    if [ "$PLATFORM" = gpu ]; then
-      SC="--batch 32 --prompt 1024 --output 64 model=small model.index_topk=256"
-    else
-      SC="--batch 2 --prompt 64 --output 6 model=tiny"
-    fi
-    # shellcheck disable=SC2086
-    step "cost_$name" 120 env CUDA_VISIBLE_DEVICES=0 $CLI bench step_cost $SC \
-      --json "$WORK/step_cost_$name.json" mesh.dp=1 mesh.tp=1 mesh.platform=$PLATFORM "$@"
-  done
 fi
 
 if ls "$WORK"/step_cost_*.json >/dev/null 2>&1; then
@@ -209,6 +170,6 @@ tar -czf "$OUT/logs.tar.gz" -C "$WORK" . 2>/dev/null
   grep -h -E "TOKENS" "$WORK"/*.log 2>/dev/null
   grep -h -E "^step_cost" "$WORK"/*.log 2>/dev/null
   [ -f "$WORK/probe.log" ] && tail -n 6 "$WORK/probe.log"
-  for f in "$WORK"/serving_*.log; do [ -f "$f" ] && grep -E "^  [a-z_]+ +batch" "$f"; done
+  [ -f "$WORK/serving.log" ] && grep -E "^  [a-z_]+ +batch" "$WORK/serving.log"
   [ -f "$WORK/tp_link.log" ] && grep -E "│" "$WORK/tp_link.log" | tail -n 16
 } | tee "$OUT/summary.txt"

@@ -26,9 +26,12 @@ def test_tp_link_delivers_exact_rows_and_rates_against_the_copy(tmp_path, capsys
     assert r["error"] is None and r["reps"] == 2
     assert r["seconds"] > 0 and r["link_gbps"] > 0
     # Half the misses are owned by the other rank: the bytes that cross.
-    want = r["entries"] * 80 if r["impl"] == "d2d copy" else r["entries"] // 2 * 80
+    want = r["entries"] * 80 if r["impl"] in tp_link.LINKS else r["entries"] // 2 * 80
     assert r["useful_bytes"] == want
     assert r["fraction"] == pytest.approx(r["gbps"] / r["link_gbps"])
+  for n in (64, 256):  # the link rate is the faster of the two one-way copies
+    links = [r["gbps"] for r in rows if r["entries"] == n and r["impl"] in tp_link.LINKS]
+    assert {r["link_gbps"] for r in rows if r["entries"] == n} == {max(links)}
     assert r["ok"] is (True if r["impl"] == "deliver" else None)
   assert "TP miss delivery over 2" in capsys.readouterr().out
 

@@ -22,7 +22,8 @@ from ula_jax.memory import build_memory_system
 from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
 from ula_jax.memory.layouts import BlockLayout, ModLayout, RequestLayout, make_layout
 from ula_jax.memory.ula import Ula
-from ula_jax.memory.ula_tp import DirectState, UlaTP, broadcast_owned_rows, merge_topk
+from ula_jax.memory.ula_tp import (FETCH_PIECES, DirectState, UlaTP, broadcast_owned_rows,
+                                   deliver_misses, merge_topk)
 
 GEO = KVGeometry(num_layers=3, group_size=2, entry_width=4, index_dim=2, top_k=3,
                  kv_dtype="float32", index_dtype="float32")  # groups: (0, 1) and (2,)
@@ -306,6 +307,33 @@ def test_broadcast_owned_rows_is_bit_exact(rng, dtype, width):
   for r in range(tp):
     np.testing.assert_array_equal(got[r].view(np.uint8), want.view(np.uint8))
   assert np.signbit(got[:, 0, 0].astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 6, 11, 12, 25, 47, 48])
+def test_deliver_misses_moves_exactly_the_misses_in_every_size_class(rng, n):
+  # F = 48 fetch slots: collectives of 6, 12, 24 or 48 rows, the smallest holding n.
+  tp, F, S, L, W = 2, 48, 40, 64, 3
+  assert F % FETCH_PIECES == 0
+  pools = rng.standard_normal((tp, S, W)).astype(np.float32)
+  owner = rng.integers(0, tp, F)
+  local = rng.integers(0, S, F)
+  slots = np.where(owner[None] == np.arange(tp)[:, None], local[None], -1).astype(np.int32)
+  slots[:, n:] = -1
+  dst = np.full((F,), -1, np.int32)
+  dst[:n] = rng.permutation(L)[:n]
+  buf = np.full((tp, L, W), 7.0, np.float32)
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:tp]), ("tp",))
+
+  def f(pool, slot, dst, buf):
+    return deliver_misses(pool[0], slot[0], dst, jnp.int32(n), buf[0])[None]
+
+  got = np.asarray(jax.jit(compat.shard_map(
+      f, mesh=mesh, in_specs=(P("tp"), P("tp"), P(), P("tp")), out_specs=P("tp")))(
+          jnp.asarray(pools), jnp.asarray(slots), jnp.asarray(dst), jnp.asarray(buf)))
+  want = buf[0].copy()
+  want[dst[:n]] = pools[owner[:n], local[:n]]
+  for r in range(tp):  # every rank's buffer: the misses written, nothing else touched
+    np.testing.assert_array_equal(got[r], want)
 
 
 def test_merge_topk_by_hand():

@@ -11,12 +11,16 @@ buffer). Per entry count ``n`` (misses of one layer, ``n / P`` owned by each of 
   over contiguous rows, without the gather and scatter;
 * ``all_gather``: each rank contributes its ``n / P`` contiguous rows and receives the
   others': the least traffic that delivers the misses;
+* ``ppermute``: every rank sends ``n`` contiguous rows to the next (a collective
+  permute, jitted like the others): the link's one-way bandwidth through the same
+  collectives library;
 * ``d2d copy``: a contiguous copy of ``n`` rows from one device to another
-  (``jax.device_put`` between devices, ping-pong): the link's one-way bandwidth.
+  (``jax.device_put`` between devices, ping-pong, one Python call per copy).
 
 Rates are the useful bytes a rank receives (``n x (P - 1) / P`` rows, the rows owned
-elsewhere) per second, for ``d2d copy`` the bytes copied per second; ``fraction`` is a
-rate over the ``d2d copy`` rate at the same ``n``. The collectives run ``--loop`` times
+elsewhere) per second, for ``ppermute`` and ``d2d copy`` the bytes copied per second;
+``link_gbps`` is the faster of those two at the same ``n`` and ``fraction`` a rate over
+it. The collectives run ``--loop`` times
 in one jitted loop (each call depends on the previous), best of ``--reps`` interleaved
 repetitions.
 
@@ -41,7 +45,8 @@ from ula_jax.bench.common import (best_and_median, environment, fmt, parse_list,
 from ula_jax.memory.base import INVALID
 from ula_jax.memory.ula_tp import FETCH_PIECES, deliver_misses
 
-IMPLS = ("deliver", "psum", "all_gather", "d2d copy")
+IMPLS = ("deliver", "psum", "all_gather", "ppermute", "d2d copy")
+LINKS = ("ppermute", "d2d copy")  # the ceilings: one-way copies of contiguous rows
 AXIS = "tp"
 
 
@@ -49,12 +54,12 @@ AXIS = "tp"
 class Row:
   entries: int
   impl: str
-  useful_bytes: int  # bytes one rank receives that it does not own (d2d: bytes copied)
+  useful_bytes: int  # bytes one rank receives that it does not own (LINKS: bytes copied)
   seconds: float | None = None  # per call, fastest repetition
   median_seconds: float | None = None
   reps: int = 0
   gbps: float | None = None
-  link_gbps: float | None = None  # the d2d copy's rate at the same entry count
+  link_gbps: float | None = None  # the fastest of LINKS at the same entry count
   fraction: float | None = None
   ok: bool | None = None  # deliver: every rank's buffer holds the expected rows
   error: str | None = None
@@ -153,6 +158,18 @@ def _all_gather_fn(mesh, loop: int):
   return jax.jit(fn, donate_argnums=(0,))
 
 
+def _ppermute_fn(mesh, ranks: int, loop: int):
+  perm = [(r, (r + 1) % ranks) for r in range(ranks)]
+
+  def body(x):
+    def one(i, v):
+      return jax.lax.ppermute(v, AXIS, perm) ^ (i + 1)
+    return jax.lax.fori_loop(0, loop, one, x[0])[None]
+
+  fn = compat.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+  return jax.jit(fn, donate_argnums=(0,))
+
+
 def measure(args: argparse.Namespace, checkpoint: Callable[[dict], Any] | None = None) -> dict:
   try:  # on CPU, simulate the devices asked for (only the CPU backend reads this)
     if jax.config.jax_num_cpu_devices < (args.devices or 2):
@@ -177,7 +194,7 @@ def measure(args: argparse.Namespace, checkpoint: Callable[[dict], Any] | None =
     n -= n % ranks  # the same share on every rank
     useful = n * (ranks - 1) // ranks * row_bytes
     rows = {impl: Row(entries=n, impl=impl,
-                      useful_bytes=n * row_bytes if impl == "d2d copy" else useful)
+                      useful_bytes=n * row_bytes if impl in LINKS else useful)
             for impl in impls}
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     pools, slots, dst, expected = _inputs(n, ranks, args.width, dtype, args.seed + n)
@@ -217,6 +234,14 @@ def measure(args: argparse.Namespace, checkpoint: Callable[[dict], Any] | None =
         sec, ag["x"] = _timed(fn_g, ag["x"], args, args.loop)
         return sec
       runs["all_gather"] = run_all_gather
+    if "ppermute" in impls:
+      fn_pp = _ppermute_fn(mesh, ranks, args.loop)
+      pp = {"x": jax.device_put(jnp.zeros((ranks, words), jnp.int32), shard)}
+
+      def run_ppermute():
+        sec, pp["x"] = _timed(fn_pp, pp["x"], args, args.loop)
+        return sec
+      runs["ppermute"] = run_ppermute
     if "d2d copy" in impls:
       a, b = devices[0], devices[1]
       cp = {"x": jax.device_put(jnp.zeros((words,), jnp.int32), a)}
@@ -234,9 +259,8 @@ def measure(args: argparse.Namespace, checkpoint: Callable[[dict], Any] | None =
           times[impl].append(run())
         except Exception as e:  # noqa: BLE001 -- recorded in the row, the sweep goes on
           rows[impl].error = f"{type(e).__name__}: {e}"[:500]
-    link = None
-    if "d2d copy" in times and times["d2d copy"]:
-      link = rows["d2d copy"].useful_bytes / min(times["d2d copy"]) / 1e9
+    rates = [rows[i].useful_bytes / min(times[i]) / 1e9 for i in LINKS if times.get(i)]
+    link = max(rates) if rates else None
     for impl, row in rows.items():
       best, med = best_and_median(times[impl])
       row.seconds, row.median_seconds, row.reps = best, med, len(times[impl])
@@ -258,7 +282,7 @@ def print_table(result: dict) -> None:
   env = result["environment"]
   _print_table(f"TP miss delivery over {result['ranks']} {env['device']} "
                f"({result['row_bytes']}-B rows; GB/s of rows owned elsewhere, per rank)",
-               ["entries", "impl", "us/call", "GB/s", "of d2d copy", "exact", "error"],
+               ["entries", "impl", "us/call", "GB/s", "of link", "exact", "error"],
                rows, left=["impl", "error"])
 
 
