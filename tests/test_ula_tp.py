@@ -22,7 +22,7 @@ from ula_jax.memory import build_memory_system
 from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
 from ula_jax.memory.layouts import BlockLayout, ModLayout, RequestLayout, make_layout
 from ula_jax.memory.ula import Ula
-from ula_jax.memory.ula_tp import (FETCH_PIECES, DirectState, UlaTP, broadcast_owned_rows,
+from ula_jax.memory.ula_tp import (FETCH_ALIGN, DirectState, UlaTP, capacity_classes,
                                    deliver_misses, merge_topk)
 
 GEO = KVGeometry(num_layers=3, group_size=2, entry_width=4, index_dim=2, top_k=3,
@@ -285,43 +285,31 @@ def test_init_state_sharding_and_memory_kinds():
   assert d.ranked.pools[2].shape == (dp, tp, 8, GEO.entry_width)
 
 
-@pytest.mark.parametrize("dtype, width", [("float32", 5), ("bfloat16", 5), ("bfloat16", 6),
-                                          ("float8_e4m3fn", 7)])
-def test_broadcast_owned_rows_is_bit_exact(rng, dtype, width):
-  tp, M = 4, 6
-  x = rng.standard_normal((tp, M, width)).astype(np.float32)
-  x[:, 0, 0] = -0.0
-  x = jnp.asarray(x).astype(dtype)
-  owner = jnp.asarray(rng.integers(0, tp, M), jnp.int32)
-  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:tp]), ("tp",))
-
-  def f(rows, owner):
-    mine = owner == jax.lax.axis_index("tp")
-    return broadcast_owned_rows(rows[0], mine)[None]
-
-  got = jax.jit(compat.shard_map(f, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P("tp")))(
-      x, owner)
-  # (numpy indexing: indexing a sharded jax array drops the sign of -0.0)
-  got = np.asarray(got)
-  want = np.asarray(x)[np.asarray(owner), np.arange(M)]
-  for r in range(tp):
-    np.testing.assert_array_equal(got[r].view(np.uint8), want.view(np.uint8))
-  assert np.signbit(got[:, 0, 0].astype(np.float32)).all()
+def test_capacity_classes_grow_by_a_quarter_to_the_whole_list():
+  caps = capacity_classes(2048)
+  assert caps[0] == 32 and caps[-1] == 2048
+  assert all(c % FETCH_ALIGN == 0 for c in caps)
+  assert all(b <= a * 5 // 4 + FETCH_ALIGN for a, b in zip(caps, caps[1:]))
+  assert capacity_classes(8) == (8,) and capacity_classes(48)[0] == 8
 
 
-@pytest.mark.parametrize("n", [0, 1, 5, 6, 11, 12, 25, 47, 48])
-def test_deliver_misses_moves_exactly_the_misses_in_every_size_class(rng, n):
-  # F = 48 fetch slots: collectives of 6, 12, 24 or 48 rows, the smallest holding n.
-  tp, F, S, L, W = 2, 48, 40, 64, 3
-  assert F % FETCH_PIECES == 0
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("tp, n, skew", [(2, 0, 0.5), (2, 1, 0.5), (2, 23, 0.5), (2, 48, 0.5),
+                                         (2, 48, 1.0), (4, 37, 0.25), (4, 48, 0.9)])
+def test_deliver_misses_moves_exactly_the_misses_bit_for_bit(rng, dtype, tp, n, skew):
+  # F = 48 fetch slots; rank 0 owns a share `skew` of the misses (1.0: all of them).
+  F, S, L, W = 48, 40, 64, 5
+  assert F % FETCH_ALIGN == 0
   pools = rng.standard_normal((tp, S, W)).astype(np.float32)
-  owner = rng.integers(0, tp, F)
+  pools[:, 0, 0] = -0.0
+  pools = np.asarray(jnp.asarray(pools).astype(dtype))
+  owner = np.where(rng.random(F) < skew, 0, rng.integers(1, tp, F))
   local = rng.integers(0, S, F)
   slots = np.where(owner[None] == np.arange(tp)[:, None], local[None], -1).astype(np.int32)
   slots[:, n:] = -1
   dst = np.full((F,), -1, np.int32)
   dst[:n] = rng.permutation(L)[:n]
-  buf = np.full((tp, L, W), 7.0, np.float32)
+  buf = np.full((tp, L, W), 7.0, np.float32).astype(pools.dtype)
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:tp]), ("tp",))
 
   def f(pool, slot, dst, buf):
@@ -333,7 +321,7 @@ def test_deliver_misses_moves_exactly_the_misses_in_every_size_class(rng, n):
   want = buf[0].copy()
   want[dst[:n]] = pools[owner[:n], local[:n]]
   for r in range(tp):  # every rank's buffer: the misses written, nothing else touched
-    np.testing.assert_array_equal(got[r], want)
+    np.testing.assert_array_equal(got[r].view(np.uint8), want.view(np.uint8))
 
 
 def test_merge_topk_by_hand():

@@ -7,10 +7,11 @@ buffer). Per entry count ``n`` (misses of one layer, ``n / P`` owned by each of 
 ``P`` ranks as with layout ``mod``), this measures on a ``(1, P)`` mesh:
 
 * ``deliver``: ``deliver_misses`` itself, the rows checked bit for bit on every rank;
-* ``psum``: the collective ``deliver`` is built on (an integer all-reduce of ``n`` rows)
-  over contiguous rows, without the gather and scatter;
-* ``all_gather``: each rank contributes its ``n / P`` contiguous rows and receives the
-  others': the least traffic that delivers the misses;
+* ``all_gather``: the collective ``deliver`` is built on, over contiguous rows: each
+  rank contributes its ``n / P`` rows and receives the others' (the least traffic that
+  delivers the misses), without the gather from the pools and the scatter;
+* ``psum``: an integer all-reduce of all ``n`` rows (every row crosses to every rank,
+  the owner's bits summed with zeros), the alternative that needs no compaction;
 * ``ppermute``: every rank sends ``n`` contiguous rows to the next (a collective
   permute, jitted like the others): the link's one-way bandwidth through the same
   collectives library;
@@ -43,7 +44,7 @@ from ula_jax import compat
 from ula_jax.bench.common import (best_and_median, environment, fmt, parse_list, parse_sizes,
                                   print_table as _print_table, time_calls, write_json)
 from ula_jax.memory.base import INVALID
-from ula_jax.memory.ula_tp import FETCH_PIECES, deliver_misses
+from ula_jax.memory.ula_tp import FETCH_ALIGN, deliver_misses
 
 IMPLS = ("deliver", "psum", "all_gather", "ppermute", "d2d copy")
 LINKS = ("ppermute", "d2d copy")  # the ceilings: one-way copies of contiguous rows
@@ -90,7 +91,7 @@ def _inputs(n: int, ranks: int, width: int, dtype: Any, seed: int):
 
   returns (pools [P, S, W], slots [P, F] int32, dst [F] int32, expected buffer [L, W])
   """
-  F = -(-n // FETCH_PIECES) * FETCH_PIECES
+  F = -(-n // FETCH_ALIGN) * FETCH_ALIGN
   S = -(-n // ranks) * 2  # each rank's pool: twice what it owns
   rng = np.random.default_rng(seed)
   # Finite values: XLA on CPU may rewrite NaN payloads, which no KV entry holds.

@@ -33,10 +33,11 @@ Per decode step and layer group (the order of ``base.py``):
    victims (policy), the buffer slot of every entry. With a host pool the owners of
    the misses plan, in their own DP ``ula``, to bring them to their device pool.
 4. ``move_layer``: owners copy host entries to their device pool if needed, gather the
-   misses they own, and a collective over ``tp`` (a sum of owner-masked rows, on their
-   bits so the copy is exact) delivers every miss to every rank's buffer. Shapes are
-   static, so the misses cross in one collective of ``F / 8``, ``F / 4``, ``F / 2`` or
-   ``F`` rows (``F >= B * k``), the smallest that holds the step's misses, or none.
+   misses they own, and one all-gather over ``tp`` (rows copied, never summed, so the
+   bits arrive unchanged) delivers every miss to every rank's buffer
+   (``deliver_misses``). Shapes are static: each rank contributes as many rows as the
+   busiest rank owns, rounded up to ``capacity_classes`` (within a quarter), or none
+   when nothing misses, so the link carries each miss once to each rank that lacks it.
 5. ``write_token``: the new token's entry goes into every rank's buffer and into its
    owner's pool. Attention reads the buffer (``read_pool``) at ``res.slots``.
 
@@ -81,11 +82,8 @@ TP_AXIS = "tp"
 # scores T / P per rank, but XLA may round the smaller products differently in the last
 # bit, so near-equal scores may order differently than the unsharded indexer).
 INDEX_SCORING: tuple[str, ...] = ("aligned", "local")
-# Misses cross devices in one collective over the first F / FETCH_PIECES * 2**i rows of
-# the (compacted) fetch lists, the smallest such size that holds them (shapes stay
-# static): a step that hits everything sends nothing, one that misses a little sends
-# F / FETCH_PIECES rows rather than a worst-case B * k.
-FETCH_PIECES = 8
+# Fetch lists are padded to a multiple of this many entries.
+FETCH_ALIGN = 8
 
 
 @struct.dataclass
@@ -122,7 +120,7 @@ class UlaTPState:
 @struct.dataclass
 class TPPlan:
   """What ``resolve`` planned for one group (lists valid first; ``F >= B * k``, a
-  multiple of ``FETCH_PIECES``).
+  multiple of ``FETCH_ALIGN``).
 
   fetch_dst:  [F] int32 buffer slots receiving the misses (INVALID past ``n_fetch``)
   fetch_slot: [F] int32 device-pool slot of each miss on this rank (INVALID: not owned here)
@@ -145,28 +143,15 @@ def _compact(mask: jax.Array, values: jax.Array, size: int) -> jax.Array:
   return out.at[jnp.where(mask, rank, size)].set(values.astype(_I32), mode="drop")
 
 
-def broadcast_owned_rows(rows: jax.Array, mine: jax.Array, axis: str = TP_AXIS) -> jax.Array:
-  """Every rank gets the rows their owners hold, bit for bit (inside shard_map).
-
-  rows: [M, W] this rank's candidates for each row; mine: [M] bool this rank owns row i
-  (exactly one rank owns each row that matters). The owners' rows are summed over
-  ``axis`` as integers (the other ranks add zero bits), so ``-0.0`` and NaN payloads
-  arrive unchanged, with the traffic of one all-reduce.
-  returns [M, W] in rows.dtype
-  """
-  M, W = rows.shape
-  dt = rows.dtype
-  x = jnp.where(mine[:, None], rows, jnp.zeros((), dt))
-  size = jnp.dtype(dt).itemsize
-  if size >= 4:
-    bits = jax.lax.bitcast_convert_type(x, _I32)
-    return jax.lax.bitcast_convert_type(jax.lax.psum(bits, axis), dt)
-  r = 4 // size
-  pad = (-W) % r
-  x = jnp.pad(x, ((0, 0), (0, pad)))
-  bits = jax.lax.bitcast_convert_type(x.reshape(M, (W + pad) // r, r), _I32)
-  out = jax.lax.bitcast_convert_type(jax.lax.psum(bits, axis), dt)
-  return out.reshape(M, W + pad)[:, :W]
+def capacity_classes(F: int) -> tuple[int, ...]:
+  """Static row counts one rank's misses are gathered in: from ``F / 64`` (at least
+  ``FETCH_ALIGN``) up to ``F``, each about a quarter above the last (multiples of
+  ``FETCH_ALIGN``), so a step sends at most ~25% more rows than its busiest rank owns."""
+  caps, c = [], max(FETCH_ALIGN, -(-F // 64 // FETCH_ALIGN) * FETCH_ALIGN)
+  while c < F:
+    caps.append(c)
+    c = max(c + FETCH_ALIGN, -(-(c * 5 // 4) // FETCH_ALIGN) * FETCH_ALIGN)
+  return tuple(caps) + (F,)
 
 
 def deliver_misses(pool: jax.Array, fetch_slot: jax.Array, fetch_dst: jax.Array,
@@ -175,36 +160,44 @@ def deliver_misses(pool: jax.Array, fetch_slot: jax.Array, fetch_dst: jax.Array,
   (inside shard_map; the cross-device data path of TP mode).
 
   pool:       [S, W] this rank's device pool
-  fetch_slot: [F] int32 pool slot of each miss on this rank (INVALID: owned elsewhere);
-              F a multiple of ``FETCH_PIECES``
+  fetch_slot: [F] int32 pool slot of each miss on this rank (INVALID: owned elsewhere or
+              past ``n_fetch``; exactly one rank owns each miss); F a multiple of
+              ``FETCH_ALIGN``
   fetch_dst:  [F] int32 buffer slot receiving each miss (INVALID past ``n_fetch``)
   n_fetch:    [] int32 misses, listed first (the same on every rank of ``axis``)
   buf:        [L, W] this rank's buffer
   returns the buffer with every miss written, bit for bit, on every rank
 
-  One collective moves the first ``F / FETCH_PIECES * 2**i`` rows, the smallest such
-  count that holds ``n_fetch`` (``lax.switch``; every rank takes the same branch, so the
-  collectives match up); no collective when nothing misses.
+  Each rank gathers the misses it owns from its pool, compacted to the front, and one
+  all-gather over ``axis`` hands every rank everyone's rows with their buffer slots. The
+  rows are copied, never summed, so any payload arrives unchanged. Shapes are static: the
+  all-gather carries ``c`` rows per rank, the smallest of ``capacity_classes(F)`` that
+  holds the busiest rank's count (``lax.switch``; the count is agreed with a ``pmax``, so
+  every rank takes the same branch), and nothing when no rank owns a miss.
   """
   L, F = buf.shape[0], fetch_dst.shape[0]
-  sizes = []
-  size = F // FETCH_PIECES
-  while size < F:
-    sizes.append(size)
-    size *= 2
-  sizes.append(F)
+  mine = fetch_slot >= 0
+  count = jnp.sum(mine, dtype=_I32)
+  # This rank's misses first, in list order: index into the fetch lists.
+  at = jnp.full((F,), F, _I32).at[jnp.where(mine, jnp.cumsum(mine) - 1, F)].set(
+      jnp.arange(F, dtype=_I32), mode="drop")
+  own = at < F
+  idx = jnp.clip(at, 0, F - 1)
+  my_slot = jnp.where(own, fetch_slot[idx], 0)
+  my_dst = jnp.where(own, fetch_dst[idx], INVALID)
+  caps = capacity_classes(F)
 
-  def move(size: int):
+  def move(c: int):
     def branch(buf):
-      slot, dst = fetch_slot[:size], fetch_dst[:size]
-      rows = broadcast_owned_rows(pool[jnp.clip(slot, 0, pool.shape[0] - 1)], slot >= 0,
-                                  axis)
-      return buf.at[jnp.where(dst >= 0, dst, L)].set(rows, mode="drop")
+      rows = pool[jnp.clip(my_slot[:c], 0, pool.shape[0] - 1)]
+      rows = jax.lax.all_gather(rows, axis, tiled=True)  # [P * c, W]
+      dst = jax.lax.all_gather(my_dst[:c], axis, tiled=True)
+      return buf.at[jnp.where(dst >= 0, dst, L)].set(rows.astype(buf.dtype), mode="drop")
     return branch
 
-  fits = jnp.asarray(sizes, _I32) >= n_fetch
-  which = jnp.where(n_fetch > 0, 1 + jnp.argmax(fits), 0)
-  return jax.lax.switch(which, [lambda b: b] + [move(n) for n in sizes], buf)
+  busiest = jax.lax.pmax(jnp.where(n_fetch > 0, count, 0), axis)
+  which = jnp.where(busiest > 0, 1 + jnp.argmax(jnp.asarray(caps, _I32) >= busiest), 0)
+  return jax.lax.switch(which, [lambda b: b] + [move(c) for c in caps], buf)
 
 
 def merge_topk(scores: jax.Array, pos: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -646,7 +639,7 @@ class UlaTP(MemorySystem):
     n_local, n_mine = self._mine(sh.layout, new_addr, active & (new_addr >= 0))
     rk, f_slot, o_new, o_plan, o_stats = self.store.resolve(
         rk, group, f_local.reshape(B, k), f_mine.reshape(B, k), n_local, n_mine)
-    pad = (-F) % FETCH_PIECES
+    pad = (-F) % FETCH_ALIGN
     plan = TPPlan(fetch_dst=jnp.pad(f_dst, (0, pad), constant_values=INVALID),
                   fetch_slot=jnp.pad(f_slot, (0, pad), constant_values=INVALID),
                   new_slot=o_new, owner=o_plan, n_fetch=n_fetch)
