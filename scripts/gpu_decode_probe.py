@@ -28,7 +28,6 @@ def main(argv: list[str]) -> int:
   args = p.parse_intermixed_args(argv)
 
   import jax
-  import jax.numpy as jnp
   from ula_jax.config import load_config
   from ula_jax.engine import Engine
   from ula_jax.kernels.fetch.hlo import pool_materializations

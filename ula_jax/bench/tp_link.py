@@ -119,6 +119,18 @@ def _timed(step: Callable[[Any], Any], state: Any, args: argparse.Namespace, per
   return sec / per_call, state
 
 
+def _runner(step: Callable[[Any], Any], state: Any, args: argparse.Namespace, per_call: int
+            ) -> Callable[[], float]:
+  """A repeatable measurement of ``state = step(state)``: each call times a batch of
+  calls and keeps the final state for the next (the steps donate their input)."""
+  box = {"state": state}
+
+  def run() -> float:
+    sec, box["state"] = _timed(step, box["state"], args, per_call)
+    return sec
+  return run
+
+
 def _deliver_fn(mesh, n: int, loop: int):
   def body(pool, slots, dst, buf):
     pool, slots, buf = pool[0], slots[0], buf[0]
@@ -134,7 +146,7 @@ def _deliver_fn(mesh, n: int, loop: int):
   return jax.jit(fn, donate_argnums=(3,))
 
 
-def _psum_fn(mesh, loop: int):
+def _psum_fn(mesh, *, loop: int):
   def body(x):
     def one(i, v):
       return jax.lax.psum(v, AXIS) ^ (i + 1)
@@ -144,7 +156,7 @@ def _psum_fn(mesh, loop: int):
   return jax.jit(fn, donate_argnums=(0,))
 
 
-def _all_gather_fn(mesh, loop: int):
+def _all_gather_fn(mesh, *, loop: int):
   def body(x):
     part = x[0]
     rows = part.shape[0]
@@ -159,7 +171,7 @@ def _all_gather_fn(mesh, loop: int):
   return jax.jit(fn, donate_argnums=(0,))
 
 
-def _ppermute_fn(mesh, ranks: int, loop: int):
+def _ppermute_fn(mesh, *, ranks: int, loop: int):
   perm = [(r, (r + 1) % ranks) for r in range(ranks)]
 
   def body(x):
@@ -212,48 +224,20 @@ def measure(args: argparse.Namespace, checkpoint: Callable[[dict], Any] | None =
       rows["deliver"].ok = bool(all(np.array_equal(got[r].view(np.uint8),
                                                     expected.view(np.uint8))
                                     for r in range(ranks)))
-      state = {"buf": buf0()}
-
-      def run_deliver():
-        sec, state["buf"] = _timed(lambda b: fn(pools, slots, dst, b), state["buf"], args,
-                                   args.loop)
-        return sec
-      runs["deliver"] = run_deliver
-    if "psum" in impls:
-      fn_p = _psum_fn(mesh, args.loop)
-      ps = {"x": jax.device_put(jnp.zeros((ranks, words), jnp.int32), shard)}
-
-      def run_psum():
-        sec, ps["x"] = _timed(fn_p, ps["x"], args, args.loop)
-        return sec
-      runs["psum"] = run_psum
-    if "all_gather" in impls:
-      fn_g = _all_gather_fn(mesh, args.loop)
-      ag = {"x": jax.device_put(jnp.zeros((ranks, words // ranks), jnp.int32), shard)}
-
-      def run_all_gather():
-        sec, ag["x"] = _timed(fn_g, ag["x"], args, args.loop)
-        return sec
-      runs["all_gather"] = run_all_gather
-    if "ppermute" in impls:
-      fn_pp = _ppermute_fn(mesh, ranks, args.loop)
-      pp = {"x": jax.device_put(jnp.zeros((ranks, words), jnp.int32), shard)}
-
-      def run_ppermute():
-        sec, pp["x"] = _timed(fn_pp, pp["x"], args, args.loop)
-        return sec
-      runs["ppermute"] = run_ppermute
+      runs["deliver"] = _runner(lambda b: fn(pools, slots, dst, b), buf0(), args, args.loop)
+    collectives = {"psum": (_psum_fn, words), "all_gather": (_all_gather_fn, words // ranks),
+                   "ppermute": (functools.partial(_ppermute_fn, ranks=ranks), words)}
+    for impl, (make, per_rank) in collectives.items():
+      if impl in impls:
+        x0 = jax.device_put(jnp.zeros((ranks, per_rank), jnp.int32), shard)
+        runs[impl] = _runner(make(mesh, loop=args.loop), x0, args, args.loop)
     if "d2d copy" in impls:
       a, b = devices[0], devices[1]
-      cp = {"x": jax.device_put(jnp.zeros((words,), jnp.int32), a)}
 
       def hop(x):
         return jax.device_put(x, b if x.devices() == {a} else a)
-
-      def run_copy():
-        sec, cp["x"] = _timed(hop, cp["x"], args, 1)
-        return sec
-      runs["d2d copy"] = run_copy
+      runs["d2d copy"] = _runner(hop, jax.device_put(jnp.zeros((words,), jnp.int32), a),
+                                 args, 1)
     for _ in range(args.reps):  # interleaved repetitions
       for impl, run in runs.items():
         try:
