@@ -143,6 +143,7 @@ def test_invalid_slots_never_read_garbage(rng):
   q_lat = jnp.asarray(rng.standard_normal((B, H, Dl)), jnp.float32)
   q_rope = jnp.asarray(rng.standard_normal((B, H, Dr)), jnp.float32)
   slots = jnp.asarray([[3, -1, 5, 7, -1, 2], [-1] * 6], jnp.int32)
+  assert slots.shape == (B, k)
   valid = slots >= 0
   garbage = pool.copy()
   garbage[0] = np.nan
