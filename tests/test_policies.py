@@ -219,3 +219,15 @@ def test_policy_matches_reference(name, buckets, rng):
       np.testing.assert_array_equal(np.asarray(pos)[np.asarray(ok)], want)
       assert int(np.asarray(ok).sum()) == len(want)
     _check_same_view(policy, st, ref)
+
+
+@pytest.mark.parametrize("limit", [0, bitmap.COMPARE_ALL_MAX])
+def test_search_right_matches_searchsorted_either_way(rng, monkeypatch, limit):
+  # limit 0: every search takes the loop; the default: these take the fused comparison.
+  monkeypatch.setattr(bitmap, "COMPARE_ALL_MAX", limit)
+  for size, queries in ((1, 3), (7, 40), (300, 65)):
+    values = np.sort(rng.integers(0, 50, size)).astype(np.int32)
+    q = rng.integers(-2, 53, queries).astype(np.int32)
+    got = np.asarray(bitmap.search_right(jnp.asarray(values), jnp.asarray(q)))
+    np.testing.assert_array_equal(got, np.searchsorted(values, q, side="right"))
+    assert got.dtype == np.int32

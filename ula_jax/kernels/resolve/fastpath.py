@@ -107,13 +107,9 @@ def _free_after_hits(system: Any, meta: Any, st: _Staged, words: jax.Array) -> j
 def _all_hit(system: Any, meta: Any, st: _Staged) -> jax.Array:
   B = st.addr_n.shape[0]
   N, Sd = system.num_logical, system.device_slots
-  # 1. wanted selections: on the device, or a wanted new token (sorted search over B).
-  if B:
-    sorted_n = jnp.sort(jnp.where(st.want_n, st.addr_n, N))
-    pos = jnp.clip(jnp.searchsorted(sorted_n, st.addr_s), 0, B - 1)
-    sel_new = st.want_s & (sorted_n[pos] == st.addr_s)
-  else:
-    sel_new = jnp.zeros_like(st.want_s)
+  # 1. wanted selections: on the device, or a wanted new token (compared with all B).
+  key_n = jnp.where(st.want_n, st.addr_n, N)  # N matches no wanted selection
+  sel_new = st.want_s & jnp.any(st.addr_s[:, None] == key_n[None, :], axis=1)
   placed_ok = jnp.all(~st.want_s | st.hit_s | sel_new)
   # 2. distinct hits: per word, popcount(sum of bits) == number of bits added.
   W = bitmap.num_words(Sd)

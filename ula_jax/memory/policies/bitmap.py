@@ -5,7 +5,7 @@ A bitmap of ``S`` bits is a tuple of levels. ``levels[0]`` holds the bits themse
 has one bit per word of ``levels[i]``, set when that word is not zero ("anything set
 below?"). The top level is a single word. Bits past ``S`` in the last word are always 0.
 
-Everything is data-parallel jnp (popcount, cumsum, searchsorted); nothing loops over
+Everything is data-parallel jnp (popcount, cumsum, searches); nothing loops over
 slots. ``select_first`` walks the levels from the top so that it only ever looks at the
 words that hold the answer: finding ``n`` set bits costs ``O(n)`` words per level,
 however many empty words lie between them.
@@ -142,6 +142,21 @@ def _select_bit(word: jax.Array, rank: jax.Array) -> jax.Array:
   return pos
 
 
+# Searches of at most this many (query, element) pairs compare all pairs in one fused
+# operation; larger ones run jnp.searchsorted's binary-search loop.
+COMPARE_ALL_MAX = 1 << 20
+
+
+def search_right(sorted_values: jax.Array, queries: jax.Array) -> jax.Array:
+  """``jnp.searchsorted(sorted_values, queries, side='right')`` ([Q] int32), loop-free
+  for small searches (``COMPARE_ALL_MAX``): on a GPU a search loop is a kernel launch
+  per step."""
+  method = ("compare_all" if sorted_values.shape[0] * queries.shape[0] <= COMPARE_ALL_MAX
+            else "scan")
+  return jnp.searchsorted(sorted_values, queries, side="right", method=method).astype(
+      jnp.int32)
+
+
 def _select_in_words(words: jax.Array, word_idx: jax.Array, n: int
                      ) -> tuple[jax.Array, jax.Array]:
   """The first ``n`` set bits of a list of candidate words, as positions.
@@ -153,7 +168,7 @@ def _select_in_words(words: jax.Array, word_idx: jax.Array, n: int
   pc = jax.lax.population_count(words).astype(jnp.int32)
   cs = jnp.cumsum(pc)
   j = jnp.arange(n, dtype=jnp.int32)
-  c = jnp.clip(jnp.searchsorted(cs, j, side="right"), 0, words.shape[0] - 1)
+  c = jnp.clip(search_right(cs, j), 0, words.shape[0] - 1)
   rank = j - (cs[c] - pc[c])
   pos = word_idx[c] * WORD_BITS + _select_bit(words[c], rank)
   total = cs[-1]

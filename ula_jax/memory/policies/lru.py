@@ -15,6 +15,7 @@ import numpy as np
 from flax import struct
 
 from ula_jax.memory.base import INVALID
+from ula_jax.memory.policies import bitmap
 from ula_jax.memory.policies.base import FREE, Policy
 
 _PROTECTED = np.iinfo(np.int32).max  # sort key of slots touched this round
@@ -61,7 +62,7 @@ class Lru(Policy):
     free = st.stamp == FREE
     cs = jnp.cumsum(free.astype(jnp.int32))
     j = jnp.arange(n, dtype=jnp.int32)
-    pos = jnp.searchsorted(cs, j, side="right").astype(jnp.int32)
+    pos = bitmap.search_right(cs, j)
     ok = j < cs[-1]
     return jnp.where(ok, pos, INVALID), ok
 

@@ -86,7 +86,7 @@ class PbLru(Policy):
     pos, cnt = jax.vmap(lambda bm: bitmap.select_first(bm, n))(lists)  # [L, n], [L]
     incl = jnp.cumsum(cnt)
     j = jnp.arange(n, dtype=jnp.int32)
-    src = jnp.clip(jnp.searchsorted(incl, j, side="right"), 0, R)
+    src = jnp.clip(bitmap.search_right(incl, j), 0, R)
     idx = jnp.clip(j - (incl[src] - cnt[src]), 0, n - 1)
     ok = (j < n_need) & (j < incl[-1])
     slots = jnp.where(ok, pos[src, idx], INVALID).astype(jnp.int32)
