@@ -55,14 +55,13 @@ if [ "$PLATFORM" = gpu ]; then
   MODEL="model=small model.index_topk=64"
   SERVE="--context 8K --device-budget 64K --host-budget 128K --batches 1,4,16,32"
   SERVE_MODEL="model=small"
-  KOPTS="kernels.fetch=pallas kernels.resolve=pallas"
 else  # a dry run on simulated CPU devices
   G=${G:-2}
   MODEL="model=tiny"
   SERVE="--context 512 --device-budget 1024 --host-budget 1024 --batches 2 --max-rows 16 --decode-steps 2"
   SERVE_MODEL="model=tiny"
-  KOPTS="kernels.fetch=pallas kernels.resolve=pallas"
 fi
+KOPTS="kernels.fetch=pallas kernels.resolve=pallas"  # the kernels bench serving runs with
 BASE="configs/experiments/quickstart.yaml mesh.platform=$PLATFORM $MODEL workload.num_requests=16"
 
 STEP_TAIL=${STEP_TAIL:-12}

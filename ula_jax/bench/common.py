@@ -73,6 +73,15 @@ def time_calls(step: Callable[[Any], Any], state: Any, *, min_iters: int, max_it
   return (time.perf_counter() - t0) / iters, state
 
 
+def same_length_requests(n: int, prompt: int, output: int, vocab: int, seed: int) -> list:
+  """``n`` engine requests of ``prompt`` random tokens and ``output`` new tokens each."""
+  import numpy as np
+  from ula_jax.engine import Request
+  rng = np.random.default_rng(seed)
+  return [Request(id=f"r{i}", prompt=rng.integers(0, vocab, prompt).astype(np.int32),
+                  max_new_tokens=output) for i in range(n)]
+
+
 def best_and_median(times: Sequence[float]) -> tuple[float | None, float | None]:
   """(fastest, median) of repeated measurements of one thing; (None, None) for none."""
   if not times:

@@ -48,9 +48,8 @@ import statistics
 import time
 from typing import Any, Callable
 
-import numpy as np
-
-from ula_jax.bench.common import environment, fmt, parse_list, parse_sizes, print_table
+from ula_jax.bench.common import (environment, fmt, parse_list, parse_sizes, print_table,
+                                  same_length_requests)
 
 DEFAULT_CONFIG = "configs/experiments/quickstart.yaml"
 SYSTEMS = ("resident_tp", "resident_dp", "hisparse", "ula_dp", "ula_tp")
@@ -131,13 +130,6 @@ def capacity(args: argparse.Namespace, s: Setup) -> dict:
   return best
 
 
-def _requests(n: int, prompt: int, output: int, vocab: int, seed: int):
-  from ula_jax.engine import Request
-  rng = np.random.default_rng(seed)
-  return [Request(id=f"r{i}", prompt=rng.integers(0, vocab, prompt).astype(np.int32),
-                  max_new_tokens=output) for i in range(n)]
-
-
 def run_point(args: argparse.Namespace, s: Setup, batch: int) -> dict:
   """Serves ``batch`` requests with ``batch / dp`` decode rows per dp rank."""
   import jax
@@ -157,7 +149,7 @@ def run_point(args: argparse.Namespace, s: Setup, batch: int) -> dict:
   cfg = _load(args, s, rows, [f"engine.prefill_chunk={chunk}"])
   configure_platform(cfg)
   mesh = build_mesh(cfg)
-  reqs = _requests(batch, prompt, output, cfg.model.vocab_size, args.seed)
+  reqs = same_length_requests(batch, prompt, output, cfg.model.vocab_size, args.seed)
   t0 = time.perf_counter()
   engine = Engine(cfg, mesh, max_context=args.context)
   res = engine.run(reqs)
@@ -170,19 +162,13 @@ def run_point(args: argparse.Namespace, s: Setup, batch: int) -> dict:
     raise RuntimeError(f"{s.name} at batch {batch}: requests {bad[:4]} did not finish")
   if not full:
     raise RuntimeError(f"{s.name} at batch {batch}: no step decoded the whole batch")
-  times = [m.decode_time_s for m in full]
-  extra: dict[str, float] = {}
-  for m in full:
-    for key, v in m.extra.items():
-      if isinstance(v, (int, float)) and not isinstance(v, bool):
-        extra[key] = extra.get(key, 0) + v
-  median = statistics.median(times)
+  median = statistics.median(m.decode_time_s for m in full)
+  keys = sorted({k for m in full for k in m.extra} & {"hits", "misses", "evictions", "xdev_rows"})
   out = {"system": s.name, "batch": batch, "rows_per_rank": rows, "prompt": prompt,
          "output": output, "steps": len(full), "median_step_s": median,
          "tokens_per_s": batch / median, "peak_admitted": max(m.admitted for m in res.steps),
          "wall_s": wall, "distinct_fraction": res.capacity.get("distinct_fraction"),
-         "full_batch_stats": {k: extra[k] for k in sorted(extra)
-                              if k in ("hits", "misses", "evictions", "xdev_rows")}}
+         "full_batch_stats": {k: sum(m.extra.get(k, 0) for m in full) for k in keys}}
   del engine, res
   gc.collect()
   jax.clear_caches()

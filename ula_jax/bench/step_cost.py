@@ -15,18 +15,10 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import numpy as np
-
-from ula_jax.bench.common import environment, fmt, print_table, write_json
+from ula_jax.bench.common import (environment, fmt, print_table, same_length_requests,
+                                  write_json)
 
 DEFAULT_CONFIG = "configs/experiments/quickstart.yaml"
-
-
-def _requests(n: int, prompt: int, output: int, vocab: int, seed: int):
-  from ula_jax.engine import Request
-  rng = np.random.default_rng(seed)
-  return [Request(id=f"r{i}", prompt=rng.integers(0, vocab, prompt).astype(np.int32),
-                  max_new_tokens=output) for i in range(n)]
 
 
 def measure(config: str, overrides: list[str], systems: list[str], *, batch: int,
@@ -45,7 +37,7 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
   context = -(-(prompt + output) // page) * page
   # Every entry of every running request fits on the device (and one step's selection).
   pool = max(batch * context, batch * (base.model.index_topk + 1))
-  reqs = _requests(batch * dp, prompt, output, base.model.vocab_size, seed)
+  reqs = same_length_requests(batch * dp, prompt, output, base.model.vocab_size, seed)
   rows = {}
   for system in systems:
     cfg = load_config(config, list(overrides) + [

@@ -72,7 +72,7 @@ from ula_jax.memory.base import (INVALID, CapacityReport, KVGeometry, MemorySyst
                                  Resolution, parse_size, replace_at)
 from ula_jax.memory.layouts import LAYOUTS, Layout, make_layout
 from ula_jax.memory.policies import make_policy, policy_fields
-from ula_jax.memory.ula import Ula, UlaState, stage_selection
+from ula_jax.memory.ula import Ula, UlaState, _compact, stage_selection
 
 _I32 = jnp.int32
 TP_AXIS = "tp"
@@ -136,13 +136,6 @@ class TPPlan:
   n_fetch: jax.Array
 
 
-def _compact(mask: jax.Array, values: jax.Array, size: int) -> jax.Array:
-  """``values[mask]`` moved to the front of a [size] int32 array, INVALID after."""
-  rank = jnp.cumsum(mask) - 1
-  out = jnp.full((size,), INVALID, _I32)
-  return out.at[jnp.where(mask, rank, size)].set(values.astype(_I32), mode="drop")
-
-
 def capacity_classes(F: int) -> tuple[int, ...]:
   """Static row counts one rank's misses are gathered in: from ``F / 64`` (at least
   ``FETCH_ALIGN``) up to ``F``, each about a quarter above the last (multiples of
@@ -179,9 +172,8 @@ def deliver_misses(pool: jax.Array, fetch_slot: jax.Array, fetch_dst: jax.Array,
   mine = fetch_slot >= 0
   count = jnp.sum(mine, dtype=_I32)
   # This rank's misses first, in list order: index into the fetch lists.
-  at = jnp.full((F,), F, _I32).at[jnp.where(mine, jnp.cumsum(mine) - 1, F)].set(
-      jnp.arange(F, dtype=_I32), mode="drop")
-  own = at < F
+  at = _compact(mine, jnp.arange(F, dtype=_I32), F)
+  own = at >= 0
   idx = jnp.clip(at, 0, F - 1)
   my_slot = jnp.where(own, fetch_slot[idx], 0)
   my_dst = jnp.where(own, fetch_dst[idx], INVALID)

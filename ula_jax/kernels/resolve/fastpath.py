@@ -60,6 +60,12 @@ def supports(system: Any) -> bool:
   return isinstance(system.policy, (PbLru, Lru))
 
 
+def _require(system: Any) -> None:
+  if not supports(system):
+    raise ValueError(f"memory.policy={system.policy_name!r}: the all-hit fast path "
+                     "supports 'pb_lru' and 'lru'")
+
+
 class _Staged(NamedTuple):
   """Per-element lookups shared by the condition and the fast branch."""
 
@@ -160,9 +166,7 @@ def all_hit(system: Any, meta: Any, sel_addr: jax.Array, sel_valid: jax.Array,
   sel_addr: [B, k] int32; sel_valid: [B, k] bool; new_addr: [B] int32; active: [B] bool
   returns [] bool; where True, ``resolve_all_hit`` equals ``system.resolve_meta``
   """
-  if not supports(system):
-    raise ValueError(f"memory.policy={system.policy_name!r}: the all-hit fast path "
-                     "supports 'pb_lru' and 'lru'")
+  _require(system)
   return _all_hit(system, meta, _stage(system, meta, sel_addr, sel_valid, new_addr, active))
 
 
@@ -174,9 +178,7 @@ def resolve_all_hit(system: Any, meta: Any, sel_addr: jax.Array, sel_valid: jax.
   returns (meta, slots [B, k] int32, new_slot [B] int32, plan, stats), identical to
   ``system.resolve_meta`` on the same inputs: an empty plan, no misses or evictions
   """
-  if not supports(system):
-    raise ValueError(f"memory.policy={system.policy_name!r}: the all-hit fast path "
-                     "supports 'pb_lru' and 'lru'")
+  _require(system)
   st = _stage(system, meta, sel_addr, sel_valid, new_addr, active)
   return _resolve_all_hit(system, meta, st, tuple(sel_addr.shape))
 
