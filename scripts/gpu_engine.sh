@@ -14,10 +14,9 @@ OUT=${OUT:-$PWD/gpu_engine_out}
 mkdir -p "$OUT"
 RUNS=${RUNS:-/tmp/gpu_engine_runs}
 PY=${PYTHON:-python3}
-if ! "$PY" -c "import pydantic, omegaconf" 2>/dev/null && [ -d .whl ]; then
-  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+# shellcheck source=scripts/gpu_steps.sh
+source scripts/gpu_steps.sh
+config_wheels
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 CLI="$PY -m ula_jax.cli"

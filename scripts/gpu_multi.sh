@@ -42,10 +42,9 @@ START=$SECONDS
 PLATFORM=${PLATFORM:-gpu}
 SERVING=${SERVING:-resident_tp,hisparse,ula_dp,ula_tp}  # the systems part b measures
 
-if ! "$PY" -c "import pydantic, omegaconf" 2>/dev/null && [ -d .whl ]; then
-  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+# shellcheck source=scripts/gpu_steps.sh
+source "$ROOT/scripts/gpu_steps.sh"
+config_wheels
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 CLI="$PY -m ula_jax.cli"
@@ -65,8 +64,6 @@ KOPTS="kernels.fetch=pallas kernels.resolve=pallas"  # the kernels bench serving
 BASE="configs/experiments/quickstart.yaml mesh.platform=$PLATFORM $MODEL workload.num_requests=16"
 
 STEP_TAIL=${STEP_TAIL:-12}
-# shellcheck source=scripts/gpu_steps.sh
-source "$ROOT/scripts/gpu_steps.sh"
 
 # exact NAME "A overrides" "B overrides": two runs, their tokens compared.
 exact_pair() {

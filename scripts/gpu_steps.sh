@@ -1,4 +1,5 @@
-# Sourced by the GPU scripts: a budgeted step runner and its status table.
+# Sourced by the GPU scripts: a budgeted step runner and its status table, and the
+# config packages from carried wheels (config_wheels).
 # Needs WORK (log folder), BUDGET_S and START (the script's $SECONDS at start).
 # STEP_TAIL: lines of each step's log printed after it (default 25).
 
@@ -33,4 +34,13 @@ print_steps() {
     # shellcheck disable=SC2086
     printf '%-12s %8s %8s\n' $s
   done
+}
+
+# config_wheels: the config packages (pydantic, omegaconf), from the wheels carried in
+# .whl/, when the machine lacks them (installed to /tmp/site, put on PYTHONPATH).
+config_wheels() {
+  if ! "$PY" -c "import pydantic, omegaconf" 2>/dev/null && [ -d .whl ]; then
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
 }
