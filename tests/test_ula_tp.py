@@ -23,7 +23,7 @@ from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
 from ula_jax.memory.layouts import BlockLayout, ModLayout, RequestLayout, make_layout
 from ula_jax.memory.ula import Ula
 from ula_jax.memory.ula_tp import (FETCH_ALIGN, DirectState, UlaTP, capacity_classes,
-                                   deliver_misses, merge_topk)
+                                   deliver_misses, merge_topk, own_misses)
 
 GEO = KVGeometry(num_layers=3, group_size=2, entry_width=4, index_dim=2, top_k=3,
                  kv_dtype="float32", index_dtype="float32")  # groups: (0, 1) and (2,)
@@ -313,7 +313,7 @@ def test_deliver_misses_moves_exactly_the_misses_bit_for_bit(rng, dtype, tp, n, 
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:tp]), ("tp",))
 
   def f(pool, slot, dst, buf):
-    return deliver_misses(pool[0], slot[0], dst, jnp.int32(n), buf[0])[None]
+    return deliver_misses(pool[0], *own_misses(slot[0], dst), buf[0])[None]
 
   got = np.asarray(jax.jit(compat.shard_map(
       f, mesh=mesh, in_specs=(P("tp"), P("tp"), P(), P("tp")), out_specs=P("tp")))(

@@ -6,7 +6,8 @@ collective over ``tp`` hands them to every rank, each rank scatters them into it
 buffer). Per entry count ``n`` (misses of one layer, ``n / P`` owned by each of the
 ``P`` ranks as with layout ``mod``), this measures on a ``(1, P)`` mesh:
 
-* ``deliver``: ``deliver_misses`` itself, the rows checked bit for bit on every rank;
+* ``deliver``: ``deliver_misses`` itself (the per-group ``own_misses`` once, outside
+  the timed loop of layers), the rows checked bit for bit on every rank;
 * ``all_gather``: the collective ``deliver`` is built on, over contiguous rows: each
   rank contributes its ``n / P`` rows and receives the others' (the least traffic that
   delivers the misses), without the gather from the pools and the scatter;
@@ -44,7 +45,7 @@ from ula_jax import compat
 from ula_jax.bench.common import (best_and_median, environment, fmt, parse_list, parse_sizes,
                                   print_table as _print_table, time_calls, write_json)
 from ula_jax.memory.base import INVALID
-from ula_jax.memory.ula_tp import FETCH_ALIGN, deliver_misses
+from ula_jax.memory.ula_tp import FETCH_ALIGN, deliver_misses, own_misses
 
 IMPLS = ("deliver", "psum", "all_gather", "ppermute", "d2d copy")
 LINKS = ("ppermute", "d2d copy")  # the ceilings: one-way copies of contiguous rows
@@ -131,13 +132,15 @@ def _runner(step: Callable[[Any], Any], state: Any, args: argparse.Namespace, pe
   return run
 
 
-def _deliver_fn(mesh, n: int, loop: int):
+def _deliver_fn(mesh, loop: int):
   def body(pool, slots, dst, buf):
-    pool, slots, buf = pool[0], slots[0], buf[0]
+    pool, buf = pool[0], buf[0]
+    # Planned once per layer group (in resolve), delivered once per layer.
+    own = own_misses(slots[0], dst, AXIS)
 
     def one(i, b):
       del i
-      return deliver_misses(pool, slots, dst, jnp.int32(n), b, AXIS)
+      return deliver_misses(pool, *own, b, AXIS)
 
     return jax.lax.fori_loop(0, loop, one, buf)[None]
 
@@ -217,7 +220,7 @@ def measure(args: argparse.Namespace, checkpoint: Callable[[dict], Any] | None =
     words = n * row_bytes // 4
     runs: dict[str, Callable[[], float]] = {}
     if "deliver" in impls:
-      fn = _deliver_fn(mesh, n, args.loop)
+      fn = _deliver_fn(mesh, args.loop)
       buf0 = lambda: jax.device_put(jnp.zeros((ranks, n, args.width), dtype), shard)
       out = jax.block_until_ready(fn(pools, slots, dst, buf0()))
       got = np.asarray(out)

@@ -35,7 +35,8 @@ Per decode step and layer group (the order of ``base.py``):
 4. ``move_layer``: owners copy host entries to their device pool if needed, gather the
    misses they own, and one all-gather over ``tp`` (rows copied, never summed, so the
    bits arrive unchanged) delivers every miss to every rank's buffer
-   (``deliver_misses``). Shapes are static: each rank contributes as many rows as the
+   (``deliver_misses``; ``resolve`` lists each rank's own misses once per group,
+   ``own_misses``). Shapes are static: each rank contributes as many rows as the
    busiest rank owns, rounded up to ``capacity_classes`` (within a quarter), or none
    when nothing misses, so the link carries each miss once to each rank that lacks it.
 5. ``write_token``: the new token's entry goes into every rank's buffer and into its
@@ -119,21 +120,21 @@ class UlaTPState:
 
 @struct.dataclass
 class TPPlan:
-  """What ``resolve`` planned for one group (lists valid first; ``F >= B * k``, a
-  multiple of ``FETCH_ALIGN``).
+  """What ``resolve`` planned for one group (``F >= B * k``, a multiple of
+  ``FETCH_ALIGN``; ``own_misses`` builds the first three).
 
-  fetch_dst:  [F] int32 buffer slots receiving the misses (INVALID past ``n_fetch``)
-  fetch_slot: [F] int32 device-pool slot of each miss on this rank (INVALID: not owned here)
-  new_slot:   [B] int32 device-pool slot of each new token on this rank (INVALID: not owned)
-  owner:      this rank's host <-> device moves (a ``UlaPlan``; ``()`` without host pool)
-  n_fetch:    [] int32
+  my_slot:  [F] int32 device-pool slots of the misses this rank owns, first (0 after)
+  my_dst:   [F] int32 their buffer slots (INVALID after)
+  busiest:  [] int32 most misses any rank of the dp rank owns (the same on every rank)
+  new_slot: [B] int32 device-pool slot of each new token on this rank (INVALID: not owned)
+  owner:    this rank's host <-> device moves (a ``UlaPlan``; ``()`` without host pool)
   """
 
-  fetch_dst: jax.Array
-  fetch_slot: jax.Array
+  my_slot: jax.Array
+  my_dst: jax.Array
+  busiest: jax.Array
   new_slot: jax.Array
   owner: Any
-  n_fetch: jax.Array
 
 
 def capacity_classes(F: int) -> tuple[int, ...]:
@@ -147,36 +148,46 @@ def capacity_classes(F: int) -> tuple[int, ...]:
   return tuple(caps) + (F,)
 
 
-def deliver_misses(pool: jax.Array, fetch_slot: jax.Array, fetch_dst: jax.Array,
-                   n_fetch: jax.Array, buf: jax.Array, axis: str = TP_AXIS) -> jax.Array:
-  """One layer's misses copied from their owners' device pools into every rank's buffer
-  (inside shard_map; the cross-device data path of TP mode).
+def own_misses(fetch_slot: jax.Array, fetch_dst: jax.Array, axis: str = TP_AXIS
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The misses this rank owns, compacted, and the busiest rank's count (inside
+  shard_map; once per layer group, for every layer's ``deliver_misses``).
 
-  pool:       [S, W] this rank's device pool
   fetch_slot: [F] int32 pool slot of each miss on this rank (INVALID: owned elsewhere or
-              past ``n_fetch``; exactly one rank owns each miss); F a multiple of
-              ``FETCH_ALIGN``
-  fetch_dst:  [F] int32 buffer slot receiving each miss (INVALID past ``n_fetch``)
-  n_fetch:    [] int32 misses, listed first (the same on every rank of ``axis``)
-  buf:        [L, W] this rank's buffer
-  returns the buffer with every miss written, bit for bit, on every rank
-
-  Each rank gathers the misses it owns from its pool, compacted to the front, and one
-  all-gather over ``axis`` hands every rank everyone's rows with their buffer slots. The
-  rows are copied, never summed, so any payload arrives unchanged. Shapes are static: the
-  all-gather carries ``c`` rows per rank, the smallest of ``capacity_classes(F)`` that
-  holds the busiest rank's count (``lax.switch``; the count is agreed with a ``pmax``, so
-  every rank takes the same branch), and nothing when no rank owns a miss.
+              no miss; exactly one rank owns each miss)
+  fetch_dst:  [F] int32 buffer slot receiving each miss
+  returns (my_slot [F] int32, 0 past this rank's misses; my_dst [F] int32, INVALID past
+           them; busiest [] int32, the largest count over ``axis``, agreed by a ``pmax``)
   """
-  L, F = buf.shape[0], fetch_dst.shape[0]
+  F = fetch_dst.shape[0]
   mine = fetch_slot >= 0
-  count = jnp.sum(mine, dtype=_I32)
-  # This rank's misses first, in list order: index into the fetch lists.
-  at = _compact(mine, jnp.arange(F, dtype=_I32), F)
+  at = _compact(mine, jnp.arange(F, dtype=_I32), F)  # this rank's misses, in list order
   own = at >= 0
   idx = jnp.clip(at, 0, F - 1)
   my_slot = jnp.where(own, fetch_slot[idx], 0)
   my_dst = jnp.where(own, fetch_dst[idx], INVALID)
+  return my_slot, my_dst, jax.lax.pmax(jnp.sum(mine, dtype=_I32), axis)
+
+
+def deliver_misses(pool: jax.Array, my_slot: jax.Array, my_dst: jax.Array,
+                   busiest: jax.Array, buf: jax.Array, axis: str = TP_AXIS) -> jax.Array:
+  """One layer's misses copied from their owners' device pools into every rank's buffer
+  (inside shard_map; the cross-device data path of TP mode).
+
+  pool:    [S, W] this rank's device pool
+  my_slot, my_dst, busiest: ``own_misses`` of the group's fetch lists (F a multiple of
+           ``FETCH_ALIGN``)
+  buf:     [L, W] this rank's buffer
+  returns the buffer with every miss written, bit for bit, on every rank
+
+  Each rank gathers the misses it owns from its pool and one all-gather over ``axis``
+  hands every rank everyone's rows with their buffer slots. The rows are copied, never
+  summed, so any payload arrives unchanged. Shapes are static: the all-gather carries
+  ``c`` rows per rank, the smallest of ``capacity_classes(F)`` that holds ``busiest``
+  (``lax.switch``; ``busiest`` is the same on every rank, so all take the same branch),
+  and nothing when no rank owns a miss.
+  """
+  L, F = buf.shape[0], my_dst.shape[0]
   caps = capacity_classes(F)
 
   def move(c: int):
@@ -187,7 +198,6 @@ def deliver_misses(pool: jax.Array, fetch_slot: jax.Array, fetch_dst: jax.Array,
       return buf.at[jnp.where(dst >= 0, dst, L)].set(rows.astype(buf.dtype), mode="drop")
     return branch
 
-  busiest = jax.lax.pmax(jnp.where(n_fetch > 0, count, 0), axis)
   which = jnp.where(busiest > 0, 1 + jnp.argmax(jnp.asarray(caps, _I32) >= busiest), 0)
   return jax.lax.switch(which, [lambda b: b] + [move(c) for c in caps], buf)
 
@@ -632,9 +642,11 @@ class UlaTP(MemorySystem):
     rk, f_slot, o_new, o_plan, o_stats = self.store.resolve(
         rk, group, f_local.reshape(B, k), f_mine.reshape(B, k), n_local, n_mine)
     pad = (-F) % FETCH_ALIGN
-    plan = TPPlan(fetch_dst=jnp.pad(f_dst, (0, pad), constant_values=INVALID),
-                  fetch_slot=jnp.pad(f_slot, (0, pad), constant_values=INVALID),
-                  new_slot=o_new, owner=o_plan, n_fetch=n_fetch)
+    my_slot, my_dst, busiest = own_misses(
+        jnp.pad(f_slot, (0, pad), constant_values=INVALID),
+        jnp.pad(f_dst, (0, pad), constant_values=INVALID))
+    plan = TPPlan(my_slot=my_slot, my_dst=my_dst, busiest=busiest, new_slot=o_new,
+                  owner=o_plan)
     layers = len(self.geo.group_layers(group))
     stats = {"hits": jnp.sum(hit).astype(_I32), "misses": n_fetch,
              "evictions": jnp.sum(victim).astype(_I32),
@@ -652,8 +664,7 @@ class UlaTP(MemorySystem):
     p: TPPlan = res.plan
     ranked = self.store.move_layer(state.ranked, layer, p.owner)
     pool = self.store.dev_pool(ranked, layer)
-    buf = deliver_misses(pool, p.fetch_slot, p.fetch_dst, p.n_fetch,
-                         state.shared.buffers[layer])
+    buf = deliver_misses(pool, p.my_slot, p.my_dst, p.busiest, state.shared.buffers[layer])
     return UlaTPState(shared=state.shared.replace(
         buffers=replace_at(state.shared.buffers, layer, buf)), ranked=ranked)
 
