@@ -109,10 +109,10 @@ def capacity(args: argparse.Namespace, s: Setup) -> dict:
   """
   from ula_jax.memory import MeshInfo, build_memory_system
   best = {"requests": 0, "rows": 0, "tokens_per_rank": 0, "limit": "memory", "errors": []}
+  cfg = _load(args, s, 1)  # the memory system takes the rows as an argument
+  page = cfg.engine.page_size
+  need = -(-args.context // page)
   for rows in range(1, args.max_rows + 1):
-    cfg = _load(args, s, rows)
-    page = cfg.engine.page_size
-    need = -(-args.context // page)
     try:
       mem = build_memory_system(cfg.memory, cfg.model.kv_geometry(), MeshInfo(s.dp, s.tp),
                                 max_batch=rows, page_size=page, max_context=args.context)
