@@ -47,12 +47,12 @@ def main(argv: list[str]) -> int:
       put = engine._put
       inputs = (put(np.zeros((1, B), np.int32)), put(np.zeros((1, B), np.int32)),
                 put(np.full((1, B, P), -1, np.int32)), put(np.zeros((1, B), bool)))
-      text = engine._decode.lower(engine.params, engine.state, *inputs).compile().as_text()
+      text = engine._decode.lower(engine.params, engine.carry, *inputs).compile().as_text()
       pools = [x.shape[1:] for x in (*engine.state.dev_pools, *engine.state.host_pools)
                ] if system == "ula" else []
       copies = sorted({line[:160] for shape in set(pools)
                        for line in pool_materializations(text, shape)})
-      state = engine.state
+      state = engine.carry
       times = []
       for _ in range(args.steps):
         t0 = time.perf_counter()

@@ -20,14 +20,16 @@
 #   ffi_build    the CUDA FFI handlers (in the background while the GPU works)
 #   exact_kern   ula's tokens equal resident's with the Pallas fetch, resolve and attention
 #                (the same attention kernel on both sides), and with the FFI fetch
-#   cost_*       an all-hit decode step of ula against resident (jnp and Pallas resolve,
-#                with and without the all-hit fast path; the fast path's conditionals
-#                inside CUDA graphs)
+#   cost_*       an all-hit decode step of ula against resident ($COST_VARIANTS, default
+#                jnp and Pallas resolve, with and without the all-hit fast path, and the
+#                fast path's conditionals inside CUDA graphs: *_cmdbuf), each also traced
+#                under the profiler (device operations, busy time, host waits per step)
 #   probe        scripts/gpu_decode_probe.py: a decode step's fixed cost and the pools
 #                its compiled HLO copies, by host-pool size
 # Results under $OUT (8 files at most): summary.txt (printed last), the benchmarks' JSON,
-# serving.png, logs.tar.gz. BUDGET_S (default 560) bounds each part. PLATFORM=cpu runs
-# the same steps at toy sizes on simulated CPU devices (a dry run).
+# serving.png, logs.tar.gz. BUDGET_S (default 560) bounds each part; RUN_PROBE=0 skips
+# the probe, RUN_EXACT=0 exact_kern. PLATFORM=cpu runs the same steps at toy sizes on
+# simulated CPU devices (a dry run).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -35,6 +37,7 @@ PART=${PART:-a}
 OUT=${OUT:-$ROOT/gpu_multi_out}
 WORK=${WORK:-/tmp/gpu_multi_work/$PART}  # logs; only chosen files go to $OUT
 RUNS=${RUNS:-/tmp/gpu_multi_runs}
+PROF=${PROF:-/tmp/gpu_multi_prof}  # profiler traces (large: not copied to $OUT)
 mkdir -p "$OUT" "$WORK" "$RUNS"
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-560}
@@ -115,29 +118,36 @@ else
     PROBE="model=tiny --host 0,1024 --device 1024 --steps 4"
   fi
   # The fast path's lax.cond per layer group, with and without conditionals captured in
-  # CUDA graphs (cmdbuf), against the full resolve every step (nofast).
+  # CUDA graphs (cmdbuf), against the full resolve every step (nofast); each traced once
+  # more under the profiler (device operations, busy time and host waits per step).
   CMDBUF="XLA_FLAGS=--xla_gpu_enable_command_buffer=+CONDITIONAL"
-  for variant in "jnp - kernels.resolve=jnp" \
-                 "jnp_nofast - kernels.resolve=jnp kernels.resolve_fast_path=false" \
-                 "pallas - kernels.resolve=pallas" \
-                 "pallas_nofast - kernels.resolve=pallas kernels.resolve_fast_path=false" \
-                 "pallas_cmdbuf $CMDBUF kernels.resolve=pallas"; do
-    set -- $variant
-    name=$1 envs=$2; shift 2
-    [ "$envs" = - ] && envs="CUDA_VISIBLE_DEVICES=0"
+  for name in ${COST_VARIANTS:-jnp jnp_nofast pallas pallas_nofast pallas_cmdbuf}; do
+    envs=CUDA_VISIBLE_DEVICES=0
+    case $name in
+      jnp) set -- kernels.resolve=jnp ;;
+      jnp_nofast) set -- kernels.resolve=jnp kernels.resolve_fast_path=false ;;
+      jnp_cmdbuf) envs=$CMDBUF; set -- kernels.resolve=jnp ;;
+      jnp_nocmdbuf) envs=XLA_FLAGS=--xla_gpu_enable_command_buffer=; set -- kernels.resolve=jnp ;;
+      jnp_unpacked) set -- kernels.resolve=jnp engine.pack_state=false ;;
+      pallas) set -- kernels.resolve=pallas ;;
+      pallas_nofast) set -- kernels.resolve=pallas kernels.resolve_fast_path=false ;;
+      pallas_cmdbuf) envs=$CMDBUF; set -- kernels.resolve=pallas ;;
+      *) echo "unknown step-cost variant $name"; continue ;;
+    esac
     # shellcheck disable=SC2086
     step "cost_$name" 120 env CUDA_VISIBLE_DEVICES=0 $envs $CLI bench step_cost $SC \
-      --json "$WORK/step_cost_$name.json" mesh.dp=1 mesh.tp=1 mesh.platform=$PLATFORM "$@"
+      --json "$WORK/step_cost_$name.json" --profile "$PROF/$name" mesh.dp=1 mesh.tp=1 \
+      mesh.platform=$PLATFORM "$@"
   done
   # shellcheck disable=SC2086
-  step probe 150 env CUDA_VISIBLE_DEVICES=0 $PY scripts/gpu_decode_probe.py $PROBE \
+  [ "${RUN_PROBE:-1}" = 0 ] || step probe 150 env CUDA_VISIBLE_DEVICES=0 $PY scripts/gpu_decode_probe.py $PROBE \
     mesh.platform=$PLATFORM kernels.fetch=pallas kernels.resolve=pallas
   ONE="mesh.dp=1 mesh.tp=1 engine.max_batch=8"
   EVICT="memory.system=ula memory.device_pool=780 memory.host_pool=4096"
   wait  # the FFI build
   tail -n 3 "$WORK/ffi_build.log" 2>/dev/null
   # Attention is the model's, not the memory system's: both sides use the same kernel.
-  step exact_kern 200 env CUDA_VISIBLE_DEVICES=0 bash -c "
+  [ "${RUN_EXACT:-1}" = 0 ] || step exact_kern 200 env CUDA_VISIBLE_DEVICES=0 bash -c "
     exact_pair k_pallas '$ONE kernels.attention=pallas' \
       '$ONE $EVICT kernels.fetch=pallas kernels.resolve=pallas kernels.attention=pallas' ;
     a=\$?; exact_pair k_ffi '$ONE' '$ONE $EVICT kernels.fetch=ffi' ; exit \$((a + \$?))"
@@ -152,19 +162,24 @@ out = {p.stem.removeprefix("step_cost_"): json.loads(p.read_text())
 pathlib.Path(sys.argv[2]).write_text(json.dumps(out, indent=2))
 for name, r in out.items():
   for s, row in r["systems"].items():
-    print(f"step_cost {name:11s} {s:9s} {row['median_step_s'] * 1e3:8.3f} ms  ratio "
+    print(f"step_cost {name:13s} {s:9s} {row['median_step_s'] * 1e3:8.3f} ms  ratio "
           f"{row['ratio_to_resident']:.3f}  misses {row['misses']}  equal {row['tokens_equal_resident']}")
+    if "profile" in row:
+      q = row["profile"]
+      print(f"step_prof {name:13s} {s:9s} wall {q['wall_us'] / 1e3:7.3f} ms  busy "
+            f"{q['device_busy_us'] / 1e3:7.3f} ms  ops {q['device_ops']:6.0f}  memcpy "
+            f"{q['memcpy']:4.0f}  host waits {q['host_waits']:4.0f}")
 EOF
   ) >"$WORK/step_cost_summary.log" 2>&1
   cat "$WORK/step_cost_summary.log"
 fi
 
-tar -czf "$OUT/logs.tar.gz" -C "$WORK" . 2>/dev/null
+tar -czf "$OUT/logs.tar.gz" -C "$WORK" . 2>/dev/null  # the traces stay in $PROF
 {
   print_steps
   echo "total $((SECONDS - START)) s of BUDGET_S=$BUDGET_S (part $PART, $G devices, $PLATFORM)"
   grep -h -E "TOKENS" "$WORK"/*.log 2>/dev/null
-  grep -h -E "^step_cost" "$WORK"/*.log 2>/dev/null
+  grep -h -E "^step_(cost|prof)" "$WORK"/*.log 2>/dev/null
   [ -f "$WORK/probe.log" ] && tail -n 6 "$WORK/probe.log"
   [ -f "$WORK/serving.log" ] && grep -E "^  [a-z_]+ +batch" "$WORK/serving.log"
   [ -f "$WORK/tp_link.log" ] && grep -E "│" "$WORK/tp_link.log" | tail -n 16

@@ -102,6 +102,17 @@ def test_serving_measures_each_batch_up_to_capacity_then_merges(tmp_path, capsys
   both = json.loads((merged / "serving.json").read_text())
   assert set(both["systems"]) == {"resident_dp", "ula_dp"}
   assert both["ratios"] == result["ratios"]
+  # FILE:systems takes only those; a system's points combine by batch, later files win.
+  first = dict(ula, points=[dict(ula["points"][0], median_step_s=1.0),
+                            dict(ula["points"][1], batch=6)])
+  (tmp_path / "d.json").write_text(json.dumps(dict(result, systems={"ula_dp": first})))
+  assert serving.main(["--merge", f"{tmp_path / 'a.json'}:resident_dp", str(tmp_path / "d.json"),
+                       str(tmp_path / "b.json"), "--out", str(merged)]) == 0
+  both = json.loads((merged / "serving.json").read_text())
+  assert [p["batch"] for p in both["systems"]["ula_dp"]["points"]] == [4, 6, 8]
+  assert both["systems"]["ula_dp"]["points"][0] == ula["points"][0]
+  with pytest.raises(SystemExit):
+    serving.main(["--merge", f"{tmp_path / 'a.json'}:ula_dp", "--out", str(merged)])
   bad = dict(other, context=1024)
   (tmp_path / "c.json").write_text(json.dumps(bad))
   with pytest.raises(SystemExit):

@@ -32,7 +32,7 @@ def test_ula_decode_step_copies_no_pool(fetch):
   B, P = engine.max_batch, engine.pages_per_row
   put = engine._put
   text = engine._decode.lower(
-      engine.params, engine.state, put(np.zeros((1, B), np.int32)),
+      engine.params, engine.carry, put(np.zeros((1, B), np.int32)),
       put(np.zeros((1, B), np.int32)), put(np.full((1, B, P), -1, np.int32)),
       put(np.zeros((1, B), bool))).compile().as_text()
   shapes = {x.shape[1:] for x in (*engine.state.dev_pools, *engine.state.host_pools)}

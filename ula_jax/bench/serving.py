@@ -309,16 +309,34 @@ def plot(result: dict, path: str | pathlib.Path) -> pathlib.Path:
 
 
 def merge(paths: list[str]) -> dict:
-  """One result from several runs of this benchmark (e.g. systems run in turn)."""
-  parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
-  out = dict(parts[0])
-  out["systems"] = {}
-  for part in parts:
+  """One result from several runs of this benchmark (e.g. systems run in turn).
+
+  paths: ``serving.json`` files, each optionally followed by ``:sys1,sys2`` to take only
+  those systems from it. A system in several files keeps the points of every file, one
+  per running batch; for the same batch, and for the capacity, the later file wins.
+  """
+  out: dict = {}
+  for spec in paths:
+    path, _, only = spec.partition(":")
+    part = json.loads(pathlib.Path(path).read_text())
+    take = [s.strip() for s in only.split(",") if s.strip()] if only else list(part["systems"])
+    missing = [s for s in take if s not in part["systems"]]
+    if missing:
+      raise ValueError(f"--merge {spec}: {path} has no system {missing}; it has "
+                       f"{list(part['systems'])}")
+    if not out:
+      out = dict(part, systems={})
     for key in ("devices", "context", "device_budget", "host_budget", "model", "top_k"):
       if part[key] != out[key]:
         raise ValueError(f"--merge: {key} differs between {paths[0]} ({out[key]}) and "
-                         f"a later file ({part[key]})")
-    out["systems"].update(part["systems"])
+                         f"{path} ({part[key]})")
+    for name in take:
+      entry = dict(part["systems"][name])
+      if name in out["systems"]:
+        points = {p["batch"]: p for p in out["systems"][name]["points"]}
+        points.update({p["batch"]: p for p in entry["points"]})
+        entry["points"] = [points[b] for b in sorted(points)]
+      out["systems"][name] = entry
   return out
 
 
@@ -344,7 +362,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs/bench/serving", help="output folder")
   p.add_argument("--merge", nargs="+", default=None,
-                 help="serving.json files to combine (no measurement)")
+                 help="serving.json files to combine (no measurement); FILE:sys1,sys2 takes "
+                 "only those systems from FILE; a system's points are combined by batch, "
+                 "later files winning")
   return p
 
 

@@ -8,6 +8,12 @@ device pool that holds every entry (no step misses), runs
 the workload twice (the first run compiles) and compares the median decode-step time of
 the second run over the steps where the whole batch decodes. Prints a table and writes
 JSON with the ratio of each system to ``resident``.
+
+``--profile DIR`` runs the workload a third time under ``jax.profiler`` (one trace per
+system under ``DIR/<system>``) and adds, per full-batch decode step, the device's
+operations, its busy time and the host's waits on the device (``bench/profile.py``): a
+step whose wall time is far above its device-busy time is bound by launches and host
+round trips.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ DEFAULT_CONFIG = "configs/experiments/quickstart.yaml"
 
 
 def measure(config: str, overrides: list[str], systems: list[str], *, batch: int,
-            prompt: int, output: int, seed: int = 0) -> dict:
+            prompt: int, output: int, seed: int = 0, profile: str | None = None) -> dict:
   """Median full-batch decode step time per system, and each one's ratio to resident."""
   import jax
   from ula_jax.config import load_config
@@ -56,6 +62,8 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
     times = [m.decode_time_s for m in full]
     rows[system] = {"median_step_s": statistics.median(times), "steps": len(full),
                     "misses": misses, "tokens": [r.output_tokens for r in res.requests]}
+    if profile:
+      rows[system]["profile"] = _profile(engine, reqs, f"{profile}/{system}", batch * dp)
     del engine
     jax.clear_caches()
   ref = rows.get("resident")
@@ -67,6 +75,23 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
           "systems": {s: {k: v for k, v in r.items() if k != "tokens"} for s, r in rows.items()}}
 
 
+def _profile(engine, reqs, trace_dir: str, full_batch: int) -> dict:
+  """One more run under the profiler: per-step medians over the full-batch decode steps."""
+  import jax
+  from ula_jax.bench.profile import summarize_calls, trace_calls
+
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    res = engine.run(reqs)
+  prof = trace_calls(trace_dir, "decode")
+  decoding = [m for m in res.steps if m.running > 0]  # one decode call each, in order
+  if len(decoding) != len(prof["calls"]):
+    raise RuntimeError(f"{trace_dir}: {len(prof['calls'])} decode calls in the trace, "
+                       f"{len(decoding)} decode steps in the run")
+  full = [c for c, m in zip(prof["calls"], decoding) if m.running == full_batch]
+  return {**summarize_calls(full), **{k: prof[k] for k in ("top_ops", "host_top", "lines",
+                                                              "trace")}}
+
+
 def main(argv: list[str]) -> int:
   p = argparse.ArgumentParser(prog="ula-jax bench step_cost", description=__doc__.split("\n\n")[0])
   p.add_argument("overrides", nargs="*", help="config overrides a.b=value")
@@ -76,18 +101,29 @@ def main(argv: list[str]) -> int:
   p.add_argument("--prompt", type=int, default=200)
   p.add_argument("--output", type=int, default=24)
   p.add_argument("--json", default="runs/bench/step_cost.json")
+  p.add_argument("--profile", default=None, metavar="DIR",
+                 help="also trace a third run per system under DIR and count, per step, "
+                 "the device's operations, busy time and the host's waits")
   args = p.parse_intermixed_args(argv)
   systems = [s.strip() for s in args.systems.split(",") if s.strip()]
   if "resident" not in systems:
     p.error(f"--systems={args.systems!r} must include resident (the reference)")
   out = measure(args.config, args.overrides, systems, batch=args.batch, prompt=args.prompt,
-                output=args.output)
+                output=args.output, profile=args.profile)
   rows = [[s, fmt(r["median_step_s"] * 1e3, 3), str(r["steps"]), str(r["misses"]),
            fmt(r["ratio_to_resident"], 3), str(r["tokens_equal_resident"])]
           for s, r in out["systems"].items()]
   print_table(f"decode step, every selection hits (batch {args.batch} x dp {out['dp']})",
               ["system", "median step (ms)", "steps", "misses", "ratio to resident",
                "tokens = resident"], rows, left=["system"])
+  prof = [(s, r["profile"]) for s, r in out["systems"].items() if r.get("profile")]
+  if prof:
+    print_table("per full-batch decode step, under the profiler (medians)",
+                ["system", "wall (ms)", "device busy (ms)", "device ops", "memcpy",
+                 "host waits"],
+                [[s, fmt(r["wall_us"] / 1e3, 3), fmt(r["device_busy_us"] / 1e3, 3),
+                  fmt(r["device_ops"], 0), fmt(r["memcpy"], 0), fmt(r["host_waits"], 0)]
+                 for s, r in prof], left=["system"])
   write_json(args.json, out)
   print(f"wrote {args.json}")
   return 0

@@ -217,6 +217,10 @@ class EngineConfig(Section):
   report_every: int = Field(
       1, ge=1, description="engine steps between capacity reports (they copy pool metadata "
       "to the host)")
+  pack_state: bool = Field(
+      True, description="carry the memory system's small state leaves (tables, owners, "
+      "bitmaps) between steps in one buffer per dtype and sharding: fewer arguments per "
+      "jitted step, less host time per call; the KV pools stay separate")
   record_trace: bool = Field(
       False, description="record every rank's selections (trace_rank{d}.npz in the run "
       "directory); for memory.system=ula the summary then compares pb_lru and lru hit "

@@ -43,6 +43,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax import compat
+from ula_jax.engine.packing import StatePacking
 from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 from ula_jax.memory import INVALID, MeshInfo, build_memory_system
 from ula_jax.mesh import interpret_kernels
@@ -218,9 +219,36 @@ class Engine:
     self.graphdef, params = nnx.split(model)
     replicated = NamedSharding(mesh, P())
     self.params = jax.tree.map(lambda x: global_array(x, replicated), params)
-    self.state = self.mem.init_state(mesh)
+    state = self.mem.init_state(mesh)
+    self._state_specs = self.mem.state_specs(state)
+    # engine.pack_state: the state's small leaves travel between steps in a few buffers.
+    self._packing = (StatePacking.plan(state, self._state_specs)
+                     if getattr(ecfg, "pack_state", True) else None)
+    if self._packing is not None:
+      self._split = jax.jit(self._packing.split)
+      self._pack = jax.jit(lambda s: self._packing.pack(s, mesh)[1])
+    self.state = state
     self.workspace = self._init_workspace()
     self._build_steps()
+
+  # ``carry`` is the state as the jitted steps (``_decode``, ``_prefill``, ``_release``)
+  # take and return it: the state itself, or with ``engine.pack_state`` (kept leaves,
+  # packed buffers) (``packing.StatePacking``).
+
+  @property
+  def state(self) -> Any:
+    """The memory system's state (a pytree of global arrays), unpacked."""
+    if self._packing is None:
+      return self.carry
+    kept, packed = self.carry
+    return self._packing.merge(kept, self._split(packed))
+
+  @state.setter
+  def state(self, state: Any) -> None:
+    if self._packing is None:
+      self.carry = state
+    else:
+      self.carry = (self._packing.kept(state), self._pack(state))
 
   # ------------------------------------------------------------------------------
   # jitted steps
@@ -238,7 +266,7 @@ class Engine:
     sq = lambda t: jax.tree.map(lambda x: x[0], t)
     ex = lambda t: jax.tree.map(lambda x: x[None], t)
     to_local, from_local = mem.to_local, mem.from_local
-    state_specs = mem.state_specs(self.state)
+    state_specs = self._state_specs
     ws_specs = jax.tree.map(lambda _: P("dp"), self.workspace)
     param_specs = jax.tree.map(lambda _: P(), self.params)
     attention = self.attention_impl
@@ -258,7 +286,7 @@ class Engine:
       next_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
       return next_tok[None], from_local(state), ex(stats), sel
 
-    def decode(params, state, tokens, positions, page_table, active):
+    def decode_mapped(params, state, tokens, positions, page_table, active):
       return compat.shard_map(
           decode_local, mesh=mesh,
           in_specs=(param_specs, state_specs, P("dp"), P("dp"), P("dp"), P("dp")),
@@ -287,7 +315,7 @@ class Engine:
       state, ws, tok = jax.lax.cond(do, run, skip, state, ws)
       return from_local(state), ex(ws), tok[None]
 
-    def prefill(params, state, ws, tokens, start, length, page_row, row, do):
+    def prefill_mapped(params, state, ws, tokens, start, length, page_row, row, do):
       return compat.shard_map(
           prefill_local, mesh=mesh,
           in_specs=(param_specs, state_specs, ws_specs) + (P("dp"),) * 6,
@@ -299,11 +327,32 @@ class Engine:
       valid = jnp.arange(addrs.shape[0]) < length[0]
       return from_local(mem.release(to_local(state), addrs, valid, row[0]))
 
-    def release(state, page_row, length, row):
+    def release_mapped(state, page_row, length, row):
       return compat.shard_map(
           release_local, mesh=mesh,
           in_specs=(state_specs, P("dp"), P("dp"), P("dp")),
           out_specs=state_specs)(state, page_row, length, row)
+
+    packing = self._packing
+
+    def unpacked(carry):
+      return carry if packing is None else packing.unpack(*carry)
+
+    def packed(state):
+      return state if packing is None else packing.pack(state, mesh)
+
+    # The jitted steps take and return ``carry`` (profiles name them decode, prefill,
+    # release).
+    def decode(params, carry, *args):
+      nxt, state, stats, sel = decode_mapped(params, unpacked(carry), *args)
+      return nxt, packed(state), stats, sel
+
+    def prefill(params, carry, ws, *args):
+      state, ws, tok = prefill_mapped(params, unpacked(carry), ws, *args)
+      return packed(state), ws, tok
+
+    def release(carry, *args):
+      return packed(release_mapped(unpacked(carry), *args))
 
     self._decode = jax.jit(decode, donate_argnums=(1,))
     self._prefill = jax.jit(prefill, donate_argnums=(1, 2))
@@ -472,8 +521,8 @@ class Engine:
       chosen[d] = l
     if not do.any():
       return 0, 0
-    self.state, self.workspace, tok = self._prefill(
-        self.params, self.state, self.workspace, self._put(tokens), self._put(start),
+    self.carry, self.workspace, tok = self._prefill(
+        self.params, self.carry, self.workspace, self._put(tokens), self._put(start),
         self._put(length), self._put(page_row), self._put(row), self._put(do))
     tok = host_array(tok)
     now = time.perf_counter()
@@ -507,8 +556,8 @@ class Engine:
     if not live:
       return 0, {}
     t0 = time.perf_counter()
-    nxt, self.state, stats, sel = self._decode(
-        self.params, self.state, self._put(tokens), self._put(positions),
+    nxt, self.carry, stats, sel = self._decode(
+        self.params, self.carry, self._put(tokens), self._put(positions),
         self._put(page_table), self._put(active))
     nxt = host_array(nxt)
     if self._recorders is not None:
@@ -538,7 +587,7 @@ class Engine:
           row[d] = l.row
           if self._recorders is not None:
             self._recorders[d].release(self._addrs(l.pages, 0, int(length[d])))
-      self.state = self._release(self.state, self._put(page_row), self._put(length),
+      self.carry = self._release(self.carry, self._put(page_row), self._put(length),
                                  self._put(row))
 
   def _addrs(self, pages: np.ndarray, start: int, n: int) -> np.ndarray:

@@ -1,0 +1,146 @@
+"""Where a jitted call's time goes: device kernels, device-busy time and host waits per call,
+read from a ``jax.profiler`` trace.
+
+``trace_calls(trace_dir, "decode")`` opens the Perfetto trace that
+``jax.profiler.trace(dir, create_perfetto_trace=True)`` wrote, finds every host-side
+dispatch of the jitted function (``PjitFunction(decode)``) and splits the trace into one
+window per call, from its dispatch to the next dispatch of any jitted function. In each
+window it counts the device's operations (events on the device's stream lines: kernels,
+memory copies) and the union of their intervals (the device-busy time), and the host
+events whose names say the host waited for the device (a conditional's or a loop's
+predicate read back, a stream synchronisation). A call whose wall time is far above its
+device-busy time is bound by launches and host round trips, not by the device's work.
+
+On a CPU backend the trace has no device lines: the counts are then zero and only the
+windows' wall times are meaningful.
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import pathlib
+import statistics
+from typing import Any
+
+# Host-side events that stand for the host waiting on the device.
+HOST_WAIT_WORDS = ("BlockHostUntilDone", "Synchronize", "ConditionalThunk", "WhileThunk",
+                   "Memcpy D2H", "MemcpyD2H")
+
+
+def find_trace(trace_dir: str | pathlib.Path) -> pathlib.Path:
+  """The newest ``perfetto_trace.json.gz`` under ``trace_dir``."""
+  found = sorted(pathlib.Path(trace_dir).glob("**/perfetto_trace.json.gz"),
+                 key=lambda p: p.stat().st_mtime)
+  if not found:
+    raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}: trace with "
+                            "jax.profiler.trace(dir, create_perfetto_trace=True)")
+  return found[-1]
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+  total, end = 0.0, float("-inf")
+  for a, b in sorted(intervals):
+    if b <= end:
+      continue
+    total += b - max(a, end)
+    end = b
+  return total
+
+
+def _names(events: list[dict]) -> tuple[dict, dict]:
+  procs, threads = {}, {}
+  for e in events:
+    if e.get("ph") != "M":
+      continue
+    if e.get("name") == "process_name":
+      procs[e["pid"]] = e.get("args", {}).get("name", "")
+    elif e.get("name") == "thread_name":
+      threads[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
+  return procs, threads
+
+
+def is_device_process(name: str) -> bool:
+  return "/device:" in name and "CPU" not in name
+
+
+# Lines xprof derives from the operations (the same events again, grouped).
+DERIVED_LINES = ("Steps", "XLA Modules", "XLA Ops", "Framework", "Source", "TraceMe",
+                 "Launch Stats")
+
+
+def _op_lines(device_lines: set[str]) -> set[str]:
+  """The device lines that hold the operations themselves: the stream lines, or where
+  the trace names none so, every line that is not a derived one."""
+  streams = {l for l in device_lines if "Stream" in l}
+  return streams or {l for l in device_lines if not any(w in l for w in DERIVED_LINES)}
+
+
+def trace_calls(trace_dir: str | pathlib.Path, function: str, *, top: int = 25) -> dict:
+  """Per-call device and host counts of ``function``'s dispatches in the trace.
+
+  returns {"calls": [{"wall_us", "device_ops", "device_busy_us", "memcpy", "host_waits"}],
+  "top_ops": [[name, count per call, us per call]] (device), "host_top": [[name, count
+  per call, us per call]] (host events in the windows, nested ones counted in each), "lines": {device line: events}, "trace": path};
+  times in microseconds
+  """
+  path = find_trace(trace_dir)
+  with gzip.open(path, "rt") as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  procs, threads = _names(events)
+  spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+  dispatch = []  # outermost dispatches only (the profiler nests one in another)
+  for e in sorted((e for e in spans if not is_device_process(procs.get(e["pid"], ""))
+                   and str(e.get("name", "")).startswith("PjitFunction(")),
+                  key=lambda e: (e["ts"], -e["dur"])):
+    if not dispatch or e["ts"] >= dispatch[-1]["ts"] + dispatch[-1]["dur"]:
+      dispatch.append(e)
+  mine = [i for i, e in enumerate(dispatch) if e["name"] == f"PjitFunction({function})"]
+  ends = [dispatch[i + 1]["ts"] if i + 1 < len(dispatch) else float("inf") for i in mine]
+  starts = [dispatch[i]["ts"] for i in mine]
+  device = [e for e in spans if is_device_process(procs.get(e["pid"], ""))]
+  lines = collections.Counter(f"{procs[e['pid']]} / {threads.get((e['pid'], e.get('tid')), '')}"
+                              for e in device)
+  line_of = lambda e: threads.get((e["pid"], e.get("tid")), "")
+  keep = _op_lines({line_of(e) for e in device})
+  ops = [e for e in device if line_of(e) in keep]
+  host = [e for e in spans if not is_device_process(procs.get(e["pid"], ""))  # no Python
+          and not str(e.get("name", "")).startswith(("PjitFunction(", "$"))]
+  waits = [e for e in host if any(w in str(e.get("name", "")) for w in HOST_WAIT_WORDS)]
+  host_names: dict[str, list[float]] = collections.defaultdict(list)
+  calls = []
+  per_name: dict[str, list[float]] = collections.defaultdict(list)
+  for s, t in zip(starts, ends):
+    inside = [e for e in ops if s <= e["ts"] < t]
+    last = max((e["ts"] + e["dur"] for e in inside), default=s)
+    calls.append({
+        "wall_us": (last if t == float("inf") else t) - s,
+        "device_ops": len(inside),
+        "device_busy_us": _union([(e["ts"], e["ts"] + e["dur"]) for e in inside]),
+        "memcpy": sum("emcpy" in str(e.get("name", "")) for e in inside),
+        "host_waits": sum(s <= e["ts"] < t for e in waits),
+    })
+    for e in inside:
+      per_name[str(e.get("name", ""))].append(e["dur"])
+    for e in host:
+      if s <= e["ts"] < t:
+        host_names[str(e.get("name", ""))].append(e["dur"])
+  n = max(len(calls), 1)
+  top_ops = sorted(([name, len(d) / n, sum(d) / n] for name, d in per_name.items()),
+                   key=lambda r: -r[2])[:top]
+  host_top = sorted(([name, len(d) / n, sum(d) / n] for name, d in host_names.items()),
+                    key=lambda r: -r[2])[:top]
+  return {"calls": calls, "top_ops": top_ops, "host_top": host_top,
+          "lines": dict(lines.most_common(20)), "trace": str(path)}
+
+
+def summarize_calls(calls: list[dict]) -> dict:
+  """Medians over calls of each per-call count (an empty dict for no calls)."""
+  if not calls:
+    return {}
+  return {k: statistics.median(c[k] for c in calls) for k in calls[0]}
+
+
+__all__ = ["find_trace", "summarize_calls", "trace_calls"]
