@@ -1,0 +1,52 @@
+"""bench.profile: per-call device operations, busy time and host waits from a trace."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from ula_jax.bench.profile import summarize_calls, trace_calls
+
+
+def _meta(pid, name, tid=None, thread=None):
+  if thread is None:
+    return {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
+  return {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": thread}}
+
+
+def _x(pid, tid, ts, dur, name):
+  return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name}
+
+
+def test_trace_calls_splits_the_trace_per_dispatch(tmp_path):
+  host, gpu = 1, 2
+  events = [
+      _meta(host, "/host:CPU"), _meta(host, "", 10, "python"),
+      _meta(gpu, "/device:GPU:0"), _meta(gpu, "", 14, "Stream #14(Compute)"),
+      _meta(gpu, "", 99, "XLA Ops"),
+      # Two decode calls (each reported twice, nested) and a prefill between them.
+      _x(host, 10, 0, 50, "PjitFunction(decode)"), _x(host, 10, 1, 48, "PjitFunction(decode)"),
+      _x(host, 10, 20, 5, "ConditionalThunk"), _x(host, 10, 30, 2, "$python frame"),
+      _x(gpu, 14, 10, 10, "fusion_1"), _x(gpu, 14, 15, 10, "fusion_2"),  # overlap: busy 15
+      _x(gpu, 14, 40, 4, "Memcpy D2H"), _x(gpu, 99, 10, 10, "fusion_1"),  # derived line
+      _x(host, 10, 100, 10, "PjitFunction(prefill)"), _x(gpu, 14, 105, 30, "fusion_9"),
+      _x(host, 10, 200, 20, "PjitFunction(decode)"), _x(gpu, 14, 210, 6, "fusion_1"),
+  ]
+  d = tmp_path / "plugins" / "profile" / "run"
+  d.mkdir(parents=True)
+  with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  out = trace_calls(tmp_path, "decode")
+  first, second = out["calls"]
+  assert first == {"wall_us": 100, "device_ops": 3, "device_busy_us": 19, "memcpy": 1,
+                   "host_waits": 1}
+  assert second == {"wall_us": 16, "device_ops": 1, "device_busy_us": 6, "memcpy": 0,
+                    "host_waits": 0}
+  assert out["top_ops"][0] == ["fusion_1", 1.0, 8.0]
+  assert [n for n, _, _ in out["host_top"]] == ["ConditionalThunk"]  # no Python frames
+  assert summarize_calls(out["calls"])["device_ops"] == 2
+  assert summarize_calls([]) == {}
+  with pytest.raises(FileNotFoundError):
+    trace_calls(tmp_path / "none", "decode")
