@@ -22,7 +22,8 @@
 #                (the same attention kernel on both sides), and with the FFI fetch
 #   cost_*       an all-hit decode step of ula against resident ($COST_VARIANTS, default
 #                jnp and Pallas resolve, with and without the all-hit fast path, and the
-#                fast path's conditionals inside CUDA graphs: *_cmdbuf), each also traced
+#                fast path's conditionals inside CUDA graphs: *_cmdbuf; speculative
+#                all-hit steps, no conditional: *_spec), each also traced
 #                under the profiler (device operations, busy time, host waits per step)
 #   probe        scripts/gpu_decode_probe.py: a decode step's fixed cost and the pools
 #                its compiled HLO copies, by host-pool size
@@ -129,6 +130,8 @@ else
       jnp_cmdbuf) envs=$CMDBUF; set -- kernels.resolve=jnp ;;
       jnp_nocmdbuf) envs=XLA_FLAGS=--xla_gpu_enable_command_buffer=; set -- kernels.resolve=jnp ;;
       jnp_unpacked) set -- kernels.resolve=jnp engine.pack_state=false ;;
+      jnp_spec) set -- kernels.resolve=jnp kernels.fast_path_mode=speculate ;;
+      pallas_spec) set -- kernels.resolve=pallas kernels.fast_path_mode=speculate ;;
       pallas) set -- kernels.resolve=pallas ;;
       pallas_nofast) set -- kernels.resolve=pallas kernels.resolve_fast_path=false ;;
       pallas_cmdbuf) envs=$CMDBUF; set -- kernels.resolve=pallas ;;

@@ -22,7 +22,7 @@ import pytest
 from tests.test_resolve_kernel import assert_identical, random_step
 from ula_jax.config.schema import KernelsConfig
 from ula_jax.kernels.resolve import resolve_group
-from ula_jax.kernels.resolve.fastpath import all_hit, resolve_all_hit
+from ula_jax.kernels.resolve.fastpath import all_hit, resolve_all_hit, resolve_speculative
 from ula_jax.kernels.resolve.pallas import ResolveConfig
 from ula_jax.memory import build_memory_system
 from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
@@ -55,6 +55,7 @@ def jitted(system: Ula) -> dict:
       "full": jax.jit(system.resolve_meta),
       "all_hit": jax.jit(functools.partial(all_hit, system)),
       "fast": jax.jit(functools.partial(resolve_all_hit, system)),
+      "spec": jax.jit(functools.partial(resolve_speculative, system)),
       "on": jax.jit(functools.partial(run, fast_path=True)),
       "off": jax.jit(functools.partial(run, fast_path=False)),
   }
@@ -201,6 +202,26 @@ def test_each_broken_condition_takes_the_full_resolve(policy, rng):
     meta, args = broken(name, rng, base, system, args)
     assert not bool(f["all_hit"](meta, *args)), name
     assert_identical(f["on"](meta, *args), f["full"](meta, *args))
+    # Speculating, the step reports the failure and reads only device slots.
+    *_, slots, new_slot, _, stats = f["spec"](meta, *args)
+    assert int(stats["spec_fail"]) == 1, name
+    sel = np.asarray(args[0])
+    read = np.asarray(slots)[np.asarray(args[1]) & (sel >= 0) & (sel < system.num_logical)]
+    assert np.all((read >= 0) & (read < system.device_slots)), name
+    for s in np.asarray(new_slot)[np.asarray(new_slot) >= 0]:  # only slots that were free
+      assert np.asarray(meta.dev_owner)[s] == INVALID, name
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_speculative_resolve_is_the_fast_branch_when_all_hit(policy, rng):
+  system = system_for(policy, **SIZES)
+  f = jitted(system)
+  meta = build_state(system, rng, stored=62, released=4)
+  args = hit_step(rng, meta, system)
+  *got, stats = f["spec"](meta, *args)
+  *want, want_stats = f["full"](meta, *args)
+  assert int(stats.pop("spec_fail")) == 0
+  assert_identical((*got, stats), (*want, want_stats))
 
 
 def run_sequence(system: Ula, rng: np.random.Generator, run_on, run_off, steps: str,

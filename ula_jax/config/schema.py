@@ -240,6 +240,13 @@ class KernelsConfig(Section):
       "room for the new tokens in free device slots) skips the full resolve for an all-hit "
       "path with identical results, chosen on device per layer group; false always runs "
       "kernels.resolve in full")
+  fast_path_mode: Literal["cond", "speculate"] = Field(
+      "cond", description="how a decode step chooses the all-hit fast path: 'cond' per layer "
+      "group with lax.cond (on a GPU each one ends a CUDA graph and waits for the device); "
+      "'speculate' runs the whole step on the all-hit path with no conditional and, on a dp "
+      "rank where some group was not all-hit, restores the rank's state and runs the step "
+      "again with 'cond' (after such a step, 'cond' until a step moves nothing). Systems "
+      "without a fast path ignore it")
   interpret: bool | None = Field(
       None, description="run Pallas kernels in interpret mode; None = interpret on CPU only")
   deterministic: bool = Field(
@@ -250,6 +257,14 @@ class KernelsConfig(Section):
   @property
   def uses_pallas(self) -> bool:
     return "pallas" in (self.attention, self.fetch, self.resolve)
+
+  @model_validator(mode="after")
+  def _speculate_needs_fast_path(self) -> KernelsConfig:
+    if self.fast_path_mode == "speculate" and not self.resolve_fast_path:
+      raise ValueError("kernels.fast_path_mode='speculate' runs decode steps on the all-hit "
+                       "fast path: it needs kernels.resolve_fast_path=true (or use "
+                       "kernels.fast_path_mode='cond')")
+    return self
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")

@@ -148,6 +148,11 @@ class HostLeaf:
     return getattr(self.value(), name)
 
 
+def _per_rank(take: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """Row d of ``a`` where ``take[d]``, else of ``b`` ([dp, ...] host arrays)."""
+  return np.where(take.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+
+
 def host_view(tree: Any) -> Any:
   """``tree`` with every leaf spread over processes replaced by a ``HostLeaf`` (what a
   memory system's host-side ``report`` reads with ``np.asarray``). One process: ``tree``
@@ -210,6 +215,10 @@ class Engine:
                                    resolve_fast_path=cfg.kernels.resolve_fast_path,
                                    interpret=interpret_kernels(cfg, mesh.devices.flat[0].platform))
     self.attention_impl = cfg.kernels.attention
+    # kernels.fast_path_mode: 'speculate' runs decode steps optimistically (see
+    # _build_steps) on systems that support it (``MemorySystem.speculative``).
+    self.fast_path_mode = getattr(cfg.kernels, "fast_path_mode", "cond")
+    self._try_speculate = True
     self.report_every = max(1, int(getattr(ecfg, "report_every", 1)))
     # engine.record_trace: keep every rank's selections (memory.trace) in the RunResult.
     self.record_trace = bool(getattr(ecfg, "record_trace", False))
@@ -276,22 +285,51 @@ class Engine:
 
     record = self.record_trace
 
-    def decode_local(params, state, tokens, positions, page_table, active):
+    def step_local(m, params, state, tokens, positions, page_table, active):
       model = nnx.merge(graphdef, params)
       out = tfm.decode_step(
-          model, mem, to_local(state), tokens[0], positions[0], page_table[0], active[0],
+          model, m, state, tokens[0], positions[0], page_table[0], active[0],
           attention=attention, tp_axis=tp_axis, return_selection=record)
       logits, state, stats = out[:3]
-      sel = ex(out[3]) if record else {}
-      next_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-      return next_tok[None], from_local(state), ex(stats), sel
+      sel = out[3] if record else {}
+      return jnp.argmax(logits, axis=-1).astype(jnp.int32), state, stats, sel
 
-    def decode_mapped(params, state, tokens, positions, page_table, active):
-      return compat.shard_map(
-          decode_local, mesh=mesh,
-          in_specs=(param_specs, state_specs, P("dp"), P("dp"), P("dp"), P("dp")),
-          out_specs=(P("dp"), state_specs, P("dp"), P("dp")))(
-              params, state, tokens, positions, page_table, active)
+    def decode_local(params, state, tokens, positions, page_table, active):
+      nxt, state, stats, sel = step_local(mem, params, to_local(state), tokens, positions,
+                                          page_table, active)
+      return nxt[None], from_local(state), ex(stats), ex(sel)
+
+    # kernels.fast_path_mode='speculate': every group's all-hit path with no conditional;
+    # a rank where some group was not all-hit restores its state (``rollback``) and
+    # reports ``fail``, and the host runs the step again there (``redo_local``).
+    def speculate_local(params, state, tokens, positions, page_table, active):
+      old = to_local(state)
+      nxt, new, stats, sel = step_local(spec_mem, params, old, tokens, positions,
+                                        page_table, active)
+      fail = stats.pop("spec_fail") > 0
+      return (nxt[None], from_local(mem.rollback(old, new, ~fail)), ex(stats), ex(sel),
+              fail[None])
+
+    def redo_local(params, state, tokens, positions, page_table, active, redo):
+      state = to_local(state)
+      run = lambda st: step_local(mem, params, st, tokens, positions, page_table, active)
+      out_shape = jax.eval_shape(run, state)
+      skip = lambda st: (jnp.zeros_like(out_shape[0]), st,
+                         *jax.tree.map(jnp.zeros_like, out_shape[2:]))
+      nxt, state, stats, sel = jax.lax.cond(redo[0], run, skip, state)
+      return nxt[None], from_local(state), ex(stats), ex(sel)
+
+    def mapped(fn, extra_in=(), extra_out=()):
+      def call(params, state, *args):
+        return compat.shard_map(
+            fn, mesh=mesh,
+            in_specs=(param_specs, state_specs) + (P("dp"),) * (4 + len(extra_in)),
+            out_specs=(P("dp"), state_specs, P("dp"), P("dp")) + extra_out)(
+                params, state, *args)
+      return call
+
+    decode_mapped = mapped(decode_local)
+    spec_mem = mem.speculative() if self.fast_path_mode == "speculate" else None
 
     def prefill_local(params, state, ws, tokens, start, length, page_row, row, do):
       model = nnx.merge(graphdef, params)
@@ -347,6 +385,16 @@ class Engine:
       nxt, state, stats, sel = decode_mapped(params, unpacked(carry), *args)
       return nxt, packed(state), stats, sel
 
+    def speculate(params, carry, *args):
+      nxt, state, stats, sel, fail = mapped(speculate_local, extra_out=(P("dp"),))(
+          params, unpacked(carry), *args)
+      return nxt, packed(state), stats, sel, fail
+
+    def redo(params, carry, *args):
+      nxt, state, stats, sel = mapped(redo_local, extra_in=(None,))(
+          params, unpacked(carry), *args)
+      return nxt, packed(state), stats, sel
+
     def prefill(params, carry, ws, *args):
       state, ws, tok = prefill_mapped(params, unpacked(carry), ws, *args)
       return packed(state), ws, tok
@@ -355,6 +403,10 @@ class Engine:
       return packed(release_mapped(unpacked(carry), *args))
 
     self._decode = jax.jit(decode, donate_argnums=(1,))
+    self._speculate = self._redo = None
+    if spec_mem is not None:
+      self._speculate = jax.jit(speculate, donate_argnums=(1,))
+      self._redo = jax.jit(redo, donate_argnums=(1,))
     self._prefill = jax.jit(prefill, donate_argnums=(1, 2))
     self._release = jax.jit(release, donate_argnums=(0,))
 
@@ -556,10 +608,24 @@ class Engine:
     if not live:
       return 0, {}
     t0 = time.perf_counter()
-    nxt, self.carry, stats, sel = self._decode(
-        self.params, self.carry, self._put(tokens), self._put(positions),
-        self._put(page_table), self._put(active))
-    nxt = host_array(nxt)
+    args = (self._put(tokens), self._put(positions), self._put(page_table),
+            self._put(active))
+    extra = {}
+    if self._speculate is not None and self._try_speculate:
+      nxt, self.carry, stats, sel, fail = self._speculate(self.params, self.carry, *args)
+      nxt, fail = host_array(nxt), host_array(fail).astype(bool)
+      extra = {"spec_steps": dp, "spec_redone": int(fail.sum())}
+      if fail.any():  # those ranks run the step again, the others keep theirs
+        nxt2, self.carry, stats2, sel2 = self._redo(self.params, self.carry, *args,
+                                                    self._put(fail))
+        nxt = _per_rank(fail, host_array(nxt2), nxt)
+        stats = {k: _per_rank(fail, host_array(stats2[k]), host_array(v))
+                 for k, v in stats.items()}
+        sel = {k: _per_rank(fail, host_array(sel2[k]), host_array(v)) for k, v in sel.items()}
+        self._try_speculate = False
+    else:
+      nxt, self.carry, stats, sel = self._decode(self.params, self.carry, *args)
+      nxt = host_array(nxt)
     if self._recorders is not None:
       sel = {k: host_array(v) for k, v in sel.items()}
       for d, rec in enumerate(self._recorders):
@@ -568,7 +634,11 @@ class Engine:
     for l in live:
       l.generated.append(int(nxt[l.device, l.row]))
       l.decode_time_s += dt
-    return len(live), {k: int(host_array(v).sum()) for k, v in stats.items()}
+    totals = {k: int(host_array(v).sum()) for k, v in stats.items()}
+    if self._speculate is not None and not extra:
+      # Speculate again once a step moved nothing on any rank.
+      self._try_speculate = totals.get("misses", 0) == 0 and totals.get("evictions", 0) == 0
+    return len(live), {**totals, **extra}
 
   def _release_round(self, done: list[_Live]) -> None:
     by_rank: dict[int, list[_Live]] = collections.defaultdict(list)

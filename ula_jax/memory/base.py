@@ -231,6 +231,9 @@ class MemorySystem(abc.ABC):
   # Steps that move nothing take the resolve's all-hit fast path (same results;
   # ``kernels.resolve_fast_path``).
   resolve_fast_path: bool = True
+  # A speculative copy (``speculative()``) resolves every group by the all-hit path with
+  # no conditional and reports ``stats['spec_fail']``.
+  speculate: bool = False
 
   def __init__(self, cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
                max_batch: int, page_size: int, max_context: int):
@@ -290,6 +293,22 @@ class MemorySystem(abc.ABC):
                placed on the device; it may also appear in ``sel_addr``)
     active:    [B] bool rows that decode this step
     """
+
+  def speculative(self) -> MemorySystem | None:
+    """A copy of this system for speculative all-hit decode steps
+    (``kernels.fast_path_mode='speculate'``), or None where the system has none.
+
+    The copy's ``resolve`` takes the all-hit path in every layer group, with no
+    conditional, moves nothing, and adds ``stats['spec_fail']`` (> 0: some group was
+    not all-hit); its other transitions are this system's. A step with a failure is
+    undone with ``rollback`` and run again by this system.
+    """
+    return None
+
+  def rollback(self, old: Any, new: Any, keep_new: jax.Array) -> Any:
+    """After a speculative step: ``new`` where ``keep_new`` (a [] bool), else a state
+    that holds exactly ``old``'s entries (systems with ``speculative``)."""
+    raise NotImplementedError(f"{self.name} has no speculative steps")
 
   def move_layer(self, state: Any, layer: int, res: Resolution) -> Any:
     """Moves the data that ``res`` planned for one layer (default: nothing moves)."""

@@ -40,6 +40,8 @@ counts (``UlaPlan``).
 
 from __future__ import annotations
 
+import copy
+
 from typing import Any
 
 import jax
@@ -373,18 +375,40 @@ class Ula(MemorySystem):
     return state.replace(dev_pools=tuple(dev_pools), host_pools=tuple(host_pools),
                          meta=tuple(metas))
 
+  def speculative(self) -> Ula | None:
+    from ula_jax.kernels.resolve import fastpath  # it imports this module
+    if not fastpath.supports(self):
+      return None
+    spec = copy.copy(self)
+    spec.speculate = True
+    return spec
+
+  def rollback(self, old: UlaState, new: UlaState, keep_new: jax.Array) -> UlaState:
+    # A speculative step moves nothing: the pools differ from ``old``'s only in the new
+    # tokens' rows, written to slots that were free, so restoring the metadata restores
+    # every entry. The index keys of the new tokens' (unstored) addresses are rewritten
+    # alike when the step runs again.
+    meta = jax.tree.map(lambda o, n: jnp.where(keep_new, n, o), old.meta, new.meta)
+    return new.replace(meta=meta)
+
   def resolve(self, state: UlaState, group, sel_addr, sel_valid, new_addr, active):
     # ``resolve_meta`` itself ('jnp') or the fused Pallas kernels ('pallas'): same arrays.
-    meta, slots, new_slot, plan, stats = resolve_group(
-        self, state.meta[group], sel_addr, sel_valid, new_addr, active,
-        impl=self.resolve_impl, interpret=self.resolve_interpret, fast_path=self.resolve_fast_path)
+    if self.speculate:
+      from ula_jax.kernels.resolve.fastpath import resolve_speculative
+      meta, slots, new_slot, plan, stats = resolve_speculative(
+          self, state.meta[group], sel_addr, sel_valid, new_addr, active)
+    else:
+      meta, slots, new_slot, plan, stats = resolve_group(
+          self, state.meta[group], sel_addr, sel_valid, new_addr, active,
+          impl=self.resolve_impl, interpret=self.resolve_interpret,
+          fast_path=self.resolve_fast_path)
     state = state.replace(meta=replace_at(state.meta, group, meta))
     return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot, plan=plan,
                              stats=stats)
 
   def move_layer(self, state: UlaState, layer, res: Resolution) -> UlaState:
-    if not self.host_slots:
-      return state  # one tier: nothing ever moves
+    if not self.host_slots or self.speculate:
+      return state  # one tier, or a speculative step: nothing moves
     p: UlaPlan = res.plan
     Sd, M = self.device_slots, p.evict_src.shape[0]
     dev, host = state.dev_pools[layer], state.host_pools[layer]

@@ -201,4 +201,26 @@ def resolve_fast_or(full: Callable[..., Any], system: Any, meta: Any, sel_addr: 
       lambda: full(meta, sel_addr, sel_valid, new_addr, active))
 
 
-__all__ = ["all_hit", "resolve_all_hit", "resolve_fast_or", "supports"]
+def resolve_speculative(system: Any, meta: Any, sel_addr: jax.Array, sel_valid: jax.Array,
+                        new_addr: jax.Array, active: jax.Array):
+  """The all-hit path taken without a conditional (``kernels.fast_path_mode='speculate'``).
+
+  Same arguments and results as ``resolve_all_hit``, and ``stats['spec_fail']``: 1
+  where ``all_hit`` does not hold. The caller then discards the step: it restores the
+  group's metadata (``Ula.rollback``) and runs it again with the full resolve. Until
+  then the results must be harmless: a wanted selection that is not on the device reads
+  slot 0 (garbage that is never used) instead of an address past the device pool, and
+  the new tokens' rows go to slots that are free before the step.
+  """
+  _require(system)
+  st = _stage(system, meta, sel_addr, sel_valid, new_addr, active)
+  ok = _all_hit(system, meta, st)
+  meta, slots, new_slot, plan, stats = _resolve_all_hit(system, meta, st,
+                                                         tuple(sel_addr.shape))
+  want = st.want_s.reshape(slots.shape)
+  slots = jnp.where(want & ((slots < 0) | (slots >= system.device_slots)), 0, slots)
+  return meta, slots, new_slot, plan, dict(stats, spec_fail=(~ok).astype(_I32))
+
+
+__all__ = ["all_hit", "resolve_all_hit", "resolve_fast_or", "resolve_speculative",
+           "supports"]
