@@ -43,7 +43,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax import compat
-from ula_jax.engine.packing import StatePacking
+from ula_jax.engine.packing import StatePacking, pack_jit, split_jit
 from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 from ula_jax.memory import INVALID, MeshInfo, build_memory_system
 from ula_jax.mesh import interpret_kernels
@@ -233,9 +233,6 @@ class Engine:
     # engine.pack_state: the state's small leaves travel between steps in a few buffers.
     self._packing = (StatePacking.plan(state, self._state_specs)
                      if getattr(ecfg, "pack_state", True) else None)
-    if self._packing is not None:
-      self._split = jax.jit(self._packing.split)
-      self._pack = jax.jit(lambda s: self._packing.pack(s, mesh)[1])
     self.state = state
     self.workspace = self._init_workspace()
     self._build_steps()
@@ -250,14 +247,26 @@ class Engine:
     if self._packing is None:
       return self.carry
     kept, packed = self.carry
-    return self._packing.merge(kept, self._split(packed))
+    return self._packing.merge(kept, split_jit(self._packing, packed))
 
   @state.setter
   def state(self, state: Any) -> None:
     if self._packing is None:
       self.carry = state
     else:
-      self.carry = (self._packing.kept(state), self._pack(state))
+      local = all(x.is_fully_addressable for x in jax.tree.leaves(state))
+      packed = (self._packing.pack_host(state, self.mesh) if local
+                else pack_jit(self._packing, self.mesh, state))
+      self.carry = (self._packing.kept(state), packed)
+
+  def _report_view(self) -> Any:
+    """The state as ``MemorySystem.report`` reads it: host views of its leaves (the
+    packed ones split on the host, without a device call)."""
+    if self._packing is None:
+      return host_view(self.carry)
+    kept, packed = self.carry
+    return self._packing.merge(host_view(kept), self._packing.split(
+        [host_array(p) for p in packed]))
 
   # ------------------------------------------------------------------------------
   # jitted steps
@@ -508,7 +517,7 @@ class Engine:
           finished_count += 1
 
       if step % self.report_every == 0 or not (pending or queue or done):
-        last_report = self.mem.report(host_view(self.state))
+        last_report = self.mem.report(self._report_view())
       rep = last_report
       dev_used = int(rep.device_used.sum())
       if dev_used > peak["device_used"]:

@@ -20,6 +20,7 @@ device holds its own leaves' values and nothing moves between devices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -100,15 +101,26 @@ class StatePacking:
     return [x for x, s in zip(self.treedef.flatten_up_to(state), self.slots) if s.buffer < 0]
 
   def split(self, packed: list) -> list:
-    """packed buffers -> the packed leaves, in state order; traceable."""
+    """packed buffers -> the packed leaves, in state order; traceable, and on numpy
+    buffers a numpy split (views, no copy)."""
     out = []
     for s in self.slots:
       if s.buffer >= 0:
         lead = self.buffers[s.buffer][3]
         n = math.prod(s.shape[len(lead):])
-        flat = jax.lax.slice_in_dim(packed[s.buffer], s.offset, s.offset + n, axis=-1)
-        out.append(flat.reshape(s.shape))
+        out.append(packed[s.buffer][..., s.offset:s.offset + n].reshape(s.shape))
     return out
+
+  def pack_host(self, state: Any, mesh: Mesh) -> list:
+    """The packed buffers of ``state`` joined on the host and put on ``mesh`` (no
+    compilation; every leaf must be fully addressable)."""
+    leaves = self.treedef.flatten_up_to(state)
+    parts: list[list] = [[] for _ in self.buffers]
+    for x, s in zip(leaves, self.slots):
+      if s.buffer >= 0:
+        parts[s.buffer].append(np.asarray(x).reshape(*self.buffers[s.buffer][3], -1))
+    return [jax.device_put(np.concatenate(p, axis=-1), NamedSharding(mesh, spec, memory_kind=kind))
+            for p, (_, spec, kind, _, _) in zip(parts, self.buffers)]
 
   def merge(self, kept: list, small: list) -> Any:
     """(kept leaves, ``split``'s leaves) -> state."""
@@ -121,4 +133,16 @@ class StatePacking:
     return self.merge(kept, self.split(packed))
 
 
-__all__ = ["StatePacking"]
+@functools.partial(jax.jit, static_argnums=0)
+def split_jit(packing: StatePacking, packed: list) -> list:
+  """``packing.split``, jitted; engines with equal packings share the compiled code."""
+  return packing.split(packed)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def pack_jit(packing: StatePacking, mesh: Mesh, state: Any) -> list:
+  """The packed buffers of ``packing.pack(state, mesh)``, jitted (shared likewise)."""
+  return packing.pack(state, mesh)[1]
+
+
+__all__ = ["StatePacking", "pack_jit", "split_jit"]
