@@ -1,6 +1,7 @@
 """kernels.fast_path_mode='speculate': decode steps run on the all-hit path with no
 conditional; a dp rank where some group was not all-hit restores its state and runs the
-step again. The tokens, and every hit, miss and eviction, are those of 'cond'."""
+step again. The tokens, and every hit, miss and eviction, are those of 'cond'. The
+speculating engine also packs its state (``engine.pack_state``), the other does not."""
 
 from __future__ import annotations
 
@@ -12,17 +13,19 @@ def _totals(result) -> dict:
 
 
 def test_speculate_equals_cond_with_ranks_kept_and_redone():
-  reqs = make_requests(8, seed=7, prompt=(20, 120), output=(6, 16))
+  reqs = make_requests(6, seed=7, prompt=(20, 64), output=(5, 10))
   base = ["mesh.dp=2", "mesh.tp=1", "engine.max_batch=2"]
-  # Device pool of 192 tokens: most steps hit, a few must fetch from the host.
-  ula = base + ["memory.system=ula", "memory.device_pool=192", "memory.host_pool=512"]
+  # 96 device slots: most steps hit; a few find no room for the new tokens and evict.
+  ula = base + ["memory.system=ula", "memory.device_pool=96", "memory.host_pool=256"]
   ref = run_engine(base, reqs)
-  cond = run_engine(ula + ["kernels.fast_path_mode=cond"], reqs)
-  spec = run_engine(ula + ["kernels.fast_path_mode=speculate"], reqs)
+  cond = run_engine(ula + ["kernels.fast_path_mode=cond", "engine.pack_state=false"], reqs)
+  spec = run_engine(ula + ["kernels.fast_path_mode=speculate", "engine.pack_state=true"],
+                    reqs)
   tokens = [r.output_tokens for r in ref.requests]
   assert [r.output_tokens for r in cond.requests] == tokens
   assert [r.output_tokens for r in spec.requests] == tokens
   totals = _totals(spec)
   tried, redone = totals.pop("total_spec_steps"), totals.pop("total_spec_redone")
-  assert totals == _totals(cond) and totals["total_misses"] > 0
+  assert totals == _totals(cond) and totals["total_evictions"] > 0
   assert 0 < redone < tried  # some ranks kept their speculative step, some ran it again
+  assert spec.capacity == cond.capacity
