@@ -28,9 +28,6 @@ SYSTEMS = {
     "ula_small_pallas_kernels": ["memory.system=ula", f"memory.device_pool={SMALL_POOL}",
                                  "memory.host_pool=1024", "kernels.attention=pallas",
                                  "kernels.fetch=pallas", "kernels.resolve=pallas"],
-    # Speculative all-hit steps: with most steps missing, each speculation is redone.
-    "ula_small_speculate": ["memory.system=ula", f"memory.device_pool={SMALL_POOL}",
-                            "memory.host_pool=1024", "kernels.fast_path_mode=speculate"],
     "ula_small_ffi_fetch": ["memory.system=ula", f"memory.device_pool={SMALL_POOL}",
                             "memory.host_pool=1024", "kernels.fetch=ffi"],
     "hisparse_small": ["memory.system=hisparse", f"memory.hisparse.device_buffer_size={TOP_K}",
