@@ -10,7 +10,9 @@ returns the same arrays, bit for bit, as ``Ula.resolve_meta``: table, owners, ho
 bitmap, policy state, slots, plan and stats.
 
 ``all_hit`` decides, on device, whether a step is such a step; ``resolve_fast_or`` picks
-the fast branch or the full resolve with ``jax.lax.cond`` (no host sync). The condition,
+the fast branch or the full resolve with ``jax.lax.cond`` (on a GPU, XLA reads the
+predicate back to the host and ends a CUDA graph there; ``resolve_speculative`` takes the
+fast branch with no conditional, for ``kernels.fast_path_mode='speculate'``). The condition,
 over the wanted selections (``sel_valid`` and ``0 <= addr < N``) and the wanted new tokens
 (``active`` and ``0 <= new_addr < N``):
 
