@@ -41,8 +41,8 @@ def test_pack_and_unpack_round_trip_bit_for_bit():
   assert [k.shape for k in kept] == [state["pool"].shape, state["zhost"].shape]
   # Leaves in tree order (keys sorted): bits, count, live, owner, pool, shared, table, zhost.
   assert [p.shape for p in packed] == [(4, 7 + 1), (4, 1 + 15 + 40), (4, 9), (6,)]
-  for p, (_, spec, _, _, _) in zip(packed, packing.buffers):
-    assert p.sharding.is_equivalent_to(NamedSharding(mesh, spec), p.ndim)
+  for p, b in zip(packed, packing.buffers):
+    assert p.sharding.is_equivalent_to(NamedSharding(mesh, b.spec), p.ndim)
   # Joined on the host (no compilation), the same buffers with the same shardings.
   for h, p in zip(packing.pack_host(state, mesh), packed):
     assert h.sharding.is_equivalent_to(p.sharding, p.ndim)

@@ -328,16 +328,20 @@ class Engine:
       nxt, state, stats, sel = jax.lax.cond(redo[0], run, skip, state)
       return nxt[None], from_local(state), ex(stats), ex(sel)
 
-    def mapped(fn, extra_in=(), extra_out=()):
+    def mapped(fn, extra_in: int = 0, extra_out: int = 0):
+      # (params, state, tokens, positions, page_table, active, extra_in more [dp] inputs)
+      # -> (next tokens, state, stats, selections, extra_out more [dp] outputs)
       def call(params, state, *args):
         return compat.shard_map(
             fn, mesh=mesh,
-            in_specs=(param_specs, state_specs) + (P("dp"),) * (4 + len(extra_in)),
-            out_specs=(P("dp"), state_specs, P("dp"), P("dp")) + extra_out)(
+            in_specs=(param_specs, state_specs) + (P("dp"),) * (4 + extra_in),
+            out_specs=(P("dp"), state_specs, P("dp"), P("dp")) + (P("dp"),) * extra_out)(
                 params, state, *args)
       return call
 
     decode_mapped = mapped(decode_local)
+    speculate_mapped = mapped(speculate_local, extra_out=1)  # + fail
+    redo_mapped = mapped(redo_local, extra_in=1)  # + redo
     spec_mem = mem.speculative() if self.fast_path_mode == "speculate" else None
 
     def prefill_local(params, state, ws, tokens, start, length, page_row, row, do):
@@ -395,13 +399,11 @@ class Engine:
       return nxt, packed(state), stats, sel
 
     def speculate(params, carry, *args):
-      nxt, state, stats, sel, fail = mapped(speculate_local, extra_out=(P("dp"),))(
-          params, unpacked(carry), *args)
+      nxt, state, stats, sel, fail = speculate_mapped(params, unpacked(carry), *args)
       return nxt, packed(state), stats, sel, fail
 
     def redo(params, carry, *args):
-      nxt, state, stats, sel = mapped(redo_local, extra_in=(None,))(
-          params, unpacked(carry), *args)
+      nxt, state, stats, sel = redo_mapped(params, unpacked(carry), *args)
       return nxt, packed(state), stats, sel
 
     def prefill(params, carry, ws, *args):

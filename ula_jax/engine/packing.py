@@ -7,9 +7,9 @@ policy bucket. ``StatePacking`` concatenates the small leaves that share a dtype
 memory kind and a sharding into one flat buffer each (``pack``) and slices them back
 (``unpack``), inside the jitted call; leaves above ``max_leaf_bytes`` per device (the KV
 pools) stay as they are, so they are still updated in place, and so do leaves outside
-device memory (host pools of any size: joining them would run on the host). With ``engine.pack_state``
-the engine keeps its state packed between steps; what it returns as ``Engine.state`` is
-unpacked, with the same values.
+device memory (host pools of any size: joining them would run on the host). With
+``engine.pack_state`` the engine keeps its state packed between steps; what it returns as
+``Engine.state`` is unpacked, with the same values.
 
 A leaf's global shape is ``lead + rest`` where ``lead`` are the dimensions its
 ``PartitionSpec`` names (up to the last named one): a packed buffer has shape
@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,14 +37,21 @@ class _Slot:
   shape: tuple[int, ...]  # the leaf's global shape
 
 
+class _Buffer(NamedTuple):
+  dtype: np.dtype
+  spec: P  # the lead dimensions' spec, then None
+  kind: str | None  # memory kind
+  lead: tuple[int, ...]  # lead shape
+  size: int  # elements in the last axis
+
+
 @dataclasses.dataclass(frozen=True)
 class StatePacking:
   """How a state pytree maps onto packed buffers (static: built once per engine)."""
 
   treedef: Any
   slots: tuple[_Slot, ...]
-  buffers: tuple[tuple[np.dtype, P, str | None, tuple[int, ...], int], ...]
-  # (dtype, spec of the lead dimensions + None, memory kind, lead shape, elements)
+  buffers: tuple[_Buffer, ...]
 
   @classmethod
   def plan(cls, state: Any, specs: Any, *, max_leaf_bytes: int = 1 << 20) -> StatePacking:
@@ -73,7 +80,7 @@ class StatePacking:
       slots.append(_Slot(b, sizes[b], tuple(x.shape)))
       sizes[b] += math.prod(x.shape[lead:])
     return cls(treedef=treedef, slots=tuple(slots),
-               buffers=tuple((d, P(*spec, None), kind, lead, n)
+               buffers=tuple(_Buffer(d, P(*spec, None), kind, lead, n)
                              for (d, spec, kind, lead), n in zip(buffers, sizes)))
 
   @property
@@ -81,20 +88,22 @@ class StatePacking:
     """Leaves that go into packed buffers."""
     return sum(s.buffer >= 0 for s in self.slots)
 
+  def _parts(self, state: Any, convert: Callable[[Any], Any]) -> list[list]:
+    """Per buffer, its leaves of ``state`` (``convert``ed) shaped ``lead + (-1,)``."""
+    parts: list[list] = [[] for _ in self.buffers]
+    for x, s in zip(self.treedef.flatten_up_to(state), self.slots):
+      if s.buffer >= 0:
+        parts[s.buffer].append(convert(x).reshape(*self.buffers[s.buffer].lead, -1))
+    return parts
+
   def pack(self, state: Any, mesh: Mesh | None = None) -> tuple[list, list]:
     """state -> (kept leaves, packed buffers); traceable. With ``mesh`` the buffers are
     constrained to their sharding (inside a jitted call over that mesh)."""
-    leaves = self.treedef.flatten_up_to(state)
-    kept = self.kept(state)
-    parts: list[list] = [[] for _ in self.buffers]
-    for x, s in zip(leaves, self.slots):
-      if s.buffer >= 0:
-        parts[s.buffer].append(x.reshape(*self.buffers[s.buffer][3], -1))
-    packed = [jnp.concatenate(p, axis=-1) for p in parts]
+    packed = [jnp.concatenate(p, axis=-1) for p in self._parts(state, lambda x: x)]
     if mesh is not None:
-      packed = [jax.lax.with_sharding_constraint(p, NamedSharding(mesh, spec))
-                for p, (_, spec, _, _, _) in zip(packed, self.buffers)]
-    return kept, packed
+      packed = [jax.lax.with_sharding_constraint(p, NamedSharding(mesh, b.spec))
+                for p, b in zip(packed, self.buffers)]
+    return self.kept(state), packed
 
   def kept(self, state: Any) -> list:
     """The leaves of ``state`` that stay as they are (no copy)."""
@@ -106,21 +115,16 @@ class StatePacking:
     out = []
     for s in self.slots:
       if s.buffer >= 0:
-        lead = self.buffers[s.buffer][3]
-        n = math.prod(s.shape[len(lead):])
+        n = math.prod(s.shape[len(self.buffers[s.buffer].lead):])
         out.append(packed[s.buffer][..., s.offset:s.offset + n].reshape(s.shape))
     return out
 
   def pack_host(self, state: Any, mesh: Mesh) -> list:
     """The packed buffers of ``state`` joined on the host and put on ``mesh`` (no
     compilation; every leaf must be fully addressable)."""
-    leaves = self.treedef.flatten_up_to(state)
-    parts: list[list] = [[] for _ in self.buffers]
-    for x, s in zip(leaves, self.slots):
-      if s.buffer >= 0:
-        parts[s.buffer].append(np.asarray(x).reshape(*self.buffers[s.buffer][3], -1))
-    return [jax.device_put(np.concatenate(p, axis=-1), NamedSharding(mesh, spec, memory_kind=kind))
-            for p, (_, spec, kind, _, _) in zip(parts, self.buffers)]
+    return [jax.device_put(np.concatenate(p, axis=-1),
+                           NamedSharding(mesh, b.spec, memory_kind=b.kind))
+            for p, b in zip(self._parts(state, np.asarray), self.buffers)]
 
   def merge(self, kept: list, small: list) -> Any:
     """(kept leaves, ``split``'s leaves) -> state."""

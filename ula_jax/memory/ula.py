@@ -41,7 +41,6 @@ counts (``UlaPlan``).
 from __future__ import annotations
 
 import copy
-
 from typing import Any
 
 import jax
