@@ -33,6 +33,10 @@ def test_trace_calls_splits_the_trace_per_dispatch(tmp_path):
       _x(gpu, 14, 40, 4, "Memcpy D2H"), _x(gpu, 99, 10, 10, "fusion_1"),  # derived line
       _x(host, 10, 100, 10, "PjitFunction(prefill)"), _x(gpu, 14, 105, 30, "fusion_9"),
       _x(host, 10, 200, 20, "PjitFunction(decode)"), _x(gpu, 14, 210, 6, "fusion_1"),
+      # A speculative step run again: one window over both calls.
+      _x(host, 10, 300, 10, "PjitFunction(speculate)"), _x(gpu, 14, 305, 5, "fusion_1"),
+      _x(host, 10, 320, 10, "PjitFunction(redo)"), _x(gpu, 14, 325, 5, "fusion_2"),
+      _x(host, 10, 400, 10, "PjitFunction(release)"),
   ]
   d = tmp_path / "plugins" / "profile" / "run"
   d.mkdir(parents=True)
@@ -40,13 +44,18 @@ def test_trace_calls_splits_the_trace_per_dispatch(tmp_path):
     json.dump({"traceEvents": events}, f)
   out = trace_calls(tmp_path, "decode")
   first, second = out["calls"]
+  assert second["wall_us"] == 100  # up to the next dispatch, the speculate
   assert first == {"wall_us": 100, "device_ops": 3, "device_busy_us": 19, "memcpy": 1,
                    "host_waits": 1}
-  assert second == {"wall_us": 16, "device_ops": 1, "device_busy_us": 6, "memcpy": 0,
+  assert second == {"wall_us": 100, "device_ops": 1, "device_busy_us": 6, "memcpy": 0,
                     "host_waits": 0}
+  steps = trace_calls(tmp_path, ("decode", "speculate"), also=("redo",))["calls"]
+  assert [c["device_ops"] for c in steps] == [3, 1, 2]
+  assert steps[2]["wall_us"] == 100 and steps[2]["device_busy_us"] == 10
   assert out["top_ops"][0] == ["fusion_1", 1.0, 8.0]
   assert [n for n, _, _ in out["host_top"]] == ["ConditionalThunk"]  # no Python frames
   assert summarize_calls(out["calls"])["device_ops"] == 2
+  assert summarize_calls(steps)["device_ops"] == 2
   assert summarize_calls([]) == {}
   with pytest.raises(FileNotFoundError):
     trace_calls(tmp_path / "none", "decode")

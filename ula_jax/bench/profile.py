@@ -4,7 +4,8 @@ read from a ``jax.profiler`` trace.
 ``trace_calls(trace_dir, "decode")`` opens the Perfetto trace that
 ``jax.profiler.trace(dir, create_perfetto_trace=True)`` wrote, finds every host-side
 dispatch of the jitted function (``PjitFunction(decode)``) and splits the trace into one
-window per call, from its dispatch to the next dispatch of any jitted function. In each
+window per call, from its dispatch to the next dispatch of any jitted function (but
+those named in ``also``: a step's second call, e.g. ``redo`` after ``speculate``). In each
 window it counts the device's operations (events on the device's stream lines: kernels,
 memory copies) and the union of their intervals (the device-busy time), and the host
 events whose names say the host waited for the device (a conditional's or a loop's
@@ -17,6 +18,7 @@ windows' wall times are meaningful.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import gzip
 import json
@@ -77,61 +79,85 @@ def _op_lines(device_lines: set[str]) -> set[str]:
   return streams or {l for l in device_lines if not any(w in l for w in DERIVED_LINES)}
 
 
-def trace_calls(trace_dir: str | pathlib.Path, function: str, *, top: int = 25) -> dict:
-  """Per-call device and host counts of ``function``'s dispatches in the trace.
+def trace_calls(trace_dir: str | pathlib.Path, functions: str | tuple[str, ...],
+                also: tuple[str, ...] = (), *, top: int = 25) -> dict:
+  """Per-call device and host counts of the dispatches of ``functions`` in the trace.
 
+  A call's window runs from its dispatch to the next dispatch of any jitted function but
+  those named in ``also`` (calls that belong to the same step, e.g. a step run again).
   returns {"calls": [{"wall_us", "device_ops", "device_busy_us", "memcpy", "host_waits"}],
   "top_ops": [[name, count per call, us per call]] (device), "host_top": [[name, count
-  per call, us per call]] (host events in the windows, nested ones counted in each), "lines": {device line: events}, "trace": path};
-  times in microseconds
+  per call, us per call]] (host events in the windows, nested ones counted in each),
+  "lines": {device line: events}, "trace": path}; times in microseconds
   """
+  functions = (functions,) if isinstance(functions, str) else tuple(functions)
   path = find_trace(trace_dir)
   with gzip.open(path, "rt") as f:
     data = json.load(f)
   events = data["traceEvents"] if isinstance(data, dict) else data
   procs, threads = _names(events)
-  spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
-  dispatch = []  # outermost dispatches only (the profiler nests one in another)
-  for e in sorted((e for e in spans if not is_device_process(procs.get(e["pid"], ""))
-                   and str(e.get("name", "")).startswith("PjitFunction(")),
-                  key=lambda e: (e["ts"], -e["dur"])):
-    if not dispatch or e["ts"] >= dispatch[-1]["ts"] + dispatch[-1]["dur"]:
-      dispatch.append(e)
-  mine = [i for i, e in enumerate(dispatch) if e["name"] == f"PjitFunction({function})"]
-  ends = [dispatch[i + 1]["ts"] if i + 1 < len(dispatch) else float("inf") for i in mine]
-  starts = [dispatch[i]["ts"] for i in mine]
-  device = [e for e in spans if is_device_process(procs.get(e["pid"], ""))]
-  lines = collections.Counter(f"{procs[e['pid']]} / {threads.get((e['pid'], e.get('tid')), '')}"
-                              for e in device)
   line_of = lambda e: threads.get((e["pid"], e.get("tid")), "")
+  device, host, dispatches = [], [], []
+  for e in events:
+    if e.get("ph") != "X" or "dur" not in e:
+      continue
+    name = str(e.get("name", ""))
+    if is_device_process(procs.get(e["pid"], "")):
+      device.append(e)
+    elif name.startswith("PjitFunction("):
+      dispatches.append(e)
+    elif not name.startswith("$"):  # Python frames left out
+      host.append(e)
+  outer = []  # outermost dispatches only (the profiler nests one in another)
+  for e in sorted(dispatches, key=lambda e: (e["ts"], -e["dur"])):
+    if not outer or e["ts"] >= outer[-1]["ts"] + outer[-1]["dur"]:
+      outer.append(e)
+  step_names = {f"PjitFunction({f})" for f in functions}
+  inner_names = {f"PjitFunction({f})" for f in also}
+  starts, ends = [], []
+  for e in outer:
+    if e["name"] in inner_names:
+      continue
+    if starts and ends[-1] == float("inf"):  # any other dispatch ends the open window
+      ends[-1] = e["ts"]
+    if e["name"] in step_names:
+      starts.append(e["ts"])
+      ends.append(float("inf"))
+
+  def window(e) -> int:  # the call whose window holds the event's start, or -1
+    i = bisect.bisect_right(starts, e["ts"]) - 1
+    return i if i >= 0 and e["ts"] < ends[i] else -1
+
   keep = _op_lines({line_of(e) for e in device})
-  ops = [e for e in device if line_of(e) in keep]
-  host = [e for e in spans if not is_device_process(procs.get(e["pid"], ""))  # no Python
-          and not str(e.get("name", "")).startswith(("PjitFunction(", "$"))]
-  waits = [e for e in host if any(w in str(e.get("name", "")) for w in HOST_WAIT_WORDS)]
+  ops: list[list[dict]] = [[] for _ in starts]
+  for e in device:
+    if line_of(e) in keep and (i := window(e)) >= 0:
+      ops[i].append(e)
   host_names: dict[str, list[float]] = collections.defaultdict(list)
+  waits = [0] * len(starts)
+  for e in host:
+    if (i := window(e)) >= 0:
+      host_names[str(e.get("name", ""))].append(e["dur"])
+      waits[i] += any(w in str(e.get("name", "")) for w in HOST_WAIT_WORDS)
   calls = []
   per_name: dict[str, list[float]] = collections.defaultdict(list)
-  for s, t in zip(starts, ends):
-    inside = [e for e in ops if s <= e["ts"] < t]
+  for s, t, inside, w in zip(starts, ends, ops, waits):
     last = max((e["ts"] + e["dur"] for e in inside), default=s)
     calls.append({
         "wall_us": (last if t == float("inf") else t) - s,
         "device_ops": len(inside),
         "device_busy_us": _union([(e["ts"], e["ts"] + e["dur"]) for e in inside]),
         "memcpy": sum("emcpy" in str(e.get("name", "")) for e in inside),
-        "host_waits": sum(s <= e["ts"] < t for e in waits),
+        "host_waits": w,
     })
     for e in inside:
       per_name[str(e.get("name", ""))].append(e["dur"])
-    for e in host:
-      if s <= e["ts"] < t:
-        host_names[str(e.get("name", ""))].append(e["dur"])
   n = max(len(calls), 1)
   top_ops = sorted(([name, len(d) / n, sum(d) / n] for name, d in per_name.items()),
                    key=lambda r: -r[2])[:top]
   host_top = sorted(([name, len(d) / n, sum(d) / n] for name, d in host_names.items()),
                     key=lambda r: -r[2])[:top]
+  lines = collections.Counter(f"{procs[e['pid']]} / {line_of(e)}" for e in device)
   return {"calls": calls, "top_ops": top_ops, "host_top": host_top,
           "lines": dict(lines.most_common(20)), "trace": str(path)}
 
