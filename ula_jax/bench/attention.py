@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ula_jax.bench import common
-from ula_jax.bench.common import (best_and_median, environment, fmt, parse_list, parse_sizes,
-                                  time_calls, write_json)
+from ula_jax.bench.common import (add_timing_args, best_and_median, environment, fmt,
+                                  parse_list, parse_sizes, time_calls, write_json)
 from ula_jax.kernels.sparse_attention.pallas import (AttentionConfig, attention_cost,
                                                      bytes_read, sparse_mla_attention_pallas)
 from ula_jax.kernels.sparse_attention.reference import sparse_mla_attention_reference
@@ -101,10 +101,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="Pallas configurations, comma list of 'auto' or e.g. h64k64w8s2n3 "
                       "(h block_h, k block_k, w num_warps, s num_splits, n num_stages)")
   p.add_argument("--loop", type=int, default=16, help="steps per jitted loop")
-  p.add_argument("--reps", type=int, default=3, help="repetitions of every measurement")
-  p.add_argument("--min-iters", type=int, default=3)
-  p.add_argument("--max-iters", type=int, default=200)
-  p.add_argument("--target-ms", type=float, default=100.0)
+  add_timing_args(p, max_iters=200, target_ms=100.0)
   p.add_argument("--warmup", type=int, default=1)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs/bench/attention.json", help="JSON output path")

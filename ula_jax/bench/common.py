@@ -45,6 +45,16 @@ def parse_list(text: str, allowed: Sequence[str], *, flag: str) -> list[str]:
   return items
 
 
+def add_timing_args(p: Any, *, max_iters: int, target_ms: float) -> None:
+  """The arguments of ``time_calls``' adaptive timing, on an ``argparse`` parser:
+  ``--reps``, ``--min-iters``, ``--max-iters``, ``--target-ms`` (defaults per benchmark)."""
+  p.add_argument("--reps", type=int, default=3, help="repetitions of every measurement")
+  p.add_argument("--min-iters", type=int, default=3)
+  p.add_argument("--max-iters", type=int, default=max_iters)
+  p.add_argument("--target-ms", type=float, default=target_ms,
+                 help="time each repetition for about this long")
+
+
 def time_calls(step: Callable[[Any], Any], state: Any, *, min_iters: int, max_iters: int,
                target_s: float, warmup: int,
                wait: Callable[[Any], Any] = jax.block_until_ready) -> tuple[float, Any]:

@@ -38,8 +38,8 @@ import numpy as np
 
 from ula_jax import compat
 from ula_jax.bench import common
-from ula_jax.bench.common import (best_and_median, environment, fmt, parse_list, parse_sizes,
-                                  time_calls, write_json)
+from ula_jax.bench.common import (add_timing_args, best_and_median, environment, fmt,
+                                  parse_list, parse_sizes, time_calls, write_json)
 from ula_jax.kernels.fetch import evict_rows, fetch_rows
 from ula_jax.kernels.fetch import ffi as fetch_ffi
 from ula_jax.kernels.fetch.hlo import pool_materializations
@@ -86,11 +86,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--pallas-block-units", default="1024",
                  help="Pallas sweep: 16-byte units per program, comma list")
   p.add_argument("--pallas-warps", default="4", help="Pallas sweep: warps per program")
-  p.add_argument("--reps", type=int, default=3, help="repetitions of every measurement")
-  p.add_argument("--min-iters", type=int, default=3)
-  p.add_argument("--max-iters", type=int, default=500)
-  p.add_argument("--target-ms", type=float, default=100.0,
-                 help="time each repetition for about this long")
+  add_timing_args(p, max_iters=500, target_ms=100.0)
   p.add_argument("--warmup", type=int, default=1)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--no-check", action="store_true", help="skip the bit-exactness checks")

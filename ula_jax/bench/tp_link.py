@@ -42,8 +42,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ula_jax import compat
-from ula_jax.bench.common import (best_and_median, environment, fmt, parse_list, parse_sizes,
-                                  print_table as _print_table, time_calls, write_json)
+from ula_jax.bench.common import (add_timing_args, best_and_median, environment, fmt,
+                                  parse_list, parse_sizes, print_table as _print_table,
+                                  time_calls, write_json)
 from ula_jax.memory.base import INVALID
 from ula_jax.memory.ula_tp import FETCH_ALIGN, deliver_misses, own_misses
 
@@ -77,10 +78,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="tp ranks P (default: every device; at least 2)")
   p.add_argument("--impls", default=",".join(IMPLS), help=f"of {list(IMPLS)}")
   p.add_argument("--loop", type=int, default=8, help="calls per jitted loop")
-  p.add_argument("--reps", type=int, default=3)
-  p.add_argument("--min-iters", type=int, default=3)
-  p.add_argument("--max-iters", type=int, default=100)
-  p.add_argument("--target-ms", type=float, default=50.0)
+  add_timing_args(p, max_iters=100, target_ms=50.0)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs/bench/tp_link.json", help="JSON output path")
   p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test, e.g. on CPU)")
