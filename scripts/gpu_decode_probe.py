@@ -44,10 +44,9 @@ def main(argv: list[str]) -> int:
       configure_platform(cfg)
       engine = Engine(cfg, build_mesh(cfg), max_context=8192)
       B, P = engine.max_batch, engine.pages_per_row
-      put = engine._put
-      inputs = (put(np.zeros((1, B), np.int32)), put(np.zeros((1, B), np.int32)),
-                put(np.full((1, B, P), -1, np.int32)), put(np.zeros((1, B), bool)))
-      text = engine._decode.lower(engine.params, engine.carry, *inputs).compile().as_text()
+      inputs = engine.decode_inputs(np.zeros((1, B), np.int32), np.zeros((1, B), np.int32),
+                                    np.full((1, B, P), -1, np.int32), np.zeros((1, B), bool))
+      text = engine._decode.lower(engine.params, engine.carry, inputs).compile().as_text()
       pools = [x.shape[1:] for x in (*engine.state.dev_pools, *engine.state.host_pools)
                ] if system == "ula" else []
       copies = sorted({line[:160] for shape in set(pools)
@@ -56,8 +55,8 @@ def main(argv: list[str]) -> int:
       times = []
       for _ in range(args.steps):
         t0 = time.perf_counter()
-        nxt, state, _, _ = engine._decode(engine.params, state, *inputs)
-        np.asarray(jax.device_get(nxt))
+        out, state, _ = engine._decode(engine.params, state, inputs)
+        np.asarray(jax.device_get(out))
         times.append(time.perf_counter() - t0)
       med = statistics.median(times[2:])
       rows.append((system, host, med, len(copies)))

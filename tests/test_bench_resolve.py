@@ -14,10 +14,13 @@ from ula_jax.bench import resolve
 def test_resolve_benchmark_at_tiny_sizes(tmp_path, capsys):
   out = tmp_path / "resolve.json"
   rc = resolve.main(["--quick", "--batch", "2", "--pools", "64,32", "--policies", "pb_lru",
-                     "--out", str(out)])
+                     "--profile", str(tmp_path / "traces"), "--out", str(out)])
   assert rc == 0
   result = json.loads(out.read_text())
   assert result["benchmark"] == "resolve" and result["stream"]["k"] == 16
+  assert result["stream"]["loop"] == "while"
+  # The profiled segment left a trace per measured row (a CPU trace has no device lines).
+  assert len(list((tmp_path / "traces").glob("*/**/perfetto_trace.json.gz"))) == 2
   rows = {(r["pool"], r["impl"]): r for r in result["rows"]}
   assert sorted(rows) == [(32, "jnp"), (32, "pallas"), (64, "jnp"), (64, "pallas")]
   for impl in ("jnp", "pallas"):
@@ -36,6 +39,13 @@ def test_resolve_benchmark_at_tiny_sizes(tmp_path, capsys):
   count = lambda r: (r["hits"], r["misses"], r["evictions"], r["fetches"])
   assert count(rows[(64, "jnp")]) == count(rows[(64, "pallas")])
   assert rows[(64, "pallas")]["work"]["launches"] == 5
+  assert rows[(64, "pallas")]["kernels"] == [] and rows[(64, "pallas")]["device_us"] is None
+  # As straight-line code: the same stream, the same counts.
+  rc = resolve.main(["--quick", "--batch", "2", "--pools", "64", "--policies", "pb_lru",
+                     "--impls", "jnp", "--loop", "unrolled", "--out", str(out)])
+  result = json.loads(out.read_text())
+  assert rc == 0 and result["stream"]["loop"] == "unrolled"
+  assert count(result["rows"][0]) == count(rows[(64, "jnp")])
   assert "resolve of one layer group on" in capsys.readouterr().out
 
 

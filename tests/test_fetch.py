@@ -207,6 +207,13 @@ _HLO = """HloModule jit_fetch, entry_computation_layout={(bf16[4099,576]{1,0:S(5
   ROOT %gather.1 = f32[9,576]{1,0} gather(%convert.2, %param_1), offset_dims={1}
 }
 
+%fused_scatter (param_0.2: bf16[4099,576], param_1.1: s32[9,1], param_2: bf16[9,576]) -> bf16[4099,576] {
+  %param_0.2 = bf16[4099,576]{1,0} parameter(0)
+  %param_1.1 = s32[9,1]{1,0} parameter(1)
+  %param_2 = bf16[9,576]{1,0} parameter(2)
+  ROOT %scatter.1 = bf16[4099,576]{1,0} scatter(%param_0.2, %param_1.1, %param_2), update_window_dims={1}
+}
+
 ENTRY %main (p0: bf16[4099,576], p1: s32[9], p2: bf16[61,576], p3: s32[9]) -> bf16[61,576] {
   %p0 = bf16[4099,576]{1,0:S(5)} parameter(0)
   %copy-start = (bf16[4099,576]{1,0:S(5)}, bf16[4099,576]{1,0}, u32[]) copy-start(%p0)
@@ -214,6 +221,7 @@ ENTRY %main (p0: bf16[4099,576], p1: s32[9], p2: bf16[61,576], p3: s32[9]) -> bf
   %gte = bf16[4099,576]{1,0} get-tuple-element(%copy-start), index=1
   %fusion.3 = f32[4099,576]{1,0} fusion(%p0), kind=kLoop, calls=%fused_convert
   %fusion.4 = f32[9,576]{1,0} fusion(%p0, %i), kind=kLoop, calls=%fused_gather
+  %input_scatter_fusion = bf16[4099,576]{1,0} fusion(%copy-done, %i, %r), kind=kInput, calls=%fused_scatter
   %fusion.2 = bf16[4099,576]{1,0:S(5)} fusion(%p1, %p3, %p0, %p2), kind=kCustom, calls=%k, backend_config={"fusion_backend_config":{"kind":"__triton"}}
   ROOT %custom-call.1 = bf16[61,576]{1,0} custom-call(%p0, %p1, %p2, %p3), custom_call_target="ula_jax_fetch_rows"
 }
@@ -222,7 +230,8 @@ ENTRY %main (p0: bf16[4099,576], p1: s32[9], p2: bf16[61,576], p3: s32[9]) -> bf
 
 def test_pool_materializations_flags_copies_not_kernels_or_parameters():
   found = pool_materializations(_HLO, (4099, 576))
-  # Not the parameter, the tuple element, the fused gather's operand or the kernel.
+  # Not the parameter, the tuple element, the fused gather's operand, the in-place
+  # scatter (its copy is flagged) or the kernel.
   assert [line.split(" = ")[0] for line in found] == ["%copy-start", "%copy-done", "%fusion.3"]
   assert len(pool_materializations(_HLO, (4099, 576), allow_kernel=False)) == 4
   assert pool_materializations(_HLO, (61, 576)) == []  # only the kernel's own result

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ula_jax.bench.profile import summarize_calls, trace_calls
+from ula_jax.bench.profile import device_ops, summarize_calls, trace_calls
 
 
 def _meta(pid, name, tid=None, thread=None):
@@ -57,5 +57,7 @@ def test_trace_calls_splits_the_trace_per_dispatch(tmp_path):
   assert summarize_calls(out["calls"])["device_ops"] == 2
   assert summarize_calls(steps)["device_ops"] == 2
   assert summarize_calls([]) == {}
+  # The whole trace by name (no windows; the derived line left out).
+  assert device_ops(tmp_path)[:2] == [["fusion_9", 1, 30], ["fusion_1", 3, 21]]
   with pytest.raises(FileNotFoundError):
     trace_calls(tmp_path / "none", "decode")

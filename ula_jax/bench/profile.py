@@ -162,6 +162,25 @@ def trace_calls(trace_dir: str | pathlib.Path, functions: str | tuple[str, ...],
           "lines": dict(lines.most_common(20)), "trace": str(path)}
 
 
+def device_ops(trace_dir: str | pathlib.Path, *, top: int = 25) -> list[list]:
+  """Every device operation of the trace, by name: ``[name, count, us]`` (totals over
+  the whole trace, slowest first; an AOT-compiled call has no dispatch event to window
+  by). Empty on a backend without device lines."""
+  with gzip.open(find_trace(trace_dir), "rt") as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  procs, threads = _names(events)
+  device = [e for e in events if e.get("ph") == "X" and "dur" in e
+            and is_device_process(procs.get(e["pid"], ""))]
+  keep = _op_lines({threads.get((e["pid"], e.get("tid")), "") for e in device})
+  per_name: dict[str, list[float]] = collections.defaultdict(list)
+  for e in device:
+    if threads.get((e["pid"], e.get("tid")), "") in keep:
+      per_name[str(e.get("name", ""))].append(e["dur"])
+  return sorted(([name, len(d), sum(d)] for name, d in per_name.items()),
+                key=lambda r: -r[2])[:top]
+
+
 def summarize_calls(calls: list[dict]) -> dict:
   """Medians over calls of each per-call count (an empty dict for no calls)."""
   if not calls:
@@ -169,4 +188,4 @@ def summarize_calls(calls: list[dict]) -> dict:
   return {k: statistics.median(c[k] for c in calls) for k in calls[0]}
 
 
-__all__ = ["find_trace", "summarize_calls", "trace_calls"]
+__all__ = ["device_ops", "find_trace", "summarize_calls", "trace_calls"]

@@ -2,8 +2,13 @@
 
 For each device pool size, batch size, policy (PB-LRU, exact LRU) and implementation
 (the jnp resolve, the fused Pallas kernels), a synthetic selection stream is resolved in
-one jitted loop and the time per resolve is reported in microseconds (compile and
-warm-up excluded; the median of several timed segments).
+segments of ``--steps`` resolves, each one jitted call, and the time per resolve is
+reported in microseconds (compile and warm-up excluded; the median of several timed
+segments). A segment's resolves run as a device loop (``--loop unrolled``: as
+straight-line code, as a decode step runs its layer groups' resolves). On an H200 both
+times are above the device's work by tens of microseconds of launch and loop overhead:
+``--profile DIR`` adds, from a trace, each kernel's launches and time per resolve and
+their sum (``device_us``), the device's work alone.
 
 The stream: request ``b`` owns logical addresses ``[b * L, (b + 1) * L)``. Before the
 loop every request's first ``L0`` positions are stored in random order, twice what the
@@ -68,6 +73,8 @@ class Row:
   fetches: float | None = None  # misses moved in (placed)
   placed: float | None = None  # misses + fresh new tokens per resolve
   work: dict | None = None
+  kernels: list | None = None  # --profile: [name, launches, us] per resolve, slowest first
+  device_us: float | None = None  # --profile: the device's operations per resolve, summed
   error: str | None = None
 
 
@@ -88,17 +95,23 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--churn", type=float, default=0.1,
                  help="fraction of each request's selection redrawn per step")
   p.add_argument("--steps", type=int, default=32, help="resolves per timed segment")
+  p.add_argument("--loop", choices=("while", "unrolled"), default="while",
+                 help="a segment's resolves as a device loop or as straight-line code (as "
+                 "in a decode step)")
   p.add_argument("--segments", type=int, default=3, help="timed segments (median reported)")
   p.add_argument("--warmup", type=int, default=2,
                  help="untimed segments first (the pool reaches its steady state)")
-  p.add_argument("--pallas-block-elems", default="1024",
+  p.add_argument("--pallas-block-elems", default="256",
                  help="Pallas sweep: entries per program (mark, publish), comma list")
-  p.add_argument("--pallas-block-place", default="256",
+  p.add_argument("--pallas-block-place", default="32",
                  help="Pallas sweep: entries per program (place), comma list")
   p.add_argument("--pallas-warps", default="4", help="Pallas sweep: warps per program")
   p.add_argument("--interpret", choices=("auto", "on", "off"), default="auto",
                  help="Pallas interpret mode (auto: on everywhere but on GPU)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--profile", default=None, metavar="DIR",
+                 help="also run one segment per row under jax.profiler (traces under DIR) "
+                 "and report the device kernels of a resolve: launches and time of each")
   p.add_argument("--out", default="runs/bench/resolve.json", help="JSON output path")
   p.add_argument("--quick", action="store_true",
                  help="tiny sizes and few steps (smoke test, e.g. on CPU)")
@@ -197,9 +210,10 @@ def make_stream(setup: Setup, churn: float, seed: int) -> tuple[jax.Array, jax.A
 
 
 def resolve_loop(system: Ula, impl: str, *, config: ResolveConfig | None,
-                 interpret: bool) -> Callable:
+                 interpret: bool, unroll: bool = True) -> Callable:
   """``(meta, sel [T, B, k], new [T, B]) -> (meta, totals [4] int32)``: T resolves in one
-  jitted loop (totals: hits, misses, evictions, fetches)."""
+  jitted call (totals: hits, misses, evictions, fetches). ``unroll``: as straight-line
+  code, the way a decode step runs its groups' resolves; otherwise a device loop."""
 
   def run(meta, sel, new):
     T, B, _ = sel.shape
@@ -215,7 +229,8 @@ def resolve_loop(system: Ula, impl: str, *, config: ResolveConfig | None,
                           plan.n_fetch]).astype(jnp.int32)
       return meta, totals + counts
 
-    return jax.lax.fori_loop(0, T, body, (meta, jnp.zeros((4,), jnp.int32)))
+    return jax.lax.fori_loop(0, T, body, (meta, jnp.zeros((4,), jnp.int32)),
+                             unroll=T if unroll else 1)
 
   return jax.jit(run, donate_argnums=0)
 
@@ -301,7 +316,8 @@ def measure(row: Row, setup: Setup, system: Ula, fill: Callable, stream: tuple, 
   T = args.steps
   sel, new = stream
   meta = fill(args.seed)
-  loop = resolve_loop(system, impl, config=config, interpret=interpret)
+  loop = resolve_loop(system, impl, config=config, interpret=interpret,
+                      unroll=args.loop == "unrolled")
   compiled = loop.lower(meta, sel[:T], new[:T]).compile()
   for s in range(args.warmup):
     meta, _ = compiled(meta, sel[s * T:(s + 1) * T], new[s * T:(s + 1) * T])
@@ -320,6 +336,24 @@ def measure(row: Row, setup: Setup, system: Ula, fill: Callable, stream: tuple, 
   row.hits, row.misses, row.evictions, row.fetches = (float(x) / n for x in totals)
   row.placed = row.misses + setup.batch  # each step places one new token per request
   row.work = work_model(impl, row.policy, system, setup.batch, setup.k, row.placed)
+  if args.profile:
+    ops = profile_kernels(compiled, meta, stream, T,
+                          f"{args.profile}/pool{row.pool}_b{row.batch}_{row.policy}_{row.impl}")
+    row.kernels = ops[:16]
+    row.device_us = sum(us for _, _, us in ops) if ops else None
+
+
+def profile_kernels(compiled: Callable, meta: Any, stream: tuple, T: int,
+                    trace_dir: str) -> list:
+  """One more segment of ``T`` resolves under the profiler -> ``[name, launches, us]``
+  per resolve for every device operation, slowest first (empty on a backend without
+  device lines, e.g. CPU)."""
+  from ula_jax.bench.profile import device_ops
+  sel, new = stream
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    meta, counts = compiled(meta, sel[:T], new[:T])
+    jax.block_until_ready(counts)
+  return [[name, n / T, us / T] for name, n, us in device_ops(trace_dir, top=10**6)]
 
 
 def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any]:
@@ -337,6 +371,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
     return {"benchmark": "resolve", "environment": environment(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "stream": {"k": args.k, "churn": args.churn, "steps": args.steps,
+                       "loop": args.loop,
                        "segments": args.segments, "warmup": args.warmup,
                        "buckets": args.buckets, "interpret": interpret},
             "rows": [dataclasses.asdict(r) for r in rows],
@@ -412,6 +447,13 @@ def print_table(result: dict) -> None:
     if r["error"]:
       print(f"{r['error'].split(':')[0]}: pool {r['pool']} batch {r['batch']} {r['policy']} "
             f"{r['impl']}: {r['error']}")
+  for r in result["rows"]:
+    if r.get("device_us") is not None:
+      print(f"device pool {r['pool']} batch {r['batch']} {r['policy']} {r['impl']}: "
+            f"{r['device_us']:9.1f} us of device operations per resolve")
+    for name, n, us in (r.get("kernels") or [])[:8]:
+      print(f"kernel pool {r['pool']} batch {r['batch']} {r['policy']} {r['impl']}: "
+            f"{us:9.1f} us {n:5.1f}x  {name[:90]}")
   for t in result["targets"]:
     print(f"target {t['target']}: pool {t['pool']} batch {t['batch']} {t['impl']}"
           f"{' ' + t['policy'] if 'policy' in t else ''}: {fmt(t['value'])} "

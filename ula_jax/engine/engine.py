@@ -219,6 +219,7 @@ class Engine:
     # _build_steps) on systems that support it (``MemorySystem.speculative``).
     self.fast_path_mode = getattr(cfg.kernels, "fast_path_mode", "cond")
     self._try_speculate = True
+    self._stat_keys: list[str] = []  # a decode step's stats, in its host output's order
     self.report_every = max(1, int(getattr(ecfg, "report_every", 1)))
     # engine.record_trace: keep every rank's selections (memory.trace) in the RunResult.
     self.record_trace = bool(getattr(ecfg, "record_trace", False))
@@ -309,15 +310,18 @@ class Engine:
       return nxt[None], from_local(state), ex(stats), ex(sel)
 
     # kernels.fast_path_mode='speculate': every group's all-hit path with no conditional;
-    # a rank where some group was not all-hit restores its state (``rollback``) and
-    # reports ``fail``, and the host runs the step again there (``redo_local``).
+    # a rank where some group was not all-hit restores its state and reports ``fail``,
+    # and the host runs the step again there (``redo_local``). The state comes out twice:
+    # as the step left it and restored (``rollback``); ``speculate`` below takes the
+    # packed buffers from the old and new carry (one select per buffer: restoring a small
+    # leaf in full is always a valid rollback) and the other leaves from ``rollback``.
     def speculate_local(params, state, tokens, positions, page_table, active):
       old = to_local(state)
       nxt, new, stats, sel = step_local(spec_mem, params, old, tokens, positions,
                                         page_table, active)
       fail = stats.pop("spec_fail") > 0
-      return (nxt[None], from_local(mem.rollback(old, new, ~fail)), ex(stats), ex(sel),
-              fail[None])
+      return (nxt[None], from_local(new), from_local(mem.rollback(old, new, ~fail)),
+              ex(stats), ex(sel), fail[None])
 
     def redo_local(params, state, tokens, positions, page_table, active, redo):
       state = to_local(state)
@@ -328,19 +332,19 @@ class Engine:
       nxt, state, stats, sel = jax.lax.cond(redo[0], run, skip, state)
       return nxt[None], from_local(state), ex(stats), ex(sel)
 
-    def mapped(fn, extra_in: int = 0, extra_out: int = 0):
+    def mapped(fn, extra_in: int = 0, extra_out: int = 0, states: int = 1):
       # (params, state, tokens, positions, page_table, active, extra_in more [dp] inputs)
-      # -> (next tokens, state, stats, selections, extra_out more [dp] outputs)
+      # -> (next tokens, ``states`` states, stats, selections, extra_out more [dp] outputs)
       def call(params, state, *args):
         return compat.shard_map(
             fn, mesh=mesh,
             in_specs=(param_specs, state_specs) + (P("dp"),) * (4 + extra_in),
-            out_specs=(P("dp"), state_specs, P("dp"), P("dp")) + (P("dp"),) * extra_out)(
-                params, state, *args)
+            out_specs=(P("dp"),) + (state_specs,) * states + (P("dp"), P("dp"))
+            + (P("dp"),) * extra_out)(params, state, *args)
       return call
 
     decode_mapped = mapped(decode_local)
-    speculate_mapped = mapped(speculate_local, extra_out=1)  # + fail
+    speculate_mapped = mapped(speculate_local, extra_out=1, states=2)  # + fail
     redo_mapped = mapped(redo_local, extra_in=1)  # + redo
     spec_mem = mem.speculative() if self.fast_path_mode == "speculate" else None
 
@@ -392,19 +396,43 @@ class Engine:
     def packed(state):
       return state if packing is None else packing.pack(state, mesh)
 
-    # The jitted steps take and return ``carry`` (profiles name them decode, prefill,
-    # release).
-    def decode(params, carry, *args):
-      nxt, state, stats, sel = decode_mapped(params, unpacked(carry), *args)
-      return nxt, packed(state), stats, sel
+    # The jitted decode steps take one int32 input array ([dp, B, 3 + pages], see
+    # ``decode_inputs``) and return one int32 array for the host ([dp, B + stats (+ 1)]:
+    # next tokens, the step's stats in ``stat_keys`` order, and ``fail`` when speculating):
+    # one transfer each way per step. They take and return ``carry`` (profiles name them
+    # decode, speculate, redo, prefill, release).
+    stat_keys = self._stat_keys
 
-    def speculate(params, carry, *args):
-      nxt, state, stats, sel, fail = speculate_mapped(params, unpacked(carry), *args)
-      return nxt, packed(state), stats, sel, fail
+    def split_inputs(x):
+      return x[..., 0], x[..., 1], x[..., 3:], x[..., 2] != 0
 
-    def redo(params, carry, *args):
-      nxt, state, stats, sel = redo_mapped(params, unpacked(carry), *args)
-      return nxt, packed(state), stats, sel
+    def readout(nxt, stats, *extra):
+      # Filled when the step is traced; every trace of a memory system gives the same keys.
+      stat_keys[:] = sorted(stats)
+      cols = [nxt] + [stats[k].astype(jnp.int32)[:, None] for k in stat_keys]
+      return jnp.concatenate(cols + [e.astype(jnp.int32)[:, None] for e in extra], axis=1)
+
+    def decode(params, carry, inputs):
+      nxt, state, stats, sel = decode_mapped(params, unpacked(carry), *split_inputs(inputs))
+      return readout(nxt, stats), packed(state), sel
+
+    def speculate(params, carry, inputs):
+      nxt, new, restored, stats, sel, fail = speculate_mapped(params, unpacked(carry),
+                                                              *split_inputs(inputs))
+      if packing is None:
+        return readout(nxt, stats, fail), restored, sel
+      kept, _ = packing.pack(restored, mesh)
+      _, new_bufs = packing.pack(new, mesh)
+      _, restored_bufs = packing.pack(restored, mesh)  # only for buffers not over dp
+      bufs = [jnp.where(~fail.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+              if len(b.spec) and b.spec[0] == "dp" else r
+              for n, o, r, b in zip(new_bufs, carry[1], restored_bufs, packing.buffers)]
+      return readout(nxt, stats, fail), (kept, bufs), sel
+
+    def redo(params, carry, inputs, fail):
+      nxt, state, stats, sel = redo_mapped(params, unpacked(carry), *split_inputs(inputs),
+                                           fail)
+      return readout(nxt, stats), packed(state), sel
 
     def prefill(params, carry, ws, *args):
       state, ws, tok = prefill_mapped(params, unpacked(carry), ws, *args)
@@ -619,24 +647,22 @@ class Engine:
     if not live:
       return 0, {}
     t0 = time.perf_counter()
-    args = (self._put(tokens), self._put(positions), self._put(page_table),
-            self._put(active))
+    inputs = self.decode_inputs(tokens, positions, page_table, active)
     extra = {}
     if self._speculate is not None and self._try_speculate:
-      nxt, self.carry, stats, sel, fail = self._speculate(self.params, self.carry, *args)
-      nxt, fail = host_array(nxt), host_array(fail).astype(bool)
+      out, self.carry, sel = self._speculate(self.params, self.carry, inputs)
+      nxt, stats, fail = self._read_out(out, with_fail=True)
       extra = {"spec_steps": dp, "spec_redone": int(fail.sum())}
       if fail.any():  # those ranks run the step again, the others keep theirs
-        nxt2, self.carry, stats2, sel2 = self._redo(self.params, self.carry, *args,
-                                                    self._put(fail))
-        nxt = _per_rank(fail, host_array(nxt2), nxt)
-        stats = {k: _per_rank(fail, host_array(stats2[k]), host_array(v))
-                 for k, v in stats.items()}
+        out2, self.carry, sel2 = self._redo(self.params, self.carry, inputs, self._put(fail))
+        nxt2, stats2, _ = self._read_out(out2)
+        nxt = _per_rank(fail, nxt2, nxt)
+        stats = {k: _per_rank(fail, stats2[k], v) for k, v in stats.items()}
         sel = {k: _per_rank(fail, host_array(sel2[k]), host_array(v)) for k, v in sel.items()}
         self._try_speculate = False
     else:
-      nxt, self.carry, stats, sel = self._decode(self.params, self.carry, *args)
-      nxt = host_array(nxt)
+      out, self.carry, sel = self._decode(self.params, self.carry, inputs)
+      nxt, stats, _ = self._read_out(out)
     if self._recorders is not None:
       sel = {k: host_array(v) for k, v in sel.items()}
       for d, rec in enumerate(self._recorders):
@@ -645,11 +671,32 @@ class Engine:
     for l in live:
       l.generated.append(int(nxt[l.device, l.row]))
       l.decode_time_s += dt
-    totals = {k: int(host_array(v).sum()) for k, v in stats.items()}
+    totals = {k: int(v.sum()) for k, v in stats.items()}
     if self._speculate is not None and not extra:
       # Speculate again once a step moved nothing on any rank.
       self._try_speculate = totals.get("misses", 0) == 0 and totals.get("evictions", 0) == 0
     return len(live), {**totals, **extra}
+
+  def decode_inputs(self, tokens: np.ndarray, positions: np.ndarray, page_table: np.ndarray,
+                    active: np.ndarray) -> jax.Array:
+    """A decode step's inputs as the one array the jitted steps take.
+
+    tokens, positions: [dp, B] int32; page_table: [dp, B, pages_per_row] int32;
+    active: [dp, B] bool
+    returns [dp, B, 3 + pages_per_row] int32 on the mesh (token, position, active, pages)
+    """
+    x = np.concatenate([np.asarray(tokens, np.int32)[..., None],
+                        np.asarray(positions, np.int32)[..., None],
+                        np.asarray(active, np.int32)[..., None],
+                        np.asarray(page_table, np.int32)], axis=-1)
+    return self._put(x)
+
+  def _read_out(self, out: jax.Array, with_fail: bool = False):
+    """A decode step's host output -> (next tokens [dp, B], {stat: [dp]}, fail [dp] or None)."""
+    out = host_array(out)
+    B = self.max_batch
+    stats = {k: out[:, B + i] for i, k in enumerate(self._stat_keys)}
+    return out[:, :B], stats, (out[:, -1].astype(bool) if with_fail else None)
 
   def _release_round(self, done: list[_Live]) -> None:
     by_rank: dict[int, list[_Live]] = collections.defaultdict(list)

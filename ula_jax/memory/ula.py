@@ -387,7 +387,12 @@ class Ula(MemorySystem):
     # tokens' rows, written to slots that were free, so restoring the metadata restores
     # every entry. The index keys of the new tokens' (unstored) addresses are rewritten
     # alike when the step runs again.
-    meta = jax.tree.map(lambda o, n: jnp.where(keep_new, n, o), old.meta, new.meta)
+    # The all-hit path changes a group's table, device owners and policy state only.
+    pick = lambda o, n: jax.tree.map(lambda a, b: jnp.where(keep_new, b, a), o, n)
+    meta = tuple(o.replace(table=pick(o.table, n.table),
+                           dev_owner=pick(o.dev_owner, n.dev_owner),
+                           policy=pick(o.policy, n.policy))
+                 for o, n in zip(old.meta, new.meta))
     return new.replace(meta=meta)
 
   def resolve(self, state: UlaState, group, sel_addr, sel_valid, new_addr, active):

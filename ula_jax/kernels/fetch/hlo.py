@@ -2,9 +2,14 @@
 
 A Pallas or FFI kernel handed a ``pinned_host`` pool must read it in place. If XLA
 instead copies the pool to the device (or back), the compiled module contains an
-instruction whose result has the pool's shape: a ``copy``/``copy-start``, a fusion, a
-dynamic-update-slice. ``pool_materializations`` lists those; the GPU tests and the fetch
-benchmark fail or report on them.
+instruction whose result has the pool's shape: a ``copy``/``copy-start``, or a fusion that
+computes a whole new pool (a convert, a select). ``pool_materializations`` lists those;
+the GPU tests and the fetch benchmark fail or report on them.
+
+A fusion whose root is a ``scatter`` or a ``dynamic-update-slice`` of the pool writes a
+few rows of it in place: its result shares the pool's buffer, and where that buffer is
+still needed elsewhere, XLA's copy insertion puts a ``copy`` of the pool before it, which
+is flagged.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s
                     r"(?P<op>[a-z][\w\-]*)\(")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*->.*\{\s*$")
 _FUSION_CALLS = re.compile(r"\bfusion\(.*\bcalls=%?(?P<name>[\w.\-]+)")
+# Roots of fused computations that update their first operand in place.
+_IN_PLACE_ROOTS = frozenset({"scatter", "dynamic-update-slice"})
 
 
 def pool_materializations(hlo_text: str, pool_shape: tuple[int, ...], *,
@@ -38,6 +45,12 @@ def pool_materializations(hlo_text: str, pool_shape: tuple[int, ...], *,
   dims = re.compile(r"\[" + r",\s*".join(str(int(d)) for d in pool_shape) + r"\]")
   lines = hlo_text.splitlines()
   fused = {m.group("name") for line in lines if (m := _FUSION_CALLS.search(line))}
+  roots, computation = {}, None  # fused computation -> its root's opcode
+  for line in lines:
+    if (c := _COMPUTATION.match(line)) is not None:
+      computation = c.group("name")
+    elif line.lstrip().startswith("ROOT") and (m := _INSTR.match(line)) is not None:
+      roots[computation] = m.group("op")
   found, computation = [], None
   for line in lines:
     if (c := _COMPUTATION.match(line)) is not None:
@@ -49,6 +62,9 @@ def pool_materializations(hlo_text: str, pool_shape: tuple[int, ...], *,
     if m is None or not dims.search(m.group("type")):
       continue
     if m.group("op") in _PASS_THROUGH:
+      continue
+    if (m.group("op") == "fusion" and (f := _FUSION_CALLS.search(line)) is not None
+        and roots.get(f.group("name")) in _IN_PLACE_ROOTS):
       continue
     if allow_kernel and any(k in line.lower() for k in KERNEL_MARKERS):
       continue

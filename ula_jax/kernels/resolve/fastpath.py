@@ -28,7 +28,7 @@ Why the full resolve then gives the same result: its unique entries are the hits
 the device, so none is placed) and the new tokens (not stored, so each is placed; a
 selection of a new token merges into it). Nothing is on the host, so there are no misses
 and no host slot changes hands (its host free bitmap is ``summarize`` of the unchanged
-level 0). It places the j-th new token by ascending address on the policy's j-th
+level 0, which is the bitmap itself: summary levels always match level 0). It places the j-th new token by ascending address on the policy's j-th
 candidate, and both policies list free slots first, lowest first (PB-LRU: the free
 bitmap heads its victim lists; exact LRU: free slots have the lowest key and ``top_k``
 keeps the lower index among equals), so with enough free slots no victim is picked: the
@@ -148,8 +148,10 @@ def _resolve_all_hit(system: Any, meta: Any, st: _Staged, shape: tuple[int, int]
   dev_owner = meta.dev_owner.at[jnp.where(st.want_n, new_slot, Sd)].set(st.addr_n,
                                                                        mode="drop")
   pst = policy.touch(pst, new_slot, st.want_n)
+  # The host side is untouched; its summary levels are consistent with level 0 (every
+  # transition keeps them so), which is what the full resolve's ``summarize`` rebuilds.
   new_meta = GroupMeta(table=table, dev_owner=dev_owner, host_owner=meta.host_owner,
-                       host_free=bitmap.summarize(meta.host_free[0]), policy=pst)
+                       host_free=meta.host_free, policy=pst)
   # Hits keep their location; selections of a new token read its new slot.
   slots = jnp.where(st.want_s, table[jnp.clip(st.addr_s, 0, N - 1)], INVALID)
   none = jnp.full((M,), INVALID, _I32)
