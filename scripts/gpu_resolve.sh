@@ -12,7 +12,7 @@
 #   bench        ula_jax.bench.resolve at full size: batch 1..128, k 2048, device pools
 #                of 64K and 1M slots, PB-LRU and exact LRU, jnp and Pallas (the JSON is
 #                rewritten after every row)
-#   sweep        Pallas block sizes / warps at batch 64, 1M pool, PB-LRU
+#   sweep        Pallas block sizes at batch 64, 1M pool, PB-LRU and exact LRU
 #   tests_rest   the interpret-mode twins and the other tests of the two test files
 # Results under $OUT: summary.txt, bench_resolve.json, bench_resolve_sweep.json,
 # junit_resolve_gpu.xml, logs.tar.gz (every log and HLO dump). The last lines printed are
@@ -95,8 +95,8 @@ step sweep 120 "$PY" -c "
 import sys
 from ula_jax.bench import resolve
 sys.exit(resolve.main(sys.argv[1:]))" --out "$OUT/bench_resolve_sweep.json" --batch 64 \
-  --pools 1M --policies pb_lru --impls pallas --pallas-block-elems 512,2048 \
-  --pallas-block-place 64,256 --pallas-warps 4,8 --segments 2
+  --pools 1M --policies pb_lru,lru --impls pallas --pallas-block-elems 128,256,1024 \
+  --pallas-block-place 16,32,256 --pallas-warps 4 --segments 2
 
 step tests_rest 100 "$PY" -m pytest -m "not gpu" tests/test_resolve_kernel.py \
   tests/test_bench_resolve.py -q -rf -p no:cacheprovider
