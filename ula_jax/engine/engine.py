@@ -421,9 +421,8 @@ class Engine:
                                                               *split_inputs(inputs))
       if packing is None:
         return readout(nxt, stats, fail), restored, sel
-      kept, _ = packing.pack(restored, mesh)
+      kept, restored_bufs = packing.pack(restored, mesh)  # buffers: those not over dp
       _, new_bufs = packing.pack(new, mesh)
-      _, restored_bufs = packing.pack(restored, mesh)  # only for buffers not over dp
       bufs = [jnp.where(~fail.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
               if len(b.spec) and b.spec[0] == "dp" else r
               for n, o, r, b in zip(new_bufs, carry[1], restored_bufs, packing.buffers)]

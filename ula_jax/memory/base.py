@@ -307,7 +307,10 @@ class MemorySystem(abc.ABC):
 
   def rollback(self, old: Any, new: Any, keep_new: jax.Array) -> Any:
     """After a speculative step: ``new`` where ``keep_new`` (a [] bool), else a state
-    that holds exactly ``old``'s entries (systems with ``speculative``)."""
+    that holds exactly ``old``'s entries (systems with ``speculative``). Any leaf of the
+    result may instead be ``old``'s leaf itself where not ``keep_new`` (the engine does
+    that for the small leaves it carries packed): a system keeps ``new``'s only where
+    that is cheaper (a pool updated in place) and holds the same entries."""
     raise NotImplementedError(f"{self.name} has no speculative steps")
 
   def move_layer(self, state: Any, layer: int, res: Resolution) -> Any:
