@@ -17,8 +17,6 @@ import collections
 import pathlib
 import re
 
-import numpy as np
-
 SKIP = ("parameter", "get-tuple-element", "bitcast", "constant", "tuple")
 
 
@@ -56,12 +54,7 @@ def main() -> None:
         f"memory.system={system}", f"memory.device_pool={args.batch * args.context}",
         "memory.host_pool=0"] + args.overrides)
     configure_platform(cfg)
-    e = Engine(cfg, build_mesh(cfg), max_context=args.context)
-    B, P = e.max_batch, e.pages_per_row
-    inputs = e.decode_inputs(np.zeros((1, B), np.int32), np.zeros((1, B), np.int32),
-                             np.full((1, B, P), -1, np.int32), np.zeros((1, B), bool))
-    step = e._speculate if e._speculate is not None else e._decode
-    text = step.lower(e.params, e.carry, inputs).compile().as_text()
+    text = Engine(cfg, build_mesh(cfg), max_context=args.context).decode_hlo()
     if args.out:
       pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
       pathlib.Path(args.out, f"{system}.hlo.txt").write_text(text)

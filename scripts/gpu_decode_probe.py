@@ -43,10 +43,8 @@ def main(argv: list[str]) -> int:
       cfg = load_config("configs/experiments/quickstart.yaml", over)
       configure_platform(cfg)
       engine = Engine(cfg, build_mesh(cfg), max_context=8192)
-      B, P = engine.max_batch, engine.pages_per_row
-      inputs = engine.decode_inputs(np.zeros((1, B), np.int32), np.zeros((1, B), np.int32),
-                                    np.full((1, B, P), -1, np.int32), np.zeros((1, B), bool))
-      text = engine._decode.lower(engine.params, engine.carry, inputs).compile().as_text()
+      inputs = engine.idle_decode_inputs()
+      text = engine.decode_hlo()
       pools = [x.shape[1:] for x in (*engine.state.dev_pools, *engine.state.host_pools)
                ] if system == "ula" else []
       copies = sorted({line[:160] for shape in set(pools)

@@ -11,7 +11,6 @@ pool (``kernels.fetch.hlo.pool_materializations``). On CPU the layout changes of
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from ula_jax.config import load_config
@@ -29,10 +28,7 @@ def test_ula_decode_step_copies_no_pool(fetch):
       "engine.progress=false", "memory.system=ula", "memory.device_pool=1216",
       "memory.host_pool=4160", f"kernels.fetch={fetch}", "kernels.resolve=pallas"])
   engine = Engine(cfg, build_mesh(cfg), max_context=512)
-  B, P = engine.max_batch, engine.pages_per_row
-  inputs = engine.decode_inputs(np.zeros((1, B), np.int32), np.zeros((1, B), np.int32),
-                                np.full((1, B, P), -1, np.int32), np.zeros((1, B), bool))
-  text = engine._decode.lower(engine.params, engine.carry, inputs).compile().as_text()
+  text = engine.decode_hlo()
   shapes = {x.shape[1:] for x in (*engine.state.dev_pools, *engine.state.host_pools)}
   assert shapes == {(1216, 48), (4160, 48)}
   found = [line for s in shapes for line in pool_materializations(text, s)]

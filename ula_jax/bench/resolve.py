@@ -210,7 +210,7 @@ def make_stream(setup: Setup, churn: float, seed: int) -> tuple[jax.Array, jax.A
 
 
 def resolve_loop(system: Ula, impl: str, *, config: ResolveConfig | None,
-                 interpret: bool, unroll: bool = True) -> Callable:
+                 interpret: bool, unroll: bool = False) -> Callable:
   """``(meta, sel [T, B, k], new [T, B]) -> (meta, totals [4] int32)``: T resolves in one
   jitted call (totals: hits, misses, evictions, fetches). ``unroll``: as straight-line
   code, the way a decode step runs its groups' resolves; otherwise a device loop."""

@@ -690,6 +690,19 @@ class Engine:
                         np.asarray(page_table, np.int32)], axis=-1)
     return self._put(x)
 
+  def idle_decode_inputs(self) -> jax.Array:
+    """``decode_inputs`` of a step with no active row (to compile or time the step)."""
+    dp, B = self.dp, self.max_batch
+    return self.decode_inputs(np.zeros((dp, B), np.int32), np.zeros((dp, B), np.int32),
+                              np.full((dp, B, self.pages_per_row), INVALID, np.int32),
+                              np.zeros((dp, B), bool))
+
+  def decode_hlo(self) -> str:
+    """The compiled HLO text of the step a decode round runs first: ``speculate`` where
+    the engine speculates (``kernels.fast_path_mode``), else ``decode``."""
+    step = self._speculate if self._speculate is not None else self._decode
+    return step.lower(self.params, self.carry, self.idle_decode_inputs()).compile().as_text()
+
   def _read_out(self, out: jax.Array, with_fail: bool = False):
     """A decode step's host output -> (next tokens [dp, B], {stat: [dp]}, fail [dp] or None)."""
     out = host_array(out)

@@ -385,9 +385,9 @@ class Ula(MemorySystem):
   def rollback(self, old: UlaState, new: UlaState, keep_new: jax.Array) -> UlaState:
     # A speculative step moves nothing: the pools differ from ``old``'s only in the new
     # tokens' rows, written to slots that were free, so restoring the metadata restores
-    # every entry. The index keys of the new tokens' (unstored) addresses are rewritten
-    # alike when the step runs again.
-    # The all-hit path changes a group's table, device owners and policy state only.
+    # every entry; of that, the all-hit path changes a group's table, device owners and
+    # policy state only. The index keys of the new tokens' (unstored) addresses are
+    # rewritten alike when the step runs again.
     pick = lambda o, n: jax.tree.map(lambda a, b: jnp.where(keep_new, b, a), o, n)
     meta = tuple(o.replace(table=pick(o.table, n.table),
                            dev_owner=pick(o.dev_owner, n.dev_owner),

@@ -28,13 +28,13 @@ Why the full resolve then gives the same result: its unique entries are the hits
 the device, so none is placed) and the new tokens (not stored, so each is placed; a
 selection of a new token merges into it). Nothing is on the host, so there are no misses
 and no host slot changes hands (its host free bitmap is ``summarize`` of the unchanged
-level 0, which is the bitmap itself: summary levels always match level 0). It places the j-th new token by ascending address on the policy's j-th
-candidate, and both policies list free slots first, lowest first (PB-LRU: the free
-bitmap heads its victim lists; exact LRU: free slots have the lowest key and ``top_k``
-keeps the lower index among equals), so with enough free slots no victim is picked: the
-j-th new token takes the j-th free slot, which is ``policy.first_free``. The policy sees
-the same calls (``begin_round``, the hits' touch, the new slots' touch) with the same sets
-of slots.
+level 0, which is the bitmap itself: summary levels always match level 0). It places the
+j-th new token by ascending address on the policy's j-th candidate, and both policies list
+free slots first, lowest first (PB-LRU: the free bitmap heads its victim lists; exact LRU:
+free slots have the lowest key and ``top_k`` keeps the lower index among equals), so with
+enough free slots no victim is picked: the j-th new token takes the j-th free slot, which
+is ``policy.first_free``. The policy sees the same calls (``begin_round``, the hits'
+touch, the new slots' touch) with the same sets of slots.
 
 The fast path relies on the invariant every transition keeps: distinct stored addresses
 hold distinct slots. Other policies than PB-LRU and exact LRU always take the full resolve.

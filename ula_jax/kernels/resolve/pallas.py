@@ -79,14 +79,15 @@ class ResolveConfig:
   block_elems: selected entries per program in the mark and publish launches (power of 2)
   block_place: entries to place per program in the place launch, which reads
                ``[block_place, 32]`` tiles per pyramid level (power of 2)
-  The defaults are the fastest of a sweep on an H200 (1M-slot pool, batch 32 and 64,
-  k 2048; ``RESULTS.md``). At batch 64, small programs spread the place launch's
-  pyramid descents over the SMs (256 entries per program: 6.6K entries to place fill 26
-  programs, 155 us; 32 per program: 24 us), and the mark launch took 111 us with 1024
-  elements per program, 19 us with 256.
   num_warps:   warps per program (Triton)
   poison:      testing aid: when set, every array the kernels create is first filled
                with this value, so an element a kernel fails to write shows up
+
+  The default blocks are the fastest of a sweep on an H200 (1M-slot pool, batch 32 and
+  64, k 2048; ``RESULTS.md``). At batch 64, small programs spread the place launch's
+  pyramid descents over the SMs (256 entries per program: 6.6K entries to place fill 26
+  programs, 155 us; 32 per program: 24 us), and the mark launch took 111 us with 1024
+  elements per program, 19 us with 256.
   """
 
   block_elems: int = 256
