@@ -123,6 +123,10 @@ CASES = {
     # 40000 slots: 2 programs per bitmap pass, 4 summary levels (the top one assembled
     # across programs)
     "pb_lru": Case("pb_lru", device=40000, host=3000, B=3, k=37, buckets=3, fill=0.95),
+    # the same in one launch (kernels.resolve=pallas_fused)
+    "pb_lru_fused": Case("pb_lru", device=40000, host=3000, B=3, k=37, buckets=3,
+                         fill=0.95, config=ResolveConfig(block_elems=32, block_place=16,
+                                                         fuse=True, poison=POISON)),
     "lru": Case("lru", device=150, host=250, B=3, k=37),
     # batch 1, k far from the block, a 4-slot device pool
     "batch1": Case("pb_lru", device=4, host=4, B=1, k=3, fill=0.75),
@@ -154,7 +158,7 @@ class ResolvePallasCases:
   @pytest.mark.parametrize("name", sorted(CASES))
   def test_matches_reference(self, name, rng):
     case = CASES[name]
-    if name == "pb_lru":
+    if name.startswith("pb_lru"):
       assert bitmap.level_sizes(case.device) == (1250, 40, 2, 1)
     evictions = self.check_steps(case, rng, steps=3)
     assert evictions > 0  # the pool was full: victims were needed
@@ -180,12 +184,32 @@ class ResolvePallasCases:
 class TestResolvePallasGpu(ResolvePallasCases):
   INTERPRET = False
 
-  @pytest.mark.parametrize("policy", ["pb_lru", "lru"])
-  def test_full_size(self, policy, rng):
+  @pytest.mark.parametrize("policy,fuse", [("pb_lru", True), ("pb_lru", False),
+                                           ("lru", False)])
+  def test_full_size(self, policy, fuse, rng):
     """Batch 64, k = 2048, a 256K-slot device pool, default blocks."""
     case = Case(policy, device=1 << 18, host=1 << 18, B=64, k=2048, buckets=4, fill=0.9,
-                config=ResolveConfig(poison=POISON))
+                config=ResolveConfig(fuse=fuse, poison=POISON))
     assert self.check_steps(case, rng, steps=2) > 0
+
+  @pytest.mark.parametrize("programs", [1, 3])
+  def test_fused_few_programs(self, programs, rng):
+    """The fused launch with fewer programs than virtual ones: every program loops
+    over several blocks of each stage (one program: no barrier at all)."""
+    base = CASES["pb_lru_fused"]
+    case = dataclasses.replace(base, config=dataclasses.replace(base.config,
+                                                                programs=programs))
+    assert self.check_steps(case, rng, steps=2) > 0
+
+  def test_fused_programs_must_be_resident(self):
+    case = CASES["pb_lru_fused"]
+    config = dataclasses.replace(case.config, programs=100_000)
+    system = system_for(case)
+    meta = system.init_group_meta()
+    sel = jnp.zeros((case.B, case.k), jnp.int32)
+    with pytest.raises(ValueError, match="programs=100000.*resident"):
+      resolve_group_pallas(system, meta, sel, sel >= 0, sel[:, 0], sel[:, 0] >= 0,
+                           config=config, interpret=False)
 
 
 class TestResolvePallasInterpret(ResolvePallasCases):
@@ -252,13 +276,17 @@ def test_ula_resolve_dispatches_on_resolve_impl(rng, monkeypatch):
   monkeypatch.setattr(pallas_module, "ResolveConfig", lambda: case.config)
   got_state, got = pallas.resolve(state, 0, *args)
   assert_identical((got_state.meta, got), (want_state.meta, want))
+  # kernels.resolve=pallas_fused: PB-LRU's resolve in one launch, the same arrays.
+  fused = resolve_group(system, meta, *args, impl="pallas_fused", interpret=True,
+                        config=case.config, fast_path=False)
+  assert_identical(fused, jitted(system)["resolve"](meta, *args))
 
 
 def test_unknown_impl_is_rejected():
   with pytest.raises(ValueError, match=r"kernels.resolve='triton': expected one of \['jnp', "
-                     r"'pallas'\]"):
+                     r"'pallas', 'pallas_fused'\]"):
     resolve_group(None, None, None, None, None, None, impl="triton")
-  assert sorted(IMPLS) == ["jnp", "pallas"]
+  assert sorted(IMPLS) == ["jnp", "pallas", "pallas_fused"]
 
 
 @pytest.mark.parametrize("field, value", [("block_elems", 48), ("block_place", 0),
@@ -283,3 +311,20 @@ def test_pallas_rejects_bad_shapes(shapes, match):
       shapes, (jnp.int32, jnp.bool_, jnp.int32, jnp.bool_)))
   with pytest.raises(ValueError, match=match):
     resolve_group_pallas(system, system.init_group_meta(), sel, valid, new, active)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(programs=0), r"ResolveConfig.programs=0: expected a positive integer"),
+    (dict(fuse="yes"), r"ResolveConfig.fuse='yes': expected true or false"),
+])
+def test_config_rejects_bad_fused_launch(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    ResolveConfig(**kwargs)
+
+
+def test_interpreted_fused_launch_is_one_program():
+  """Interpreted programs run one after another: a grid barrier between two of them
+  could never complete, so interpret mode takes one program and rejects more."""
+  assert ResolveConfig().fused_programs(interpret=True) == 1
+  with pytest.raises(ValueError, match=r"ResolveConfig.programs=4: interpret mode"):
+    ResolveConfig(programs=4).fused_programs(interpret=True)

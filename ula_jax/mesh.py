@@ -63,8 +63,8 @@ def check_kernels(cfg: ExperimentConfig, platform: str) -> None:
   """Pallas kernels compile only on GPU; on CPU they need interpret mode."""
   k = cfg.kernels
   if platform == "cpu" and k.uses_pallas and k.interpret is False:
-    names = [f"kernels.{f}=pallas" for f in ("attention", "fetch", "resolve")
-             if getattr(k, f) == "pallas"]
+    names = [f"kernels.{f}={getattr(k, f)}" for f in ("attention", "fetch", "resolve")
+             if getattr(k, f).startswith("pallas")]
     raise ConfigError([f"kernels.interpret=false with {', '.join(names)} on CPU: Pallas "
                        f"runs on CPU only in interpret mode; set kernels.interpret=null "
                        f"(automatic) or true"])

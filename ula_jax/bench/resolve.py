@@ -75,6 +75,8 @@ class Row:
   work: dict | None = None
   kernels: list | None = None  # --profile: [name, launches, us] per resolve, slowest first
   device_us: float | None = None  # --profile: the device's operations per resolve, summed
+  fused: bool = False  # Pallas PB-LRU in one launch
+  kernel_us: float | None = None  # --profile: the resolve's own kernels per resolve
   error: str | None = None
 
 
@@ -103,9 +105,18 @@ def _parser() -> argparse.ArgumentParser:
                  help="untimed segments first (the pool reaches its steady state)")
   p.add_argument("--pallas-block-elems", default="256",
                  help="Pallas sweep: entries per program (mark, publish), comma list")
-  p.add_argument("--pallas-block-place", default="32",
+  p.add_argument("--pallas-block-place", default="16",
                  help="Pallas sweep: entries per program (place), comma list")
   p.add_argument("--pallas-warps", default="4", help="Pallas sweep: warps per program")
+  p.add_argument("--pallas-fuse", default="off",
+                 help="Pallas sweep: PB-LRU's resolve as one launch (on) or four (off), "
+                 "comma list; exact LRU always takes four")
+  p.add_argument("--pallas-relaxed", default="on",
+                 help="Pallas sweep: relaxed atomics (on) or acquire-release (off), comma "
+                 "list")
+  p.add_argument("--pallas-programs", type=int, default=None,
+                 help="programs of the fused launch (default: all that are surely "
+                 "resident, two per SM with 4 warps)")
   p.add_argument("--interpret", choices=("auto", "on", "off"), default="auto",
                  help="Pallas interpret mode (auto: on everywhere but on GPU)")
   p.add_argument("--seed", type=int, default=0)
@@ -241,13 +252,14 @@ def resolve_loop(system: Ula, impl: str, *, config: ResolveConfig | None,
 
 
 def work_model(impl: str, policy: str, system: Ula, B: int, k: int,
-               placed: float) -> dict[str, Any]:
+               placed: float, fused: bool = False) -> dict[str, Any]:
   """Counts per resolve: ``table_lookups`` (reads and writes of the mapping table and
   owner arrays), ``bitmap_words`` (32-bit words of every bitmap read or written),
   ``pyramid_reads`` (Pallas: count-pyramid entries read by the placed entries),
   ``ranked`` (keys sorted or ranked: jnp's argsort of the M addresses; exact LRU's
   top-k over every slot), ``bytes`` (4 bytes per counted item plus the selection),
-  ``launches`` (Pallas kernels and the scratch fill; the jnp path is XLA's to fuse).
+  ``launches`` (Pallas kernels and the scratch fill; the jnp path is XLA's to fuse;
+  ``fused``: PB-LRU's one-launch resolve).
   """
   M = B * k + B
   Sd, Hr, N = system.device_slots, system.host_rows, system.num_logical
@@ -271,7 +283,8 @@ def work_model(impl: str, policy: str, system: Ula, B: int, k: int,
     ranked = Sd if policy == "lru" else 0
     out.update(table_lookups=int(table), bitmap_words=int(words), pyramid_reads=int(pyramid),
                ranked=ranked, scratch_words=int(scratch),
-               launches=5 if policy == "pb_lru" else "5 + XLA top_k")
+               launches=("1 + fill" if fused else 5) if policy == "pb_lru"
+               else "5 + XLA top_k")
   else:
     table = 2 * M + 4 * placed
     if policy == "pb_lru":
@@ -302,12 +315,20 @@ def _impls(names: list[str], args) -> list[tuple[str, str, ResolveConfig | None]
     if name != "pallas":
       out.append((name, name, None))
       continue
-    sweep = list(itertools.product(parse_sizes(args.pallas_block_elems),
-                                   parse_sizes(args.pallas_block_place),
-                                   parse_sizes(args.pallas_warps)))
-    for e, p, w in sweep:
-      label = "pallas" if len(sweep) == 1 else f"pallas[e{e},p{p},w{w}]"
-      out.append((label, "pallas", ResolveConfig(block_elems=e, block_place=p, num_warps=w)))
+    on_off = lambda flag, text: [x == "on" for x in parse_list(text, ("on", "off"),
+                                                                flag=flag)]
+    fuse = on_off("--pallas-fuse", args.pallas_fuse)
+    relaxed = on_off("--pallas-relaxed", args.pallas_relaxed)
+    blocks = list(itertools.product(parse_sizes(args.pallas_block_elems),
+                                    parse_sizes(args.pallas_block_place),
+                                    parse_sizes(args.pallas_warps)))
+    for (e, p, w), f, x in itertools.product(blocks, fuse, relaxed):
+      tags = ([f"e{e},p{p},w{w}"] if len(blocks) > 1 else []) + (
+          ["fused"] if f else []) + (["acq_rel"] if not x else [])
+      label = f"pallas[{','.join(tags)}]" if tags else "pallas"
+      out.append((label, "pallas", ResolveConfig(block_elems=e, block_place=p, num_warps=w,
+                                                 fuse=f, relaxed_atomics=x,
+                                                 programs=args.pallas_programs)))
   return out
 
 
@@ -335,12 +356,17 @@ def measure(row: Row, setup: Setup, system: Ula, fill: Callable, stream: tuple, 
   row.resolves = n
   row.hits, row.misses, row.evictions, row.fetches = (float(x) / n for x in totals)
   row.placed = row.misses + setup.batch  # each step places one new token per request
-  row.work = work_model(impl, row.policy, system, setup.batch, setup.k, row.placed)
+  row.fused = (impl == "pallas" and row.policy == "pb_lru"
+               and (config or ResolveConfig()).fuse)
+  row.work = work_model(impl, row.policy, system, setup.batch, setup.k, row.placed,
+                        fused=row.fused)
   if args.profile:
     ops = profile_kernels(compiled, meta, stream, T,
                           f"{args.profile}/pool{row.pool}_b{row.batch}_{row.policy}_{row.impl}")
     row.kernels = ops[:16]
     row.device_us = sum(us for _, _, us in ops) if ops else None
+    own = [us for name, _, us in ops if name.startswith("ula_resolve")]
+    row.kernel_us = sum(own) if own else None
 
 
 def profile_kernels(compiled: Callable, meta: Any, stream: tuple, T: int,
@@ -418,10 +444,13 @@ def targets(rows: list[Row], k: int) -> list[dict]:
       out.append({"target": f"pb_lru >= {SPEEDUP}x faster than lru", "pool": pool,
                   "batch": batch, "impl": impl, "value": ratio, "met": ratio >= SPEEDUP})
   for (pool, batch, policy, impl), r in sorted(by.items()):
-    if impl.startswith("pallas") and batch == TARGET_BATCH and k == TARGET_K:
+    if r.fused and batch == TARGET_BATCH and k == TARGET_K:
+      # The kernel's device time when profiled (the wall time of a resolve in the
+      # benchmark's loop also holds the loop's host round trip), else the wall time.
+      value, measure = (r.kernel_us, "kernel") if r.kernel_us is not None else (r.us, "wall")
       out.append({"target": f"fused resolve <= {TARGET_US:g} us", "pool": pool,
-                  "batch": batch, "impl": impl, "policy": policy, "value": r.us,
-                  "met": r.us <= TARGET_US})
+                  "batch": batch, "impl": impl, "policy": policy, "value": value,
+                  "measure": measure, "met": value <= TARGET_US})
   return out
 
 
@@ -456,7 +485,8 @@ def print_table(result: dict) -> None:
             f"{us:9.1f} us {n:5.1f}x  {name[:90]}")
   for t in result["targets"]:
     print(f"target {t['target']}: pool {t['pool']} batch {t['batch']} {t['impl']}"
-          f"{' ' + t['policy'] if 'policy' in t else ''}: {fmt(t['value'])} "
+          f"{' ' + t['policy'] if 'policy' in t else ''}: {fmt(t['value'])}"
+          f"{' (' + t['measure'] + ')' if 'measure' in t else ''} "
           f"{'met' if t['met'] else 'MISSED'}")
 
 
@@ -480,7 +510,8 @@ def print_summary(result: dict) -> None:
                                         "pallas pb_lru", "pallas lru", "pallas x"), cells)
   for t in result["targets"]:
     print(f"{'met   ' if t['met'] else 'MISSED'} {t['target']}: pool {t['pool']} batch "
-          f"{t['batch']} {t['impl']}{' ' + t['policy'] if 'policy' in t else ''}: "
+          f"{t['batch']} {t['impl']}{' ' + t['policy'] if 'policy' in t else ''}"
+          f"{' (' + t['measure'] + ')' if 'measure' in t else ''}: "
           f"{fmt(t['value'])}")
 
 

@@ -233,8 +233,10 @@ class KernelsConfig(Section):
   attention: Literal["xla", "pallas"] = Field("xla", description="sparse MLA attention kernel")
   fetch: Literal["xla", "pallas", "ffi"] = Field(
       "xla", description="host->device fetch / write-back of entries (ffi = the custom call)")
-  resolve: Literal["jnp", "pallas"] = Field(
-      "jnp", description="the resolve stages (dedupe, hits, victims)")
+  resolve: Literal["jnp", "pallas", "pallas_fused"] = Field(
+      "jnp", description="the resolve stages (dedupe, hits, victims): 'pallas' as four "
+      "Pallas launches per layer group, 'pallas_fused' PB-LRU's in one launch (exact LRU "
+      "stays four)")
   resolve_fast_path: bool = Field(
       True, description="a resolve whose step moves nothing (every selection on the device, "
       "room for the new tokens in free device slots) skips the full resolve for an all-hit "
@@ -256,7 +258,7 @@ class KernelsConfig(Section):
 
   @property
   def uses_pallas(self) -> bool:
-    return "pallas" in (self.attention, self.fetch, self.resolve)
+    return "pallas" in (self.attention, self.fetch, self.resolve.split("_")[0])
 
   @model_validator(mode="after")
   def _speculate_needs_fast_path(self) -> KernelsConfig:

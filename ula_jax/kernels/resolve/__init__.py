@@ -9,6 +9,8 @@ arrays as ``Ula.resolve_meta``:
 * ``'pallas'`` (``pallas.py``): four Pallas (Triton) launches and one scratch fill per
   group, no sort: dedupe by location bitmaps, order by count pyramids, PB-LRU's
   bucket search over its bitmaps (``interpret=True`` runs them on CPU).
+* ``'pallas_fused'``: the same stages in one launch for PB-LRU (persistent programs,
+  grid barriers between the stages); exact LRU's resolve stays four launches.
 
 With ``fast_path=True`` (the config field ``kernels.resolve_fast_path``) a step that needs
 no data movement -- every selection already on the device, the new tokens unstored and
@@ -30,6 +32,7 @@ import jax
 IMPLS: dict[str, str] = {
     "jnp": "ula_jax.kernels.resolve.reference:resolve_group_reference",
     "pallas": "ula_jax.kernels.resolve.pallas:resolve_group_pallas",
+    "pallas_fused": "ula_jax.kernels.resolve.pallas:resolve_group_pallas_fused",
 }
 
 
@@ -50,9 +53,9 @@ def resolve_group(system: Any, meta: Any, sel_addr: jax.Array, sel_valid: jax.Ar
   meta:      its ``GroupMeta`` for the group (local arrays, no dp axis)
   sel_addr:  [B, k] int32 logical addresses selected; sel_valid: [B, k] bool
   new_addr:  [B] int32 the tokens being decoded; active: [B] bool
-  impl:      'jnp' | 'pallas'
+  impl:      'jnp' | 'pallas' | 'pallas_fused'
   interpret: Pallas interpret mode (None: on everywhere but on GPU); 'jnp' ignores it
-  config:    ``pallas.ResolveConfig`` for 'pallas' (None: defaults)
+  config:    ``pallas.ResolveConfig`` for the Pallas impls (None: defaults)
   fast_path: take the all-hit fast path (``fastpath.py``) when the step moves nothing;
              the result is the same either way
   returns (meta, slots [B, k] int32, new_slot [B] int32, plan ``UlaPlan``, stats dict

@@ -46,6 +46,7 @@ in one int32 scratch buffer, zero-filled per call, laid out by ``_Geometry``.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -55,6 +56,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ula_jax.kernels.triton_atomics import atomic
 from ula_jax.memory.base import INVALID
 from ula_jax.memory.policies import bitmap
 from ula_jax.memory.policies.lru import Lru, LruState
@@ -70,6 +72,9 @@ POLICIES = ("pb_lru", "lru")
 # Scratch header (int32 counters, then one total per bitmap of the victim lists).
 _N_HIT, _N_MISS, _N_FRESH, _N_FETCH, _N_EVICT, _N_LISTED, _TOT_HOST = range(7)
 _TOT_POLICY = 7  # + b for policy bitmap b (0 free, 1 cold, 2 + r ring bucket r)
+_BARRIERS = 3  # grid barriers of the fused launch (between its four stages)
+# Whether the kernel being traced uses relaxed atomics (``ResolveConfig.relaxed_atomics``).
+_RELAXED: contextvars.ContextVar[bool] = contextvars.ContextVar("relaxed", default=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,19 +85,35 @@ class ResolveConfig:
   block_place: entries to place per program in the place launch, which reads
                ``[block_place, 32]`` tiles per pyramid level (power of 2)
   num_warps:   warps per program (Triton)
+  fuse:        PB-LRU's resolve as one launch (``ula_resolve_fused``): persistent
+               programs run the four stages, with a grid barrier between stages (exact
+               LRU's pick is XLA's ``top_k``, so its resolve is always four launches)
+  programs:    persistent programs of the fused launch (None: as many as are surely
+               resident at once, ``resident_per_sm`` per SM; one in interpret mode).
+               A grid barrier needs every program resident: more would deadlock
+  relaxed_atomics: the bitmap and counter atomics without memory ordering (each one
+               orders nothing but itself; launch boundaries and grid barriers order the
+               stages); False: Pallas' acquire-release atomics
   poison:      testing aid: when set, every array the kernels create is first filled
                with this value, so an element a kernel fails to write shows up
 
-  The default blocks are the fastest of a sweep on an H200 (1M-slot pool, batch 32 and
-  64, k 2048; ``RESULTS.md``). At batch 64, small programs spread the place launch's
-  pyramid descents over the SMs (256 entries per program: 6.6K entries to place fill 26
-  programs, 155 us; 32 per program: 24 us), and the mark launch took 111 us with 1024
-  elements per program, 19 us with 256.
+  The defaults are the fastest of sweeps on an H200 (1M-slot pool, batch 32 and 64, k
+  2048; ``RESULTS.md``). The place launch is bound by the latency of each program's
+  pyramid descents, so small programs that spread its entries over the SMs win (at batch
+  64, 6.6K entries to place: 256 per program 155 us, 32 per program 23 us, 16 per
+  program 17 us); the mark launch took 111 us with 1024 elements per program and
+  acquire-release atomics, 8.6 us with 256 and relaxed ones. Four launches are the
+  default: the fused launch's persistent programs (two per SM, so that all are resident)
+  hide less latency than the launches' own programs (at batch 64: one launch 45.7 us,
+  the four launches' kernels 34.4 us, in a device loop).
   """
 
   block_elems: int = 256
-  block_place: int = 32
+  block_place: int = 16
   num_warps: int = 4
+  fuse: bool = False
+  programs: int | None = None
+  relaxed_atomics: bool = True
   poison: int | None = None
 
   def __post_init__(self):
@@ -101,6 +122,45 @@ class ResolveConfig:
       if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
         raise ValueError(f"ResolveConfig.{name}={v!r}: expected a power of 2 "
                          "(Triton arrays have power-of-2 sizes)")
+    for name in ("fuse", "relaxed_atomics"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"ResolveConfig.{name}={getattr(self, name)!r}: expected true "
+                         "or false")
+    if self.programs is not None and (isinstance(self.programs, bool)
+                                      or not isinstance(self.programs, int)
+                                      or self.programs < 1):
+      raise ValueError(f"ResolveConfig.programs={self.programs!r}: expected a positive "
+                       "integer or None (two programs per SM on GPU, one interpreted)")
+
+  def resident_per_sm(self) -> int:
+    """Programs of ``num_warps`` warps that fit on one SM whatever their register use
+    (255 registers per thread at most, 64K per SM)."""
+    return max(1, 8 // self.num_warps)
+
+  def fused_programs(self, interpret: bool) -> int:
+    """Programs of the fused launch: ``programs``, else every SM's share of resident
+    programs (GPU) or one (interpreted: the grid runs one program after another, so a
+    grid barrier between two programs could never complete)."""
+    if interpret:
+      if self.programs not in (None, 1):
+        raise ValueError(f"ResolveConfig.programs={self.programs}: interpret mode runs "
+                         "the fused resolve as one program (set programs=1 or None, or "
+                         "fuse=False)")
+      return 1
+    sms = getattr(jax.local_devices()[0], "core_count", None)
+    if not sms:
+      if self.programs is None:
+        raise ValueError("ResolveConfig.programs=None: the device does not report its "
+                         "SM count; set ResolveConfig.programs (all of them must be "
+                         "resident at once) or fuse=False")
+      return self.programs
+    limit = sms * self.resident_per_sm()
+    if self.programs is not None and self.programs > limit:
+      raise ValueError(f"ResolveConfig.programs={self.programs}: the fused resolve's "
+                       f"programs must all be resident at once; at most {limit} on this "
+                       f"device ({sms} SMs x {self.resident_per_sm()} programs of "
+                       f"{self.num_warps} warps)")
+    return self.programs or limit
 
 
 def default_interpret() -> bool:
@@ -155,18 +215,21 @@ class _Geometry:
   R: int  # PB-LRU recent buckets (1 for lru)
   policy: str
   config: ResolveConfig
+  programs: int = 1  # persistent programs of the fused launch
   # scratch layout
   hits_off: int = 0  # [W0(Sd)] hit bits (launches 1-2), then placed bits (3-4)
   host_off: int = 0  # [W0(Hr)] missed host slots (1-2), then used host slots (3-4)
   addr_off: int = 0  # [W0(N)] miss addresses (1-3)
+  sync_off: int = 0  # [_BARRIERS] arrivals at the fused launch's grid barriers
   scratch_size: int = 0
   pol: _Pyramid | None = None
   host: _Pyramid | None = None
   addr: _Pyramid | None = None
 
   @classmethod
-  def build(cls, *, B, k, N, Sd, Hr, R, policy, config) -> _Geometry:
-    off = _TOT_POLICY + (R + 2 if policy == "pb_lru" else 0)
+  def build(cls, *, B, k, N, Sd, Hr, R, policy, config, programs=1) -> _Geometry:
+    sync_off = _TOT_POLICY + (R + 2 if policy == "pb_lru" else 0)
+    off = sync_off + _BARRIERS
     hits_off, off = off, off + bitmap.num_words(Sd)
     host_off, off = off, off + bitmap.num_words(Hr)
     addr_off, off = off, off + bitmap.num_words(N)
@@ -184,7 +247,8 @@ class _Geometry:
     host = pyramid(Hr, 1)
     addr = pyramid(N, 1)
     return cls(B=B, k=k, N=N, Sd=Sd, Hr=Hr, R=R, policy=policy, config=config,
-               hits_off=hits_off, host_off=host_off, addr_off=addr_off, scratch_size=off,
+               programs=programs, hits_off=hits_off, host_off=host_off, addr_off=addr_off,
+               sync_off=sync_off, scratch_size=off,
                pol=pol, host=host, addr=addr)
 
   @property
@@ -243,8 +307,8 @@ def _atomic(kind: str, ref, idx, val, mask, *, interpret: bool):
   a lane's old value includes the updates of the lanes before it to the same index.
   """
   if not interpret:
-    fn = {"or": plgpu.atomic_or, "and": plgpu.atomic_and, "add": plgpu.atomic_add}[kind]
-    return fn(ref, (jnp.where(mask, idx, 0),), val, mask=mask)
+    return atomic(kind, ref, (jnp.where(mask, idx, 0),), val, mask=mask,
+                  relaxed=_RELAXED.get())
   n = idx.shape[0]
   lane = jnp.arange(n, dtype=_I32)
   same = mask[:, None] & mask[None, :] & (idx[:, None] == idx[None, :])
@@ -266,7 +330,7 @@ def _add_scalar(ref, i, val, *, interpret: bool):
   """``ref[i] += val`` by one program (atomic across programs on GPU); returns the old
   value (interpreted, programs run one after another)."""
   if not interpret:
-    return plgpu.atomic_add(ref, (i,), val)
+    return atomic("add", ref, (i,), val, relaxed=_RELAXED.get())
   old = _get(ref, i)
   _put(ref, i, old + val)
   return old
@@ -275,7 +339,7 @@ def _add_scalar(ref, i, val, *, interpret: bool):
 def _or_scalar(ref, i, val, *, interpret: bool) -> None:
   """``ref[i] |= val`` by one program (atomic across programs on GPU)."""
   if not interpret:
-    plgpu.atomic_or(ref, (i,), val)
+    atomic("or", ref, (i,), val, relaxed=_RELAXED.get())
     return
   _put(ref, i, _get(ref, i) | val)
 
@@ -362,28 +426,46 @@ def _zero(ref) -> None:
   _st(ref, i, jnp.zeros(i.shape, ref.dtype), i < n)
 
 
-def _descend(rank, ok, b, pyr: _Pyramid, work, word_of: Callable):
-  """Position of the ``rank``-th set bit (0-based) of bitmap ``b``, per lane.
+def _descend(searches: list, work) -> list:
+  """Position of the ``rank``-th set bit (0-based) of bitmap ``b``, per lane, for each
+  search ``(rank, ok, b, pyr, word_of)``:
 
   rank, b: [C] int32; ok: [C] bool (lanes to compute; their rank is below the total)
-  word_of(b, idx, mask): the bitmaps' level-0 words (uint32, 0 where not mask)
+  pyr: the bitmaps' ``_Pyramid``; word_of(b, idx, mask): their level-0 words (uint32, 0
+  where not mask)
+
   Top-down: at each level the lane reads the 32 counts under its node, takes the child
-  its rank falls in and subtracts the counts before it.
+  its rank falls in and subtracts the counts before it. The searches step together, one
+  level each per step (all their reads issued before any is used), so that independent
+  searches wait for memory once per step, not once per level of each.
   """
   lane32 = jnp.arange(TILE, dtype=_I32)
-  node = jnp.zeros_like(rank)
-  for t in range(pyr.top, 0, -1):
-    child = node[:, None] * TILE + lane32[None, :]  # [C, 32] entries of level t - 1
-    m = ok[:, None] & (child < pyr.sizes[t - 1])
-    if t >= 2:
-      cnt = _ld(work, pyr.at(t - 1, b[:, None], child), m, 0)
-    else:
-      cnt = _popcount(word_of(b[:, None], child, m))
-    cs = jnp.cumsum(cnt, axis=1)
-    pick = jnp.sum((cs <= rank[:, None]).astype(_I32), axis=1)
-    rank = rank - jnp.sum(jnp.where(lane32[None, :] < pick[:, None], cnt, 0), axis=1)
-    node = node * TILE + pick
-  return node * TILE + _select_bit(word_of(b, node, ok), rank)
+  node = [jnp.zeros_like(rank) for rank, *_ in searches]
+  rank = [rank for rank, *_ in searches]
+  depth = max(pyr.top for _, _, _, pyr, _ in searches)
+  for d in range(depth):
+    cnts = []
+    for i, (_, ok, b, pyr, word_of) in enumerate(searches):
+      t = pyr.top - d
+      if t < 1:
+        cnts.append(None)
+        continue
+      child = node[i][:, None] * TILE + lane32[None, :]  # [C, 32] entries of level t - 1
+      m = ok[:, None] & (child < pyr.sizes[t - 1])
+      if t >= 2:
+        cnts.append(_ld(work, pyr.at(t - 1, b[:, None], child), m, 0))
+      else:
+        cnts.append(_popcount(word_of(b[:, None], child, m)))
+    for i, cnt in enumerate(cnts):
+      if cnt is None:
+        continue
+      cs = jnp.cumsum(cnt, axis=1)
+      pick = jnp.sum((cs <= rank[i][:, None]).astype(_I32), axis=1)
+      rank[i] = rank[i] - jnp.sum(jnp.where(lane32[None, :] < pick[:, None], cnt, 0),
+                                  axis=1)
+      node[i] = node[i] * TILE + pick
+  words = [word_of(b, node[i], ok) for i, (_, ok, b, _, word_of) in enumerate(searches)]
+  return [node[i] * TILE + _select_bit(w, rank[i]) for i, w in enumerate(words)]
 
 
 def _rank(a, ok, pyr: _Pyramid, work, words_off: int):
@@ -411,7 +493,7 @@ def _rank(a, ok, pyr: _Pyramid, work, words_off: int):
 # ----------------------------------------------------------------------------------
 
 
-def _mark_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
+def _mark_kernel(r: dict, g: _Geometry, interpret: bool, pid=None) -> None:
   # r: sel_addr [BK] int32, sel_valid [BK] bool, new_addr [B] int32, active [B] bool,
   #    table [N] int32, (lru: clock [1]); updated: host_owner [Hr], work, (lru: stamp [Sd]);
   #    written: roles [M] int32 (1 = the representative of a miss, 2 = of a fresh new
@@ -419,7 +501,7 @@ def _mark_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
   #    work[_N_LISTED]), (lru: clock1 [1])
   C = g.config.block_elems
   n_sel, _ = g.elem_programs(C)
-  pid = pl.program_id(0)
+  pid = pl.program_id(0) if pid is None else pid
   work = r["work"]
 
   def body(new_tokens: bool) -> None:
@@ -439,9 +521,10 @@ def _mark_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
     loc = _ld(r["table"], a, want, INVALID)
     hit = want & (loc >= 0) & (loc < g.Sd)
     miss = want & (loc >= g.Sd)
-    # The first lane to set an entry's bit is its representative.
+    # The first lane to set an entry's bit is its representative. PB-LRU's round counts
+    # the distinct hits from the bitmap, so no lane waits for its hit's old word.
     old = _atomic("or", work, g.hits_off + (loc >> 5), _bit(loc), hit, interpret=interpret)
-    first_hit = hit & ((old & _bit(loc)) == 0)
+    first_hit = hit & ((old & _bit(loc)) == 0) if g.policy == "lru" else None
     h = loc - g.Sd
     old = _atomic("or", work, g.host_off + (h >> 5), _bit(h), miss, interpret=interpret)
     first_miss = miss & ((old & _bit(h)) == 0)
@@ -464,7 +547,8 @@ def _mark_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
     role = jnp.where(first_miss, 1, jnp.where(fresh, 2, 0)).astype(_I32)
     _st(r["roles"], e, role, live)
     for at, m in ((_N_HIT, first_hit), (_N_MISS, first_miss), (_N_FRESH, fresh)):
-      _add_scalar(work, at, jnp.sum(m.astype(_I32)), interpret=interpret)
+      if m is not None:
+        _add_scalar(work, at, jnp.sum(m.astype(_I32)), interpret=interpret)
     # The representatives of the entries to place, listed for the place launch so that
     # its work follows their number, not M's. List order does not matter: every entry
     # computes its own rank.
@@ -486,11 +570,11 @@ def _mark_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
 # ----------------------------------------------------------------------------------
 
 
-def _round_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
+def _round_kernel(r: dict, g: _Geometry, interpret: bool, pid=None) -> None:
   # r: (pb_lru: cur [1]); updated: work, host0 [W0(Hr)] (becomes host_free | missed),
   #    host{t} (t >= 3, zeroed), (pb_lru: free0, cold0 [W0], ring0 [R * W0],
   #    free{t}, cold{t}, ring{t} for t >= 3, zeroed); written: (pb_lru: cur1 [1])
-  pid = pl.program_id(0)
+  pid = pl.program_id(0) if pid is None else pid
   work = r["work"]
   n_pol = g.pol.blocks if g.policy == "pb_lru" else 0
   n_host = g.host.blocks
@@ -508,6 +592,7 @@ def _round_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
       cold = _ld(r["cold0"], idx, m, zero)
       ring = [_ld(r["ring0"], q * W0 + idx, m, zero) for q in range(R)]
       hits = _ld(work, g.hits_off + idx, m, 0).astype(_U32)
+      _add_scalar(work, _N_HIT, jnp.sum(_popcount(hits)), interpret=interpret)
       # begin_round: the bucket after the current one joins cold and becomes current;
       # then the hits leave every bucket and join it.
       ring_nxt = functools.reduce(
@@ -561,14 +646,14 @@ def _round_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
 # ----------------------------------------------------------------------------------
 
 
-def _place_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
+def _place_kernel(r: dict, g: _Geometry, interpret: bool, pid=None) -> None:
   # r: sel_addr [BK], new_addr [B], roles, place_list [M], host0 [W0(Hr)] (host_free |
   #    missed), (pb_lru: cur1 [1], free0, cold0, ring0), (lru: cand, cand_ok, cand_free
   #    [M], lru_counts [2] = (free slots taken, candidates found), clock1 [1]);
   #    updated: table, dev_owner, host_owner, work, (lru: stamp);
   #    written: fetch_src, fetch_dst, evict_src, evict_dst [M] (their valid prefix)
   C = g.config.block_place
-  pid = pl.program_id(0)
+  pid = pl.program_id(0) if pid is None else pid
   work = r["work"]
   n_place = _get(work, _N_LISTED)  # = misses + fresh new tokens
 
@@ -594,21 +679,25 @@ def _place_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
 
   @pl.when(pid * C < n_place)
   def _():
+    # Loads that depend on no other come first, so that they wait for memory together.
     i = pid * C + jnp.arange(C, dtype=_I32)
     act = i < n_place
     e = _ld(r["place_list"], i, act, 0)
+    jb = jnp.arange(g.Bp, dtype=_I32)
+    jl = jb < g.B
+    fresh_role = _ld(r["roles"], g.BK + jb, jl, 0)
+    fresh_addr = _ld(r["new_addr"], jb, jl, 0)
+    host_total = _get(work, _TOT_HOST)
     miss = act & (_ld(r["roles"], e, act, 0) == 1)
     is_sel = e < g.BK
     a = jnp.where(is_sel, _ld(r["sel_addr"], e, act & is_sel, 0),
                   _ld(r["new_addr"], e - g.BK, act & ~is_sel, 0))
+    loc = _ld(r["table"], a, act & miss, INVALID)
 
     # The j-th entry to place (ascending address) takes the j-th candidate: j counts
     # the misses below (the address pyramid) and the fresh new tokens below (<= B).
     fi = _rank(a, act, g.addr, work, g.addr_off)
-    jb = jnp.arange(g.Bp, dtype=_I32)
-    jl = jb < g.B
-    fresh_a = jnp.where(jl & (_ld(r["roles"], g.BK + jb, jl, 0) == 2),
-                        _ld(r["new_addr"], jb, jl, 0), g.N)
+    fresh_a = jnp.where(jl & (fresh_role == 2), fresh_addr, g.N)
     j = fi + jnp.sum((fresh_a[None, :] < a[:, None]).astype(_I32), axis=1)
 
     if g.policy == "pb_lru":
@@ -625,22 +714,26 @@ def _place_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
                 | _ld(r["cold0"], idx, m & (b == 1), zero)
                 | _ld(r["ring0"], (b - 2) * W0 + idx, m & (b >= 2), zero))
 
-      s = jnp.where(placed, _descend(within, placed, b, g.pol, work, policy_word), INVALID)
+      searches = [(within, placed, b, g.pol, policy_word)]
       was_free = lst == 0
     else:
       s = _ld(r["cand"], j, act, INVALID)
       placed = act & _ld(r["cand_ok"], j, act, False)
       was_free = _ld(r["cand_free"], j, act, False)
+      searches = []
 
-    # Victims take free host slots in order (the misses' vacated slots included).
+    # Victims take free host slots in order (the misses' vacated slots included): the
+    # host search needs only the entry's rank, so it runs beside the slot's.
     victim = placed & ~was_free
     vi = j - n_free_taken
-    v_addr = _ld(r["dev_owner"], s, victim, INVALID)
-    has_h = victim & (vi < _get(work, _TOT_HOST))
+    has_h = victim & (vi < host_total)
     host_word = lambda b, idx, m: _ld(r["host0"], idx, m, jnp.uint32(0))
-    h = jnp.where(has_h, _descend(vi, has_h, jnp.zeros_like(vi), g.host, work, host_word),
-                  INVALID)
-    loc = _ld(r["table"], a, placed & miss, INVALID)
+    *found, h = _descend(searches + [(vi, has_h, jnp.zeros_like(vi), g.host, host_word)],
+                         work)
+    if g.policy == "pb_lru":
+      s = jnp.where(placed, found[0], INVALID)
+    h = jnp.where(has_h, h, INVALID)
+    v_addr = _ld(r["dev_owner"], s, victim, INVALID)
 
     # Table and owners (victims and placed entries are disjoint: victims are on the
     # device, never selected). Each slot, address and list index has one writer.
@@ -669,11 +762,11 @@ def _place_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
 # ----------------------------------------------------------------------------------
 
 
-def _publish_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
+def _publish_kernel(r: dict, g: _Geometry, interpret: bool, pid=None) -> None:
   # r: sel_addr, sel_valid, new_addr, active, table, work, (pb_lru: cur1);
   #    updated: host levels, (pb_lru: free, cold, ring levels), the plan lists;
   #    written: slots [BK], new_slot [B], hits, misses, n_fetch, n_evict [1]
-  pid = pl.program_id(0)
+  pid = pl.program_id(0) if pid is None else pid
   work = r["work"]
   n_pol = g.pol.blocks if g.policy == "pb_lru" else 0
   n_host = g.host.blocks
@@ -749,6 +842,77 @@ def _publish_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
 
 
 # ----------------------------------------------------------------------------------
+# One launch: the four stages in persistent programs
+# ----------------------------------------------------------------------------------
+
+
+def _grid_barrier(work, at: int, programs: int) -> None:
+  """Waits until all ``programs`` programs of the grid reached this barrier (each barrier
+  has its own zeroed word ``work[at]``; every program must be resident).
+
+  The CTA barrier first makes the program's stores part of its arrival; the arrival and
+  the polls are acquire-release atomics at GPU scope, so stores made before the barrier
+  by any program are visible to every program after it. One program (interpret mode)
+  has no one to wait for.
+  """
+  if programs == 1:
+    return
+  at = jnp.int32(at)
+  plgpu.debug_barrier()
+  plgpu.atomic_add(work, (at,), jnp.int32(1))
+  jax.lax.while_loop(lambda n: n < programs,
+                     lambda n: plgpu.atomic_add(work, (at,), jnp.int32(0)), jnp.int32(0))
+  plgpu.debug_barrier()
+
+
+def _each(n, programs: int, fn: Callable) -> None:
+  """``fn(v)`` for this program's share of ``n`` virtual programs (``v = pid, pid +
+  programs, ...``); ``n``: int or traced int32 scalar."""
+  pid = pl.program_id(0)
+  if isinstance(n, int):
+    trips = _cdiv(n, programs)
+    if trips == 0:
+      return
+    guard = n % programs != 0
+  else:
+    trips = jnp.maximum((n - pid + programs - 1) // programs, 0)
+    guard = False
+
+  def body(i, carry):
+    v = pid + i * programs
+    if guard:
+      pl.when(v < n)(lambda: fn(v))
+    else:
+      fn(v)
+    return carry
+
+  if isinstance(trips, int) and trips == 1:
+    body(0, 0)
+  else:
+    jax.lax.fori_loop(0, trips, body, jnp.int32(0))
+
+
+def _fused_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
+  # r: the union of the four launches' refs (PB-LRU only). Each stage's virtual programs
+  # are those of its own launch; a grid barrier stands where a launch boundary was.
+  P = g.programs
+  work = r["work"]
+  n_sel, n_new = g.elem_programs(g.config.block_elems)
+  _each(n_sel + n_new, P, lambda v: _mark_kernel(r, g, interpret, pid=v))
+  _grid_barrier(work, g.sync_off, P)
+  blocks = g.pol.blocks + g.host.blocks
+  _each(blocks + g.addr.blocks, P, lambda v: _round_kernel(r, g, interpret, pid=v))
+  _grid_barrier(work, g.sync_off + 1, P)
+  # Virtual program 0 always runs (it writes the eviction count).
+  C = g.config.block_place
+  n_place = jnp.maximum((_get(work, _N_LISTED) + C - 1) // C, 1)
+  _each(n_place, P, lambda v: _place_kernel(r, g, interpret, pid=v))
+  _grid_barrier(work, g.sync_off + 2, P)
+  _each(blocks + _cdiv(g.M, g.config.block_elems), P,
+        lambda v: _publish_kernel(r, g, interpret, pid=v))
+
+
+# ----------------------------------------------------------------------------------
 # The wrapper
 # ----------------------------------------------------------------------------------
 
@@ -775,7 +939,11 @@ def _launch(kernel: Callable, g: _Geometry, *, name: str, grid: int, inputs: dic
   def body(*refs):
     d = dict(zip(list(inputs), refs[:len(inputs)]))
     d.update(zip(out_names, refs[len(in_names):]))
-    kernel(d, g, interpret)
+    token = _RELAXED.set(g.config.relaxed_atomics)
+    try:
+      kernel(d, g, interpret)
+    finally:
+      _RELAXED.reset(token)
 
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   outs = pl.pallas_call(
@@ -818,6 +986,18 @@ def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geom
     pol = {**_flat_levels(pst.free, "free"), **_flat_levels(pst.cold, "cold"),
            **_flat_levels(pst.ring, "ring")}
   n_sel, n_new = g.elem_programs(g.config.block_elems)
+
+  if pb_lru and g.config.fuse:
+    ins = {**sel, "cur": _i32_1(pst.cur)}
+    upd = {"table": meta.table, "dev_owner": meta.dev_owner,
+           "host_owner": meta.host_owner, "work": work, **host, **pol}
+    new = {"roles": i32((M,)), "place_list": i32((M,)), "cur1": i32((1,)),
+           **{n: i32((M,)) for n in ("fetch_src", "fetch_dst", "evict_src", "evict_dst")},
+           "slots": i32((g.BK,)), "new_slot": i32((B,)),
+           **{n: i32((1,)) for n in ("hits", "misses", "n_fetch", "n_evict")}}
+    o4 = _launch(_fused_kernel, g, name="ula_resolve_fused", grid=g.programs, inputs=ins,
+                 aliased=upd, fresh=new, interpret=interpret)
+    return _outputs(g, o4, o4, o4, None)
 
   # 1. mark
   ins = {**sel, "table": meta.table}
@@ -880,6 +1060,13 @@ def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geom
                grid=blocks + _cdiv(M, g.config.block_elems), inputs=ins, aliased=upd,
                fresh=new, interpret=interpret)
 
+  return _outputs(g, o2, o3, o4, o1)
+
+
+def _outputs(g: _Geometry, o2: dict, o3: dict, o4: dict, o1: dict | None):
+  """``resolve_meta``'s results from the launches' outputs (o1: the mark launch's, for
+  exact LRU's clock)."""
+  B, k, pb_lru = g.B, g.k, g.policy == "pb_lru"
   host_free = tuple(o4[f"host{t}"] for t in range(g.host.top + 1))
   if pb_lru:
     R = g.R
@@ -931,7 +1118,20 @@ def resolve_group_pallas(system: Any, meta: GroupMeta, sel_addr: jax.Array,
   if new_addr.shape != (B,) or active.shape != (B,):
     raise ValueError(f"new_addr.shape={tuple(new_addr.shape)}, active.shape="
                      f"{tuple(active.shape)}: expected [B] = [{B}]")
+  fused = policy == "pb_lru" and config.fuse
   g = _Geometry.build(B=B, k=k, N=system.num_logical, Sd=system.device_slots,
                       Hr=system.host_rows, R=system.buckets if policy == "pb_lru" else 1,
-                      policy=policy, config=config)
+                      policy=policy, config=config,
+                      programs=config.fused_programs(interpret) if fused else 1)
   return _resolve(meta, sel_addr, sel_valid, new_addr, active, g=g, interpret=interpret)
+
+
+def resolve_group_pallas_fused(system: Any, meta: GroupMeta, sel_addr: jax.Array,
+                               sel_valid: jax.Array, new_addr: jax.Array, active: jax.Array,
+                               *, config: ResolveConfig | None = None,
+                               interpret: bool | None = None):
+  """``resolve_group_pallas`` with ``config.fuse`` set: PB-LRU's resolve in one launch
+  (``kernels.resolve=pallas_fused``)."""
+  config = dataclasses.replace(config or ResolveConfig(), fuse=True)
+  return resolve_group_pallas(system, meta, sel_addr, sel_valid, new_addr, active,
+                              config=config, interpret=interpret)
