@@ -1,4 +1,4 @@
-"""Fused resolve of one layer group as four Pallas (Triton) launches.
+"""Fused resolve of one layer group as Pallas (Triton) kernels: four launches, or one.
 
 The result is identical, array for array, to ``Ula.resolve_meta`` (the jnp resolve):
 the same table, owners, host free bitmap, policy state, slots, plan and stats. Only
@@ -35,10 +35,18 @@ Plus one XLA fill that zeroes the kernels' scratch buffer. With ``memory.policy=
 the pick (the ``n`` oldest of all slots, an ``O(S)`` ranking) is XLA's ``top_k``
 between launches 2 and 3, as in the jnp resolve; every other stage is the same.
 
+``ResolveConfig.fuse`` (``kernels.resolve=pallas_fused``) runs PB-LRU's four stages in
+one launch, ``ula_resolve_fused``: a grid of persistent programs, all resident at once
+(``ResolveConfig.fused_programs``), takes each stage's blocks in turn (block ``v`` by
+program ``v mod programs``) and meets at a grid barrier between stages: every program
+counts its arrival in a zeroed scratch word and polls it until all have arrived. The
+stages' code is the launches' code; only who runs which block differs.
+
 Triton arrays must have power-of-2 sizes: lanes are padded to the block, bitmaps are
-read as ``[32, 32]`` word tiles. Atomics are Triton's; in interpret mode (CPU) they are
-emulated with lanes serialized in lane order, which has the same results (the kernels
-only use an atomic's old value to name the first lane to set a bit).
+read as ``[32, 32]`` word tiles. Atomics are Triton's, relaxed
+(``ula_jax.kernels.triton_atomics``; a grid barrier's are acquire-release); in interpret
+mode (CPU) they are emulated with lanes serialized in lane order, which has the same
+results (the kernels only use an atomic's old value to name the first lane to set a bit).
 
 Global state lives in the arrays of ``GroupMeta`` (updated in place when donated) and
 in one int32 scratch buffer, zero-filled per call, laid out by ``_Geometry``.
