@@ -222,6 +222,8 @@ def test_arguments_and_config_are_validated():
     AttentionConfig(sm_tflops=-1.0)
   with pytest.raises(ValueError, match=r"smem_kb=0: expected > 0"):
     AttentionConfig(smem_kb=0)
+  with pytest.raises(ValueError, match=r"min_programs=0: expected > 0"):
+    AttentionConfig(min_programs=0)
 
 
 def test_launch_model_hand_computed():
@@ -243,17 +245,20 @@ def test_launch_model_hand_computed():
 def test_automatic_launch_follows_the_model():
   cfg = AttentionConfig()
   launch = lambda B, H=64, k=2048: cfg.launch(B, H, k, 512, 64, 2)
-  # Small batches split k to occupy the SMs but keep head blocks small, because every
-  # split writes block_h x 512 float32 partials; large batches need no split.
+  # Small batches take small head blocks (more programs) and split k to occupy the SMs;
+  # from 16 programs up the largest head block that fits shared memory, with the
+  # model's splits (the fastest launches measured on an H200).
   assert launch(1) == (16, 16)
-  assert launch(8) == (16, 4)
-  assert launch(32) == (32, 2)
-  assert launch(64) == (32, 1)
-  # 64-head blocks need (2 x 64 + 64) rows of 1152 B = 216 KB of shared memory with
-  # block_k = 64, over the 200 KB budget; with block_k = 32 they fit and tie, and win.
+  assert launch(4) == (16, 8)
+  assert launch(8) == (32, 8)  # 8 requests x 2 head blocks
+  assert launch(32) == (64, 4)
+  assert launch(64) == (64, 2)
+  assert launch(128) == (64, 1)
+  # 64-head blocks plan (2 x 64 + 64) rows of 1152 B = 216 KB of shared memory with
+  # block_k = 64, within the 220 KB budget; a smaller budget leaves 32-head blocks.
   assert cfg.smem_bytes(64, 512, 64, 2) == 192 * 1152
-  assert launch(128) == (32, 1)
-  assert AttentionConfig(block_k=32).launch(128, 64, 2048, 512, 64, 2) == (64, 1)
+  assert AttentionConfig(smem_kb=200).launch(64, 64, 2048, 512, 64, 2)[0] == 32
+  assert AttentionConfig(min_programs=128).launch(64, 64, 2048, 512, 64, 2)[0] == 32
   assert launch(1, H=8, k=40) == (16, 1)  # never below 16 heads; one block of k
   # Fixed values are kept; splits never outnumber the blocks of k, and empty ones are
   # dropped: 5 blocks of 16 in 4 splits would be (2, 2, 1, 0), so 3 splits.
@@ -266,7 +271,8 @@ def test_automatic_launch_follows_the_model():
 
 def test_attention_cost_counts_bytes_and_flops():
   # Batch 32, GLM-5 geometry, bf16: 32-head programs in 2 splits.
-  c = attention_cost(32, 64, 2048, 512, 64, jnp.bfloat16, jnp.bfloat16)
+  c = attention_cost(32, 64, 2048, 512, 64, jnp.bfloat16, jnp.bfloat16,
+                     AttentionConfig(block_h=32, num_splits=2))
   assert c.must_read == 32 * 2048 * 1152 + 32 * 64 * 576 * 2
   assert c.must_read == bytes_read(32, 64, 2048, 512, 64, jnp.bfloat16, jnp.bfloat16)
   assert (c.block_h, c.splits, c.programs, c.num_warps) == (32, 2, 128, 8)

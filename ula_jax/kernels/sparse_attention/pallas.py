@@ -47,8 +47,9 @@ def _next_pow2(n: int) -> int:
 class AttentionConfig:
   """Tuning of the Pallas sparse attention (static and hashable).
 
-  block_h:    heads per program (power of 2, >= 16 for the tensor cores); None: chosen
-              with ``num_splits`` by ``launch_seconds`` among 16, 32 and 64
+  block_h:    heads per program (power of 2, >= 16 for the tensor cores); None: the
+              largest of 64, 32 and 16 that fits ``smem_kb`` and gives at least
+              ``min_programs`` programs before any split, else the smallest
   block_k:    selected rows per loop step (power of 2, >= 16)
   num_splits: programs per request row and head block along k; None: chosen by
               ``launch_seconds`` among powers of 2
@@ -59,7 +60,15 @@ class AttentionConfig:
               Triton, merge_us the cost of the extra launch that merges splits)
   smem_kb:    shared memory an automatic head block may plan for: the pipelined row
               tiles and the queries (``smem_bytes``); an H200 block may use 227 KB,
-              and Triton needs some for itself
+              and Triton needs some for itself (64-head blocks of 64-row tiles plan
+              216 KB and run)
+  min_programs: programs (requests x head blocks) an automatic head block must give
+              before any split. Larger head blocks feed the tensor cores full 64-row
+              tiles and gather each row once for more heads, but leave fewer programs;
+              splits make up for few programs only in part (each writes partials). On
+              an H200 (64 heads, k 2048): 64-head blocks were fastest at batch 32 and 64
+              (0.29 / 0.34 of copy bandwidth, against 0.22 / 0.26 for 32-head blocks),
+              16-head blocks at batch 1 and 8 (0.27 / 0.18, against 0.18 / 0.16)
   """
 
   block_h: int | None = None
@@ -72,7 +81,8 @@ class AttentionConfig:
   l2_gbps: float = 10000.0
   sm_tflops: float = 3.0
   merge_us: float = 3.0
-  smem_kb: float = 200.0
+  smem_kb: float = 220.0
+  min_programs: int = 16
 
   def __post_init__(self):
     for name in ("block_h", "block_k"):
@@ -85,7 +95,7 @@ class AttentionConfig:
       raise ValueError(f"num_warps={self.num_warps}: expected a power of 2")
     if self.num_stages < 1:
       raise ValueError(f"num_stages={self.num_stages}: expected >= 1")
-    for name in ("num_sms", "hbm_gbps", "l2_gbps", "sm_tflops", "smem_kb"):
+    for name in ("num_sms", "hbm_gbps", "l2_gbps", "sm_tflops", "smem_kb", "min_programs"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name}={getattr(self, name)}: expected > 0")
 
@@ -101,8 +111,9 @@ class AttentionConfig:
 
   def launch(self, B: int, H: int, k: int, Dl: int, Dr: int,
              itemsize: int) -> tuple[int, int]:
-    """(block_h, splits) for these shapes: the given ones, else the candidates with the
-    smallest ``launch_seconds`` (ties: fewer splits, then larger head blocks)."""
+    """(block_h, splits) for these shapes: the given ones, else the head block of
+    ``block_h``'s rule and the splits with the smallest ``launch_seconds`` (ties: fewer
+    splits)."""
     blocks = max(pl.cdiv(k, self.block_k), 1)
     if self.block_h is not None:
       heads = [self.block_h]
@@ -110,6 +121,8 @@ class AttentionConfig:
       heads = [h for h in (64, 32, 16) if h <= max(16, _next_pow2(H))]
       budget = self.smem_kb * 1024
       heads = [h for h in heads if self.smem_bytes(h, Dl, Dr, itemsize) <= budget] or [16]
+      enough = [h for h in heads if B * pl.cdiv(H, h) >= self.min_programs]
+      heads = [max(enough) if enough else min(heads)]
     if self.num_splits is not None:
       splits = {_drop_empty(self.num_splits, blocks)}
     else:
