@@ -98,7 +98,10 @@ class ResolveConfig:
                LRU's pick is XLA's ``top_k``, so its resolve is always four launches)
   programs:    persistent programs of the fused launch (None: as many as are surely
                resident at once, ``resident_per_sm`` per SM; one in interpret mode).
-               A grid barrier needs every program resident: more would deadlock
+               A grid barrier needs every program resident: more would deadlock, and
+               so could two fused launches run side by side on one GPU (a decode step's
+               resolves run one after another: each group's selection needs the layers
+               before it)
   relaxed_atomics: the bitmap and counter atomics without memory ordering (each one
                orders nothing but itself; launch boundaries and grid barriers order the
                stages); False: Pallas' acquire-release atomics
