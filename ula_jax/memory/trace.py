@@ -9,7 +9,8 @@ A trace is one dp rank's stream of events, in the order the engine ran them:
 
 Replaying runs only ula's metadata path (``prefill_meta`` / ``resolve_meta`` /
 ``release_meta``: tables, owners, policy; no pools, no data) and counts hits, misses and
-evictions, so policies and pool sizes can be compared on the same selections. The
+evictions, so policies and pool sizes can be compared on the same selections. A replay is
+one compiled ``lax.scan`` over the trace's events: no host round trip per step. The
 addresses are logical, so a trace replays under any ``memory.device_pool`` /
 ``memory.host_pool`` whose capacity covers ``trace.num_logical``.
 
@@ -22,11 +23,13 @@ from __future__ import annotations
 import dataclasses
 import time
 import types
+import weakref
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
 from ula_jax.memory.ula import Ula
@@ -216,7 +219,9 @@ class ReplayResult:
   hits: np.ndarray
   misses: np.ndarray
   evictions: np.ndarray
-  resolve_seconds: float  # wall time of the resolves (compiled; compile excluded)
+  # Wall time of the compiled replay (compile excluded): the resolves, with the prefill
+  # and release updates between them, run on the device as one call.
+  resolve_seconds: float
 
   @property
   def hit_rate(self) -> float:
@@ -246,47 +251,110 @@ def _check_fits(trace: SelectionTrace, system: Ula) -> None:
         f"trace needs trace.num_logical={trace.num_logical}: raise the pools")
 
 
-def replay(trace: SelectionTrace, system: Ula, *, chunk: int = 256) -> ReplayResult:
-  """Runs ``trace`` through ``system``'s metadata path (a ``ula.Ula``; its policy and
-  pool sizes decide). chunk: prefill/release addresses per jitted call (static shape)."""
-  trace.validate()
-  _check_fits(trace, system)
-  G, T = trace.num_groups, trace.num_steps
-  resolve = jax.jit(system.resolve_meta)
-  prefill = jax.jit(system.prefill_meta)
-  release = jax.jit(system.release_meta)
-  metas = list(system.init_meta())
-  hits, misses, evictions = (np.zeros((T, G), np.int64) for _ in range(3))
-  if T:
-    # Compile ahead so the timed loop holds only the resolves themselves.
-    resolve = resolve.lower(metas[0], trace.sel_addr[0, 0], trace.sel_valid[0, 0],
-                            trace.new_addr[0], trace.active[0]).compile()
-  seconds = 0.0
+_NOOP = 3  # a padding op of the replay program: leaves the metadata as it is
+
+
+def _bucket(n: int) -> int:
+  """``n`` rounded up to a power of two (at least 1): traces of similar length (the ranks
+  of one run) share one compiled replay program."""
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def _replay_ops(trace: SelectionTrace, chunk: int):
+  """The trace as a padded op list: a decode event is one op, a prefill or release event
+  one op per ``chunk`` of its addresses; the list is padded with no-op ops to a power of
+  two.
+
+  returns (kind [E] int32, step [E] int32: a decode op's step,
+           addrs [E, chunk] int32: a prefill/release op's addresses (INVALID after),
+           decode_op [T] int64: the op of each decode step)
+  """
+  kinds, steps, parts = [], [], []
+  decode_op = np.zeros((trace.num_steps,), np.int64)
   for kind, ref, count in zip(trace.kind, trace.ref, trace.count):
     if kind == DECODE:
-      t = int(ref)
-      for g in range(G):
-        t0 = time.perf_counter()
-        metas[g], _, _, _, stats = resolve(metas[g], trace.sel_addr[t, g],
-                                           trace.sel_valid[t, g], trace.new_addr[t],
-                                           trace.active[t])
-        stats = jax.block_until_ready(stats)
-        seconds += time.perf_counter() - t0
-        hits[t, g], misses[t, g] = int(stats["hits"]), int(stats["misses"])
-        evictions[t, g] = int(stats["evictions"])
+      decode_op[int(ref)] = len(kinds)
+      kinds.append(DECODE), steps.append(int(ref)), parts.append(None)
       continue
     a = trace.addrs[int(ref):int(ref) + int(count)]
     for i in range(0, a.shape[0], chunk):
-      part = np.full((chunk,), INVALID, np.int32)
-      part[:a[i:i + chunk].shape[0]] = a[i:i + chunk]
-      ok = jnp.asarray(part >= 0)
-      for g in range(G):
-        if kind == PREFILL:
-          metas[g] = prefill(metas[g], jnp.asarray(part), ok)[0]
-        else:
-          metas[g] = release(metas[g], jnp.asarray(part), ok)
-  return ReplayResult(policy=system.policy_name, hits=hits, misses=misses,
-                      evictions=evictions, resolve_seconds=seconds)
+      kinds.append(int(kind)), steps.append(0), parts.append(a[i:i + chunk])
+  E = _bucket(len(kinds))
+  kind = np.full((E,), _NOOP, np.int32)
+  kind[:len(kinds)] = kinds
+  step = np.zeros((E,), np.int32)
+  step[:len(steps)] = steps
+  addrs = np.full((E, chunk), INVALID, np.int32)
+  for i, part in enumerate(parts):
+    if part is not None:
+      addrs[i, :part.shape[0]] = part
+  return kind, step, addrs, decode_op
+
+
+def _replay_program(system: Ula):
+  """The jitted replay of ``system``: one ``lax.scan`` over the ops, each a
+  ``lax.switch`` on its kind; the layer groups' metadata stacked in one pytree and
+  updated together (``vmap``). returns stats [E, G, 3] int32: hits, misses and evictions
+  of the decode ops (zeros elsewhere)."""
+  prefill = jax.vmap(lambda m, a: system.prefill_meta(m, a, a >= 0)[0], (0, None))
+  release = jax.vmap(lambda m, a: system.release_meta(m, a, a >= 0), (0, None))
+  resolve = jax.vmap(system.resolve_meta, (0, 0, 0, None, None))
+
+  def program(kind, step, addrs, sel_addr, sel_valid, new_addr, active):
+    metas = jax.tree.map(lambda *xs: jnp.stack(xs), *system.init_meta())
+    none = jnp.zeros((sel_addr.shape[1], 3), jnp.int32)
+
+    def decode(metas, t, a):
+      metas, _, _, _, st = resolve(metas, sel_addr[t], sel_valid[t], new_addr[t], active[t])
+      return metas, jnp.stack([st["hits"], st["misses"], st["evictions"]], axis=1)
+
+    branches = [lambda m, t, a: (prefill(m, a), none), decode,
+                lambda m, t, a: (release(m, a), none), lambda m, t, a: (m, none)]
+
+    def body(metas, op):
+      k, t, a = op
+      return lax.switch(k, branches, metas, t, a)
+
+    return lax.scan(body, metas, (kind, step, addrs))[1]
+
+  return jax.jit(program)
+
+
+# Compiled replay programs of each system (held while the system lives), by padded shape.
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def replay(trace: SelectionTrace, system: Ula, *, chunk: int = 256) -> ReplayResult:
+  """Runs ``trace`` through ``system``'s metadata path (a ``ula.Ula``; its policy and
+  pool sizes decide). chunk: prefill/release addresses per op (static shape).
+
+  The whole trace runs as one compiled call (no host round trip per step); the program
+  is compiled once per system and padded shape, so the ranks of one run share it."""
+  trace.validate()
+  _check_fits(trace, system)
+  G, T = trace.num_groups, trace.num_steps
+  kind, step, addrs, decode_op = _replay_ops(trace, chunk)
+  Tp = _bucket(T)
+  sel_addr = np.full((Tp, *trace.sel_addr.shape[1:]), INVALID, np.int32)
+  sel_valid = np.zeros(sel_addr.shape, bool)
+  new_addr = np.full((Tp, trace.max_batch), INVALID, np.int32)
+  active = np.zeros(new_addr.shape, bool)
+  sel_addr[:T], sel_valid[:T] = trace.sel_addr, trace.sel_valid
+  new_addr[:T], active[:T] = trace.new_addr, trace.active
+  args = (kind, step, addrs, sel_addr, sel_valid, new_addr, active)
+  programs = _PROGRAMS.setdefault(system, {})
+  key = (addrs.shape, sel_addr.shape)
+  if key not in programs:
+    # Compiled ahead so the timed call holds only the replay itself.
+    programs[key] = _replay_program(system).lower(*args).compile()
+  args = jax.device_put(args)
+  t0 = time.perf_counter()
+  stats = jax.block_until_ready(programs[key](*args))
+  seconds = time.perf_counter() - t0
+  per_step = np.asarray(stats, np.int64)[decode_op] if T else np.zeros((0, G, 3), np.int64)
+  return ReplayResult(policy=system.policy_name, hits=per_step[..., 0],
+                      misses=per_step[..., 1], evictions=per_step[..., 2],
+                      resolve_seconds=seconds)
 
 
 def _with_policy(cfg: Any, policy: str) -> Any:
@@ -317,10 +385,24 @@ def compare_policies(trace: SelectionTrace, cfg: Any,
   returns {policy: ReplayResult.as_dict(), ..., "hit_rate_gap_pp": first minus second
            policy's hit rate in percentage points}
   """
-  out: dict = {}
-  for p in policies:
-    out[p] = replay(trace, system_for_trace(trace, cfg, policy=p)).as_dict()
-  if len(policies) >= 2:
-    a, b = out[policies[0]]["hit_rate"], out[policies[1]]["hit_rate"]
-    out["hit_rate_gap_pp"] = 100.0 * (a - b)
+  return compare_policies_per_rank([trace], cfg, policies)[0]
+
+
+def compare_policies_per_rank(traces, cfg: Any,
+                              policies: tuple[str, ...] = ("pb_lru", "lru")) -> list[dict]:
+  """``compare_policies`` of each trace (the ranks of one run). Traces of the same
+  geometry and size replay on one system per policy, so they share its compiled replay."""
+  systems: dict = {}
+  out = []
+  for trace in traces:
+    sizes = (trace.geometry(), trace.num_logical, trace.max_batch, trace.page_size)
+    res: dict = {}
+    for p in policies:
+      if (p, sizes) not in systems:
+        systems[p, sizes] = system_for_trace(trace, cfg, policy=p)
+      res[p] = replay(trace, systems[p, sizes]).as_dict()
+    if len(policies) >= 2:
+      a, b = res[policies[0]]["hit_rate"], res[policies[1]]["hit_rate"]
+      res["hit_rate_gap_pp"] = 100.0 * (a - b)
+    out.append(res)
   return out
