@@ -1,13 +1,37 @@
-"""Test setup: 8 simulated CPU devices, and random keys whose seed is printed."""
+"""Test setup: 8 simulated CPU devices, a compilation cache for the session, and random
+keys whose seed is printed."""
 
+import atexit
 import os
 import random
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def _session_compilation_cache() -> None:
+  """Many tests build a fresh engine (or system) whose programs another test already
+  compiled: same HLO, same shapes. A persistent compilation cache in a directory of this
+  session only (shared by the xdist workers, removed at exit; the process that made it
+  removes it) turns those compiles into loads of the same executable. A cache the
+  environment already configures is left as it is."""
+  if jax.config.jax_compilation_cache_dir:
+    return
+  path = os.environ.get("ULA_JAX_TEST_COMPILATION_CACHE")
+  if path is None:
+    path = tempfile.mkdtemp(prefix="ula-jax-test-compilation-cache-")
+    os.environ["ULA_JAX_TEST_COMPILATION_CACHE"] = path  # the xdist workers inherit it
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
+_session_compilation_cache()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
