@@ -274,11 +274,15 @@ def _replay_ops(trace: SelectionTrace, chunk: int):
   for kind, ref, count in zip(trace.kind, trace.ref, trace.count):
     if kind == DECODE:
       decode_op[int(ref)] = len(kinds)
-      kinds.append(DECODE), steps.append(int(ref)), parts.append(None)
+      kinds.append(DECODE)
+      steps.append(int(ref))
+      parts.append(None)
       continue
     a = trace.addrs[int(ref):int(ref) + int(count)]
     for i in range(0, a.shape[0], chunk):
-      kinds.append(int(kind)), steps.append(0), parts.append(a[i:i + chunk])
+      kinds.append(int(kind))
+      steps.append(0)
+      parts.append(a[i:i + chunk])
   E = _bucket(len(kinds))
   kind = np.full((E,), _NOOP, np.int32)
   kind[:len(kinds)] = kinds
@@ -308,8 +312,10 @@ def _replay_program(system: Ula):
       metas, _, _, _, st = resolve(metas, sel_addr[t], sel_valid[t], new_addr[t], active[t])
       return metas, jnp.stack([st["hits"], st["misses"], st["evictions"]], axis=1)
 
-    branches = [lambda m, t, a: (prefill(m, a), none), decode,
-                lambda m, t, a: (release(m, a), none), lambda m, t, a: (m, none)]
+    by_kind = {PREFILL: lambda m, t, a: (prefill(m, a), none), DECODE: decode,
+               RELEASE: lambda m, t, a: (release(m, a), none),
+               _NOOP: lambda m, t, a: (m, none)}
+    branches = [by_kind[k] for k in range(len(by_kind))]  # lax.switch indexes by kind
 
     def body(metas, op):
       k, t, a = op
