@@ -136,6 +136,20 @@ def test_attention_benchmark_reports_read_rate_against_a_device_copy(tmp_path, c
   assert "sparse MLA decode attention" in capsys.readouterr().out
 
 
+def test_attention_benchmark_ablation_rows(tmp_path):
+  out = tmp_path / "attention.json"
+  assert attention.main(["--quick", "--batch", "1", "--impls", "pallas", "--ablations",
+                         "compute,gather", "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["impl"], r["ablation"]) for r in rows] == [
+      ("device copy", None), ("pallas", None), ("pallas[compute]", "compute"),
+      ("pallas[gather]", "gather")]
+  assert all(r["error"] is None and r["seconds"] > 0 for r in rows)
+  assert rows[1]["max_err"] < 2e-2 and rows[2]["max_err"] is rows[3]["max_err"] is None
+  with pytest.raises(ValueError, match=r"--ablations='compute,flops': unknown \['flops'\]"):
+    attention.main(["--quick", "--ablations", "compute,flops", "--out", str(out)])
+
+
 def test_attention_configs_parse():
   assert attention.parse_config("auto") == AttentionConfig()
   assert attention.parse_config("h64k32w8s2n3") == AttentionConfig(

@@ -13,8 +13,14 @@ reference. Each Pallas row also records its launch (head block, splits, programs
 moves and computes beyond the must-read bytes (split partials, re-gathered rows, FLOPs)
 and the launch model's estimate, which is what explains a rate below the target.
 
+``--ablations compute,gather`` adds, for each Pallas launch, the same launch with its row
+gathers left out (one block gathered and reused) and with everything but the gathers left
+out: when the launch takes about the sum of the two, its gathers and its arithmetic do not
+overlap.
+
     ula-jax bench attention [--batch 1,8,32,64] [--heads 64] [--k 2048]
-                            [--configs auto,h64k64w8,h32k64w8s1] [--out FILE]
+                            [--configs auto,h64k64w8,h32k64w8s1] [--ablations compute,gather]
+                            [--out FILE]
 """
 
 from __future__ import annotations
@@ -33,15 +39,16 @@ import numpy as np
 from ula_jax.bench import common
 from ula_jax.bench.common import (add_timing_args, best_and_median, environment, fmt,
                                   parse_list, parse_sizes, time_calls, write_json)
-from ula_jax.kernels.sparse_attention.pallas import (AttentionConfig, attention_cost,
-                                                     bytes_read, sparse_mla_attention_pallas)
+from ula_jax.kernels.sparse_attention.pallas import (ABLATIONS, AttentionConfig,
+                                                     attention_cost, bytes_read,
+                                                     sparse_mla_attention_pallas)
 from ula_jax.kernels.sparse_attention.reference import sparse_mla_attention_reference
 
 IMPLS = ("xla", "pallas")
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 COPY = "device copy"  # impl label of the ceiling rows
 _CONFIG_FIELDS = {"h": "block_h", "k": "block_k", "w": "num_warps", "s": "num_splits",
-                  "n": "num_stages"}
+                  "n": "num_stages", "p": "preload_slots"}
 
 
 @dataclasses.dataclass
@@ -67,6 +74,7 @@ class Row:
   row_reads: int | None = None
   flops: int | None = None
   model_us: float | None = None  # the launch model's estimate (what the launch was chosen by)
+  ablation: str | None = None  # --ablations: the launch with part of its work left out
   error: str | None = None
 
 
@@ -80,7 +88,8 @@ def parse_config(token: str) -> AttentionConfig:
   if not parts or "".join(f"{a}{b}" for a, b in parts) != token or any(
       a not in _CONFIG_FIELDS for a, _ in parts):
     raise ValueError(f"--configs: {token!r}: expected 'auto' or letters h (block_h), "
-                     "k (block_k), w (num_warps), s (num_splits), n (num_stages) each "
+                     "k (block_k), w (num_warps), s (num_splits), n (num_stages), "
+                     "p (preload_slots) each "
                      "followed by a number, e.g. h64k64w8")
   return AttentionConfig(**{_CONFIG_FIELDS[a]: int(b) for a, b in parts})
 
@@ -99,7 +108,12 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--impls", default=",".join(IMPLS), help=f"of {list(IMPLS)}")
   p.add_argument("--configs", default="auto",
                  help="Pallas configurations, comma list of 'auto' or e.g. h64k64w8s2n3 "
-                      "(h block_h, k block_k, w num_warps, s num_splits, n num_stages)")
+                      "(h block_h, k block_k, w num_warps, s num_splits, n num_stages, "
+                      "p preload_slots)")
+  p.add_argument("--ablations", default="",
+                 help=f"also time each Pallas launch with part of its work left out, comma "
+                 f"list of {list(ABLATIONS)}: 'compute' reuses one gathered block (the "
+                 "arithmetic alone), 'gather' only gathers (the row reads alone)")
   p.add_argument("--loop", type=int, default=16, help="steps per jitted loop")
   add_timing_args(p, max_iters=200, target_ms=100.0)
   p.add_argument("--warmup", type=int, default=1)
@@ -155,6 +169,8 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   batches = parse_sizes(args.batch)
   names = parse_list(args.impls, IMPLS, flag="--impls")
   configs = [(t.strip(), parse_config(t)) for t in args.configs.split(",") if t.strip()]
+  ablations = (parse_list(args.ablations, ABLATIONS, flag="--ablations")
+               if args.ablations else [])
   if args.loop < 1 or args.reps < 1:
     raise ValueError(f"--loop={args.loop}, --reps={args.reps}: expected both >= 1")
   dtype = DTYPES[args.dtype]
@@ -165,15 +181,19 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   timing = dict(min_iters=args.min_iters, max_iters=args.max_iters,
                 target_s=args.target_ms / 1e3, warmup=args.warmup)
   reference = jax.jit(functools.partial(sparse_mla_attention_reference, scale=scale))
-  impls: list[tuple[str, AttentionConfig | None, Any]] = []
+  impls: list[tuple[str, AttentionConfig | None, str | None, Any]] = []
   for name in names:
     if name == "xla":
-      impls.append(("xla", None, looped(reference, steps)))
+      impls.append(("xla", None, None, looped(reference, steps)))
       continue
     for token, cfg in configs:
-      label = "pallas" if len(configs) == 1 else f"pallas[{token}]"
-      fn = functools.partial(sparse_mla_attention_pallas, scale=scale, config=cfg)
-      impls.append((label, cfg, looped(fn, steps)))
+      tags = [] if len(configs) == 1 else [token]
+      for ablation in (None, *ablations):
+        label = "pallas" + (f"[{','.join(tags + ([ablation] if ablation else []))}]"
+                            if tags or ablation else "")
+        fn = functools.partial(sparse_mla_attention_pallas, scale=scale, config=cfg,
+                               ablation=ablation)
+        impls.append((label, cfg, ablation, looped(fn, steps)))
   copy = copy_loop(steps)
 
   # Inputs from numpy: eager jax.random calls would each compile a small program.
@@ -207,8 +227,8 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
 
     measured.append(_Measured(copy_row, copy_rep))
     want = np.asarray(reference(*args_b))
-    for label, cfg, fn in impls:
-      row = Row(B, label, nbytes)
+    for label, cfg, ablation, fn in impls:
+      row = Row(B, label, nbytes, ablation=ablation)
       rows.append(row)
       if cfg is not None:
         cost = attention_cost(B, H, k, Dl, Dr, dtype, dtype, cfg)
@@ -219,7 +239,8 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
         row.flops = 2 * B * H * k * (2 * Dl + Dr)
       try:
         out = np.asarray(fn(*args_b))  # compiles, and checks the result
-        row.max_err = float(np.max(np.abs(out - want))) if want.size else 0.0
+        if ablation is None:  # an ablation computes something else
+          row.max_err = float(np.max(np.abs(out - want))) if want.size else 0.0
       except Exception as e:  # keep measuring the others; the table shows the error
         row.error = _error(e)
         continue

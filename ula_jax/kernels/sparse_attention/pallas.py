@@ -33,6 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _LOG2E = math.log2(math.e)
+# Benchmark ablations of the launch (``sparse_mla_attention_pallas(ablation=...)``).
+ABLATIONS = ("compute", "gather")
 
 
 def _pow2(n: int) -> bool:
@@ -69,6 +71,10 @@ class AttentionConfig:
               an H200 (64 heads, k 2048): 64-head blocks were fastest at batch 32 and 64
               (0.29 / 0.34 of copy bandwidth, against 0.22 / 0.26 for 32-head blocks),
               16-head blocks at batch 1 and 8 (0.27 / 0.18, against 0.18 / 0.16)
+  preload_slots: a program loads its split's slot list before its loop when the list
+              (padded to a power of 2 of ``block_k`` blocks) has at most this many
+              entries, so that its row gathers are pipelined ``num_stages - 1`` steps
+              ahead; 0: load each step's slots in the loop (gathers one step ahead)
   """
 
   block_h: int | None = None
@@ -83,6 +89,7 @@ class AttentionConfig:
   merge_us: float = 3.0
   smem_kb: float = 220.0
   min_programs: int = 16
+  preload_slots: int = 4096
 
   def __post_init__(self):
     for name in ("block_h", "block_k"):
@@ -95,6 +102,8 @@ class AttentionConfig:
       raise ValueError(f"num_warps={self.num_warps}: expected a power of 2")
     if self.num_stages < 1:
       raise ValueError(f"num_stages={self.num_stages}: expected >= 1")
+    if self.preload_slots < 0:
+      raise ValueError(f"preload_slots={self.preload_slots}: expected >= 0 (0: never)")
     for name in ("num_sms", "hbm_gbps", "l2_gbps", "sm_tflops", "smem_kb", "min_programs"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name}={getattr(self, name)}: expected > 0")
@@ -161,7 +170,8 @@ def launch_seconds(config: AttentionConfig, B: int, H: int, k: int, Dl: int, Dr:
 
 def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: int,
                       k: int, Dl: int, Dr: int, block_h: int, block_k: int,
-                      blocks_per_split: int, scale: float, split_out: bool):
+                      blocks_per_split: int, slot_blocks: int, scale: float,
+                      split_out: bool, ablation: str | None):
   # q_lat_ref: [B, H, Dl]; q_rope_ref: [B, H, Dr]; pool_ref: [S, Dl + Dr]
   # slots_ref: [B, k] int32, -1 where not valid
   # out_refs: (o [B, H, Dl] f32,) or (o [B, NS, H, Dl] f32, lse [B, NS, H] f32)
@@ -179,17 +189,46 @@ def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: 
   # Scores in log2 units: exp2 is one instruction, exp a library call.
   scale2 = scale * _LOG2E
 
-  def body(i, carry):
-    m, l, acc = carry  # [bh], [bh], [bh, Dl] float32
-    j0 = (sp * blocks_per_split + i) * block_k
-    in_k = (j0 + jnp.arange(block_k, dtype=jnp.int32)) < k
-    slot = plgpu.load(slots_ref.at[b, pl.ds(j0, block_k)], mask=in_k, other=-1)  # [bk]
+  if slot_blocks:
+    # The split's whole selection, loaded once. A row gather whose addresses come from
+    # a load in the same step is an indirect load, which Triton's pipeliner issues one
+    # step ahead whatever ``num_stages`` says; picked out per step by the loop index,
+    # the gathers are direct and issued ``num_stages - 1`` steps ahead.
+    blk = jnp.arange(slot_blocks, dtype=jnp.int32)[:, None]
+    jj = ((sp * blocks_per_split + blk) * block_k
+          + jnp.arange(block_k, dtype=jnp.int32)[None, :])
+    in_split = (jj < k) & (blk < blocks_per_split)
+    split_slots = plgpu.load(slots_ref.at[b, jnp.where(in_split, jj, 0)], mask=in_split,
+                             other=-1)  # [slot_blocks, bk]
+
+  def tile(i):
+    """Block ``i`` of the split: (valid [bk], latent rows [bk, Dl], rope rows [bk, Dr])."""
+    if slot_blocks:
+      slot = jnp.max(jnp.where(blk == i, split_slots, -1), axis=0)  # [bk]
+    else:
+      j0 = (sp * blocks_per_split + i) * block_k
+      in_k = (j0 + jnp.arange(block_k, dtype=jnp.int32)) < k
+      slot = plgpu.load(slots_ref.at[b, pl.ds(j0, block_k)], mask=in_k, other=-1)  # [bk]
     ok = slot >= 0
     rows = jnp.where(ok, slot, 0)[:, None]
     # One gather per row for every head of the block. Masked rows load as 0 so that
     # garbage (even NaN) in unused slots cannot leak into the output.
     c = plgpu.load(pool_ref.at[rows, lat_cols[None, :]], mask=ok[:, None], other=0)
     kr = plgpu.load(pool_ref.at[rows, rope_cols[None, :]], mask=ok[:, None], other=0)
+    return ok, c, kr
+
+  if ablation == "compute":
+    first = tile(0)
+
+  def body(i, carry):
+    m, l, acc = carry  # [bh], [bh], [bh, Dl] float32
+    ok, c, kr = first if ablation == "compute" else tile(i)
+    if ablation == "gather":
+      # Every gather consumed at little cost, in a way that reaches the output: the mean
+      # over blocks of each block's largest value (its scores stay 0, so splits merge
+      # by their block counts).
+      seen = jnp.max(c.astype(jnp.float32)) + jnp.max(kr.astype(jnp.float32))
+      return jnp.zeros_like(m), l + 1.0, acc + seen
     c = c.astype(compute)  # [bk, Dl]
     s = (plgpu.dot(q_lat, c, trans_b=True, precision=precision)
          + plgpu.dot(q_rope, kr.astype(compute), trans_b=True, precision=precision))
@@ -333,7 +372,8 @@ def attention_cost(B: int, H: int, k: int, Dl: int, Dr: int, pool_dtype, q_dtype
 def sparse_mla_attention_pallas(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
                                 slots: jax.Array, valid: jax.Array, *, scale: float,
                                 config: AttentionConfig | None = None,
-                                interpret: bool | None = None) -> jax.Array:
+                                interpret: bool | None = None,
+                                ablation: str | None = None) -> jax.Array:
   """Attention of every head over the selected pool rows (Pallas).
 
   q_lat:  [B, H, Dl] latent queries; q_rope: [B, H, Dr] rotary queries
@@ -342,10 +382,17 @@ def sparse_mla_attention_pallas(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   valid:  [B, k] bool
   scale:  softmax scale; config: tuning (``AttentionConfig``)
   interpret: Pallas interpret mode (None: interpret everywhere but on GPU)
+  ablation: for benchmarks only, the launch with part of its work left out (its output
+          is not attention): 'compute' gathers each split's first block once and
+          computes on it at every step (the arithmetic alone), 'gather' gathers every
+          block and only takes its largest latent and rope values (the row gathers
+          alone; every output is the mean over blocks of their sum)
   Dl and Dr must be powers of 2 (Triton block shapes), >= 16 on GPU.
   returns o_lat: [B, H, Dl] float32
   """
   config = config or AttentionConfig()
+  if ablation not in (None, *ABLATIONS):
+    raise ValueError(f"ablation={ablation!r}: expected None or one of {list(ABLATIONS)}")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   B, H, Dl = q_lat.shape
@@ -366,9 +413,13 @@ def sparse_mla_attention_pallas(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   num_hb = pl.cdiv(H, block_h)
   blocks_per_split = pl.cdiv(pl.cdiv(k, config.block_k), splits)
   split_out = splits > 1
+  slot_blocks = _next_pow2(blocks_per_split)
+  if slot_blocks * config.block_k > config.preload_slots:
+    slot_blocks = 0
   kernel = functools.partial(
       _attention_kernel, H=H, k=k, Dl=Dl, Dr=Dr, block_h=block_h, block_k=config.block_k,
-      blocks_per_split=blocks_per_split, scale=float(scale), split_out=split_out)
+      blocks_per_split=blocks_per_split, slot_blocks=slot_blocks, scale=float(scale),
+      split_out=split_out, ablation=ablation)
   if split_out:
     out_shape = (jax.ShapeDtypeStruct((B, splits, H, Dl), jnp.float32),
                  jax.ShapeDtypeStruct((B, splits, H), jnp.float32))
@@ -398,6 +449,6 @@ def bytes_read(B: int, H: int, k: int, Dl: int, Dr: int, pool_dtype, q_dtype) ->
   return B * k * row + B * H * (Dl + Dr) * jnp.dtype(q_dtype).itemsize
 
 
-__all__ = ["AttentionConfig", "AttentionCost", "attention_cost", "bytes_read",
+__all__ = ["ABLATIONS", "AttentionConfig", "AttentionCost", "attention_cost", "bytes_read",
            "launch_seconds", "merge_splits", "merge_splits_pallas",
            "sparse_mla_attention_pallas"]
