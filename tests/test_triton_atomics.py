@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from tests.test_resolve_kernel import CASES, system_for
-from ula_jax.kernels import triton_atomics
+from ula_jax.kernels import triton_atomics, triton_ir
 from ula_jax.kernels.resolve import pallas as resolve_pallas
 from ula_jax.kernels.resolve.pallas import ResolveConfig
 
@@ -30,7 +30,7 @@ def lowered_kernels(config: ResolveConfig, programs: int = 8) -> dict[str, tuple
       interpret=False).lower(lowering_platforms=("cuda",)).as_text()
   count = lambda ir, sem: len(re.findall(rf"tt.atomic_rmw \w+, {sem},", ir))
   return {name: (count(ir, "relaxed"), count(ir, "acq_rel"))
-          for name, ir in triton_atomics.triton_kernels_ir(text).items()}
+          for name, ir in triton_ir.triton_kernels_ir(text).items()}
 
 
 def test_resolve_atomics_are_relaxed_and_barriers_acquire_release():

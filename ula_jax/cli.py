@@ -287,8 +287,8 @@ VERBS: dict[str, Verb] = {v.name: v for v in [
          _config),
     Verb("compare", "compare two runs' generated tokens request by request (exit 1 on a "
          "mismatch)", _compare_args, _compare),
-    Verb("bench", "benchmarks (fetch, attention, resolve, step_cost, tp_link, serving): "
-         "a table and JSON", _bench_args,
+    Verb("bench", "benchmarks (fetch, attention, resolve, step_cost, tp_link, serving, "
+         "kernel_report): a table and JSON", _bench_args,
          _bench),
     Verb("launch", "run an experiment as several jax.distributed processes (one host or "
          "many)", _launch_args, _launch),

@@ -7,6 +7,9 @@ JSON (``ula-jax bench NAME``; ``BENCHMARKS`` lists the module names).
   of a device-to-device copy measured in the same run.
 * ``step_cost``: an all-hit decode step of each memory system against ``resident``.
 * ``tp_link``: TP mode's cross-device miss delivery against a device-to-device copy.
+* ``kernel_report``: what the Pallas sparse attention compiles to for a Hopper GPU
+  (shared memory, registers, spills, its main loop), read on any machine with the
+  ``triton`` package (no GPU).
 * ``serving``: capacity and tokens/s against running batch of every system on every
   device of the host at equal device and host budgets (a table, JSON and a plot).
 
@@ -16,4 +19,5 @@ wherever jax does. ``summary`` condenses their JSON (``python -m ula_jax.bench.s
 
 from __future__ import annotations
 
-BENCHMARKS = ("fetch", "attention", "resolve", "step_cost", "tp_link", "serving")
+BENCHMARKS = ("fetch", "attention", "resolve", "step_cost", "tp_link", "serving",
+              "kernel_report")

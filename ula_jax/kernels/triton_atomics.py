@@ -76,28 +76,4 @@ def atomic(kind: str, ref, idx: tuple, val, *, mask: Any = None, relaxed: bool =
   return _PUBLIC[kind](ref, idx, val, mask=mask)
 
 
-__all__ = ["RELAXED_AVAILABLE", "atomic", "triton_kernels_ir"]
-
-
-def triton_kernels_ir(lowered_text: str) -> dict[str, str]:
-  """The Triton IR of every Pallas (Triton) kernel in a lowered module's text
-  (``jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()``, which
-  works on a CPU-only machine too): ``{kernel name: TTIR text}``. For checking what a
-  kernel lowers to (its atomics' semantics, say) without a GPU."""
-  import re
-
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.triton import dialect as tt
-
-  out = {}
-  for m in re.finditer(r'name = "([^"]+)"[^}]*?ir = "((?:[^"\\]|\\.)*)"|'
-                       r'ir = "((?:[^"\\]|\\.)*)"[^}]*?name = "([^"]+)"', lowered_text):
-    name = m.group(1) or m.group(4)
-    raw = (m.group(2) or m.group(3)).encode("latin1")
-    data = re.sub(rb"\\([0-9A-Fa-f]{2})", lambda h: bytes([int(h.group(1), 16)]), raw)
-    data = data.replace(b'\\"', b'"').replace(b"\\\\", b"\\")
-    with ir.Context() as ctx:
-      tt.register_dialect(ctx)
-      ctx.allow_unregistered_dialects = True
-      out[name] = str(ir.Module.parse(data))
-  return out
+__all__ = ["RELAXED_AVAILABLE", "atomic"]
