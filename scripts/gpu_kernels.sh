@@ -27,23 +27,10 @@
 
 set -u
 cd "$(dirname "$0")/.."
-ROOT=$PWD
-OUT=${OUT:-$ROOT/gpu_kernels_out}
-WORK=$OUT/work
-mkdir -p "$WORK"
-PY=${PYTHON:-python3}
-BUDGET_S=${BUDGET_S:-480}
-START=$SECONDS
-
-export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
-# jax and CuPy share the GPU: neither may take all of its memory up front.
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-export PYTHONUNBUFFERED=1
-
-STEP_TAIL=15
 # shellcheck source=scripts/gpu_steps.sh
-source "$ROOT/scripts/gpu_steps.sh"
+source scripts/gpu_steps.sh
+gpu_setup gpu_kernels 480
+STEP_TAIL=15
 
 step env 60 bash -c "nvidia-smi; $PY -c '
 import jax, jaxlib

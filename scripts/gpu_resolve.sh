@@ -21,22 +21,10 @@
 
 set -u
 cd "$(dirname "$0")/.."
-ROOT=$PWD
-OUT=${OUT:-$ROOT/gpu_resolve_out}
-WORK=$OUT/work
-mkdir -p "$WORK"
-PY=${PYTHON:-python3}
-BUDGET_S=${BUDGET_S:-570}
-START=$SECONDS
-
-export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-export PYTHONUNBUFFERED=1
-
-STEP_TAIL=25
 # shellcheck source=scripts/gpu_steps.sh
-source "$ROOT/scripts/gpu_steps.sh"
+source scripts/gpu_steps.sh
+gpu_setup gpu_resolve 570
+STEP_TAIL=25
 
 step env 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -c '
 import jax, jaxlib

@@ -1,7 +1,26 @@
-# Sourced by the GPU scripts: a budgeted step runner and its status table, and the
-# config packages from carried wheels (config_wheels).
-# Needs WORK (log folder), BUDGET_S and START (the script's $SECONDS at start).
+# Sourced by the GPU scripts from the repository root: their common setup (gpu_setup), a
+# budgeted step runner and its status table, and the config packages from carried wheels
+# (config_wheels). step needs WORK (log folder), BUDGET_S and START (the script's
+# $SECONDS at start), which gpu_setup sets.
 # STEP_TAIL: lines of each step's log printed after it (default 25).
+
+# gpu_setup NAME DEFAULT_BUDGET_S: ROOT (the repository root), OUT (default
+# $ROOT/NAME_out), WORK=$OUT/work (created), PY, BUDGET_S (default DEFAULT_BUDGET_S),
+# START; the repository on PYTHONPATH, the GPU first, no up-front device memory (jax
+# and CuPy may share the GPU), unbuffered Python output.
+gpu_setup() {
+  ROOT=$PWD
+  OUT=${OUT:-$ROOT/${1}_out}
+  WORK=$OUT/work
+  mkdir -p "$WORK"
+  PY=${PYTHON:-python3}
+  BUDGET_S=${BUDGET_S:-$2}
+  START=$SECONDS
+  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+  export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
+  export PYTHONUNBUFFERED=1
+}
 
 STATUS=()
 # step NAME TIMEOUT_S CMD...: runs CMD with a timeout clipped to the remaining budget, logs
