@@ -123,6 +123,16 @@ def _tool(triton_dir: str, name: str) -> str:
   return path
 
 
+def _ptxas(triton_dir: str) -> str:
+  """The ptxas Triton itself runs for sm_90 (its wheels carry two; newer releases emit
+  PTX that only the newer one reads)."""
+  try:
+    from triton.backends.nvidia.compiler import get_ptxas
+    return get_ptxas(90).path
+  except (ImportError, AttributeError, TypeError):
+    return _tool(triton_dir, "ptxas")
+
+
 def main_loop(sass: str) -> list[str]:
   """The instructions of the longest loop of one kernel's SASS (the span of its longest
   backward branch), one string per instruction; [] when it has none."""
@@ -183,7 +193,7 @@ def sm90_report(kernel: TritonKernel) -> KernelReport:
       f.write(compiled.asm["ptx"])
     with open(cubin, "wb") as f:
       f.write(compiled.asm["cubin"])
-    usage = subprocess.run([_tool(triton_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
+    usage = subprocess.run([_ptxas(triton_dir), "-arch=sm_90a", "-v", ptx, "-o",
                             os.path.join(tmp, "v.cubin")], capture_output=True, text=True)
     sass = subprocess.run([_tool(triton_dir, "cuobjdump"), "--dump-sass", cubin],
                           capture_output=True, text=True, check=True).stdout
