@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from ula_jax.bench import kernel_report
+from ula_jax.kernels.resolve.pallas import ResolveConfig
 from ula_jax.kernels.sparse_attention.pallas import (AttentionConfig,
                                                      sparse_mla_attention_pallas)
 from ula_jax.kernels.triton_ir import loop_summary, main_loop, sm90_report, triton_kernels
@@ -90,3 +91,13 @@ def test_kernel_report_benchmark(tmp_path):
   assert rows[1]["num_stages"] == 3 and rows[1]["registers"] > 0
   with pytest.raises(ValueError, match=r"--configs: 'x1'"):
     kernel_report.main(["--configs", "x1", "--out", str(out)])
+
+
+def test_resolve_report_keeps_the_one_launch_resident():
+  """The one-launch resolve's grid barriers need every program resident at once: its
+  compiled registers and shared memory must allow the programs per SM that
+  ``ResolveConfig`` launches."""
+  (row,) = kernel_report.resolve_reports(2, 16, 1024, fuse=True, num_sms=4)
+  assert row["kernel"] == "ula_resolve_fused" and row["num_warps"] == 4
+  assert row["config"] == "pool 1024 fused" and 0 < row["registers"] <= 255
+  assert row["programs_per_sm"] >= ResolveConfig().resident_per_sm()

@@ -1,15 +1,20 @@
-"""Report: what the Pallas sparse attention compiles to on a Hopper GPU, on any machine.
+"""Report: what the Pallas kernels compile to on a Hopper GPU, on any machine.
 
-For each launch configuration (the attention benchmark's ``--configs`` tokens) and batch
-size, the kernel is lowered for CUDA, its Triton IR compiled for ``sm_90a`` with the
-``triton`` package (``ula_jax.kernels.triton_ir.sm90_report``; no GPU needed), and the
-table shows what decides its speed before it runs: shared memory and registers per
-program (so programs per SM), spills, and its main loop: async row copies, plain global
-loads, the copy-group waits (how many groups a wait leaves in flight: 0 means every
-copy issued so far, the next tile's included, is waited for before the step computes)
-and tensor-core instructions.
+``--kernel attention``: for each launch configuration (the attention benchmark's
+``--configs`` tokens) and batch size, the sparse attention. ``--kernel resolve``: for
+each batch size, device pool and launch form (``--fuse off,on``: four launches or one),
+the PB-LRU resolve's kernels, at top-k ``--k``. Each kernel is lowered for CUDA, its
+Triton IR compiled for ``sm_90a`` with the ``triton`` package
+(``ula_jax.kernels.triton_ir.sm90_report``; no GPU needed), and the table shows what
+decides its speed before it runs: shared memory and registers per program (so programs
+per SM), spills, and its main loop: async copies, plain global loads, the copy-group
+waits (how many groups a wait leaves in flight: 0 means every copy issued so far, the
+next tile's included, is waited for before the step computes) and tensor-core
+instructions.
 
-    ula-jax bench kernel_report [--batch 64] [--configs auto,h64k32w8n4] [--out FILE]
+    ula-jax bench kernel_report [--kernel attention] [--batch 64]
+                                [--configs auto,h64k32w8n4] [--out FILE]
+    ula-jax bench kernel_report --kernel resolve [--batch 64] [--pools 1M] [--fuse off,on]
 """
 
 from __future__ import annotations
@@ -23,23 +28,31 @@ import jax
 import jax.numpy as jnp
 
 from ula_jax.bench.attention import parse_config
-from ula_jax.bench.common import environment, parse_sizes, write_json
+from ula_jax.bench.common import environment, parse_list, parse_sizes, write_json
 from ula_jax.kernels.sparse_attention.pallas import sparse_mla_attention_pallas
 from ula_jax.kernels.triton_ir import sm90_report, triton_kernels
 
 KERNEL = "ula_sparse_mla_attention"
+KERNELS = ("attention", "resolve")
 
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="ula-jax bench kernel_report",
                               description=__doc__.split("\n\n")[0])
+  p.add_argument("--kernel", choices=KERNELS, default="attention", help="which kernels")
   p.add_argument("--batch", default="64", help="decode batch sizes, comma list")
   p.add_argument("--heads", type=int, default=64)
   p.add_argument("--k", type=int, default=2048)
   p.add_argument("--latent", type=int, default=512)
   p.add_argument("--rope", type=int, default=64)
   p.add_argument("--configs", default="auto",
-                 help="Pallas launch configurations, as in 'ula-jax bench attention'")
+                 help="attention: Pallas launch configurations, as in 'ula-jax bench "
+                 "attention'")
+  p.add_argument("--pools", default="1M", help="resolve: device pool slots, comma list")
+  p.add_argument("--fuse", default="off,on",
+                 help="resolve: four launches (off) or one (on), comma list")
+  p.add_argument("--sms", type=int, default=132,
+                 help="resolve: SMs of the GPU (the one launch's resident programs)")
   p.add_argument("--out", default="runs/bench/kernel_report.json", help="JSON output path")
   return p
 
@@ -61,12 +74,40 @@ def report(B: int, H: int, k: int, Dl: int, Dr: int, token: str) -> dict[str, An
           **dataclasses.asdict(r)}
 
 
+def resolve_reports(B: int, k: int, pool: int, fuse: bool,
+                    num_sms: int = 132) -> list[dict[str, Any]]:
+  """Rows for every kernel of the Pallas PB-LRU resolve of one layer group: ``B``
+  requests of top-k ``k`` over a ``pool``-slot device pool (the resolve benchmark's
+  system), four launches or one (with the programs a GPU of ``num_sms`` SMs keeps
+  resident)."""
+  from ula_jax.bench.resolve import Setup, build_system
+  from ula_jax.kernels.resolve.pallas import ResolveConfig, resolve_group_pallas
+
+  system = build_system(Setup(pool=pool, batch=B, k=k, buckets=4, steps_total=8), "pb_lru")
+  meta = jax.eval_shape(system.init_group_meta)
+  config = ResolveConfig(fuse=fuse)
+  if fuse:
+    config = dataclasses.replace(config, programs=num_sms * config.resident_per_sm())
+  f = functools.partial(resolve_group_pallas, system, config=config, interpret=False)
+  spec = jax.ShapeDtypeStruct
+  text = jax.jit(f).trace(meta, spec((B, k), jnp.int32), spec((B, k), jnp.bool_),
+                          spec((B,), jnp.int32), spec((B,), jnp.bool_)
+                          ).lower(lowering_platforms=("cuda",)).as_text()
+  rows = []
+  for name, kernel in triton_kernels(text).items():
+    r = sm90_report(kernel)
+    rows.append({"batch": B, "config": f"pool {pool} {'fused' if fuse else 'staged'}",
+                 "kernel": name, "programs_per_sm": r.programs_per_sm(),
+                 **dataclasses.asdict(r)})
+  return rows
+
+
 def print_table(rows: list[dict]) -> None:
   from rich.console import Console
   from rich.table import Table
 
-  t = Table(title=f"{KERNEL} compiled for sm_90a (Triton {rows[0]['triton_version']})"
-            if rows else KERNEL)
+  t = Table(title=f"Pallas kernels compiled for sm_90a (Triton {rows[0]['triton_version']})"
+            if rows else "Pallas kernels")
   for col in ("batch", "config", "launch", "smem KB", "regs", "spill B", "per SM",
               "loop", "spills", "LDGSTS", "LDG", "waits", "tensor-core ops"):
     t.add_column(col, justify="left" if col in ("config", "launch", "tensor-core ops")
@@ -74,9 +115,11 @@ def print_table(rows: list[dict]) -> None:
   for r in rows:
     mma = " ".join(f"{n.split('.')[0]}{n.split('.')[1]}:{c}"
                    for n, c in r["loop_mma"].items()) or "-"
-    t.add_row(str(r["batch"]), r["config"],
-              f"h{r['block_h']}k{r['block_k']}s{r['splits']}w{r['num_warps']}"
-              f"n{r['num_stages']}", f"{r['shared_bytes'] / 1024:.0f}", str(r["registers"]),
+    launch = (f"h{r['block_h']}k{r['block_k']}s{r['splits']}w{r['num_warps']}"
+              f"n{r['num_stages']}" if "block_h" in r
+              else f"{r['kernel']} w{r['num_warps']}")
+    t.add_row(str(r["batch"]), r["config"], launch,
+              f"{r['shared_bytes'] / 1024:.0f}", str(r["registers"]),
               str(r["spill_stores"]), str(r["programs_per_sm"]), str(r["loop_instructions"]),
               str(r["loop_spills"]), str(r["loop_async_copies"]), str(r["loop_loads"]),
               ",".join(map(str, r["loop_waits"])) or "-", mma)
@@ -85,13 +128,19 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str]) -> int:
   args = _parser().parse_args(argv)
-  rows = [report(B, args.heads, args.k, args.latent, args.rope, token.strip())
-          for B in parse_sizes(args.batch) for token in args.configs.split(",")
-          if token.strip()]
+  if args.kernel == "attention":
+    rows = [report(B, args.heads, args.k, args.latent, args.rope, token.strip())
+            for B in parse_sizes(args.batch) for token in args.configs.split(",")
+            if token.strip()]
+  else:
+    fuse = [x == "on" for x in parse_list(args.fuse, ("on", "off"), flag="--fuse")]
+    rows = [row for B in parse_sizes(args.batch)
+            for pool in parse_sizes(args.pools, flag="--pools", minimum=1, unit=" slot")
+            for f in fuse for row in resolve_reports(B, args.k, pool, f, args.sms)]
   print_table(rows)
   write_json(args.out, {"benchmark": "kernel_report", "environment": environment(),
                         "rows": rows})
   return 0
 
 
-__all__ = ["main", "report"]
+__all__ = ["main", "report", "resolve_reports"]

@@ -181,10 +181,13 @@ def sm90_report(kernel: TritonKernel) -> KernelReport:
     raise RuntimeError("sm90_report needs the triton package (pip install triton; the "
                        "version the GPU's jax bundles, e.g. 3.6 for jax 0.11)") from e
   triton_dir = os.path.dirname(triton.__file__)
+  # jaxlib's MLIR prints a CTA barrier (``debug_barrier``) with a property that older
+  # MLIR releases (Triton 3.6's) do not parse; the plain op is the same barrier.
+  ir = re.sub(r'"gpu\.barrier"\(\) <[^>]*> : \(\) -> \(\)', "gpu.barrier", kernel.ir)
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, f"{kernel.name}.ttir")
     with open(path, "w") as f:
-      f.write(kernel.ir)
+      f.write(ir)
     compiled = triton.compile(path, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=kernel.num_warps,
                                            num_stages=kernel.num_stages))
