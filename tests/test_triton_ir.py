@@ -14,7 +14,8 @@ from ula_jax.bench import kernel_report
 from ula_jax.kernels.resolve.pallas import ResolveConfig
 from ula_jax.kernels.sparse_attention.pallas import (AttentionConfig,
                                                      sparse_mla_attention_pallas)
-from ula_jax.kernels.triton_ir import loop_summary, main_loop, sm90_report, triton_kernels
+from ula_jax.kernels.triton_ir import (KernelReport, loop_summary, main_loop, sm90_report,
+                                       triton_kernels)
 
 B, H, K, DL, DR = 4, 16, 1024, 64, 16  # 32 blocks of 16 per split: a loop
 
@@ -101,3 +102,17 @@ def test_resolve_report_keeps_the_one_launch_resident():
   assert row["kernel"] == "ula_resolve_fused" and row["num_warps"] == 4
   assert row["config"] == "pool 1024 fused" and 0 < row["registers"] <= 255
   assert row["programs_per_sm"] >= ResolveConfig().resident_per_sm()
+
+
+@pytest.mark.parametrize("warps, regs, smem, want", [
+    (4, 255, 0, 2),  # 65536 / (128 threads * 256 registers)
+    (4, 16, 0, 16),  # 16 programs of 4 warps fill the SM's 64 warp slots
+    (8, 255, 221440, 1),  # the sparse attention's launch: registers and shared memory
+    (1, 8, 1024, 32),  # the SM's 32 block slots
+])
+def test_programs_per_sm(warps, regs, smem, want):
+  r = KernelReport(name="k", num_warps=warps, num_stages=1, shared_bytes=smem,
+                   registers=regs, spill_stores=0, spill_loads=0, loop_instructions=0,
+                   loop_spills=0, loop_async_copies=0, loop_loads=0, loop_waits=(),
+                   loop_mma={}, triton_version="3.6.0")
+  assert r.programs_per_sm() == want

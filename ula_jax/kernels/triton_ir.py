@@ -107,13 +107,15 @@ class KernelReport:
   loop_mma: dict
   triton_version: str
 
-  def programs_per_sm(self, smem_per_sm: int = 227 * 1024,
-                      regs_per_sm: int = 65536) -> int:
-    """Programs that fit on one H100/H200 SM by shared memory and registers."""
+  def programs_per_sm(self, smem_per_sm: int = 227 * 1024, regs_per_sm: int = 65536,
+                      warps_per_sm: int = 64, blocks_per_sm: int = 32) -> int:
+    """Programs that fit on one H100/H200 SM at once: the least of what its shared
+    memory, its registers (allocated in 8s per thread), its warp slots and its block
+    slots allow."""
     threads = 32 * self.num_warps
     by_regs = regs_per_sm // (threads * max(8, -(-self.registers // 8) * 8))
-    by_smem = smem_per_sm // self.shared_bytes if self.shared_bytes else by_regs
-    return min(by_regs, by_smem)
+    by_smem = smem_per_sm // self.shared_bytes if self.shared_bytes else blocks_per_sm
+    return min(by_regs, by_smem, warps_per_sm // self.num_warps, blocks_per_sm)
 
 
 def _tool(triton_dir: str, name: str) -> str:
