@@ -14,25 +14,23 @@ from ula_jax.bench import kernel_report
 from ula_jax.kernels.resolve.pallas import ResolveConfig
 from ula_jax.kernels.sparse_attention.pallas import (AttentionConfig,
                                                      sparse_mla_attention_pallas)
-from ula_jax.kernels.triton_ir import (KernelReport, loop_summary, main_loop, sm90_report,
-                                       triton_kernels)
+from ula_jax.kernels.triton_ir import (KernelReport, loop_summary, lowered_kernels,
+                                       main_loop, sm90_report)
 
 B, H, K, DL, DR = 4, 16, 1024, 64, 16  # 32 blocks of 16 per split: a loop
 
 
-def lowered(config: AttentionConfig) -> str:
+def lowered(config: AttentionConfig) -> dict:
   f = functools.partial(sparse_mla_attention_pallas, scale=0.1, config=config,
                         interpret=False)
   spec = jax.ShapeDtypeStruct
-  return jax.jit(f).trace(
-      spec((B, H, DL), jnp.bfloat16), spec((B, H, DR), jnp.bfloat16),
-      spec((512, DL + DR), jnp.bfloat16), spec((B, K), jnp.int32),
-      spec((B, K), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
+  return lowered_kernels(f, spec((B, H, DL), jnp.bfloat16), spec((B, H, DR), jnp.bfloat16),
+                         spec((512, DL + DR), jnp.bfloat16), spec((B, K), jnp.int32),
+                         spec((B, K), jnp.bool_))
 
 
 def test_kernels_and_their_launch_are_read_from_a_lowered_module():
-  kernels = triton_kernels(lowered(AttentionConfig(num_splits=2, block_k=16, num_warps=8,
-                                                   num_stages=3)))
+  kernels = lowered(AttentionConfig(num_splits=2, block_k=16, num_warps=8, num_stages=3))
   assert sorted(kernels) == ["ula_sparse_mla_attention", "ula_sparse_mla_attention_merge"]
   main, merge = kernels["ula_sparse_mla_attention"], kernels["ula_sparse_mla_attention_merge"]
   assert (main.num_warps, main.num_stages) == (8, 3)
@@ -70,10 +68,10 @@ def test_report_shows_where_the_row_gathers_are_waited_for():
   step's copies in flight while it computes. Loaded in the loop, each step's gather hangs
   on a load of the same step, every wait waits for everything, and the slot loads
   remain in the loop."""
-  ahead = sm90_report(triton_kernels(lowered(AttentionConfig(
-      num_splits=2, block_k=16, num_stages=3)))["ula_sparse_mla_attention"])
-  in_loop = sm90_report(triton_kernels(lowered(AttentionConfig(
-      num_splits=2, block_k=16, num_stages=3, preload_slots=0)))["ula_sparse_mla_attention"])
+  ahead = sm90_report(lowered(AttentionConfig(
+      num_splits=2, block_k=16, num_stages=3))["ula_sparse_mla_attention"])
+  in_loop = sm90_report(lowered(AttentionConfig(
+      num_splits=2, block_k=16, num_stages=3, preload_slots=0))["ula_sparse_mla_attention"])
   for r in (ahead, in_loop):
     assert 0 < r.registers <= 255 and r.shared_bytes > 0 and r.loop_async_copies > 0
     assert r.loop_mma and r.programs_per_sm() >= 1

@@ -187,10 +187,9 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
       impls.append(("xla", None, None, looped(reference, steps)))
       continue
     for token, cfg in configs:
-      tags = [] if len(configs) == 1 else [token]
       for ablation in (None, *ablations):
-        label = "pallas" + (f"[{','.join(tags + ([ablation] if ablation else []))}]"
-                            if tags or ablation else "")
+        tags = ([token] if len(configs) > 1 else []) + ([ablation] if ablation else [])
+        label = f"pallas[{','.join(tags)}]" if tags else "pallas"
         fn = functools.partial(sparse_mla_attention_pallas, scale=scale, config=cfg,
                                ablation=ablation)
         impls.append((label, cfg, ablation, looped(fn, steps)))

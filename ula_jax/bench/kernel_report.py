@@ -29,8 +29,9 @@ import jax.numpy as jnp
 
 from ula_jax.bench.attention import parse_config
 from ula_jax.bench.common import environment, parse_list, parse_sizes, write_json
-from ula_jax.kernels.sparse_attention.pallas import sparse_mla_attention_pallas
-from ula_jax.kernels.triton_ir import sm90_report, triton_kernels
+from ula_jax.kernels.sparse_attention.pallas import (attention_cost,
+                                                     sparse_mla_attention_pallas)
+from ula_jax.kernels.triton_ir import TritonKernel, lowered_kernels, sm90_report
 
 KERNEL = "ula_sparse_mla_attention"
 KERNELS = ("attention", "resolve")
@@ -57,21 +58,24 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+def _row(triton_kernel: TritonKernel, /, **fields: Any) -> dict[str, Any]:
+  """``fields``, then the kernel's ``KernelReport`` and the programs it fits per SM."""
+  r = sm90_report(triton_kernel)
+  return {**fields, "programs_per_sm": r.programs_per_sm(), **dataclasses.asdict(r)}
+
+
 def report(B: int, H: int, k: int, Dl: int, Dr: int, token: str) -> dict[str, Any]:
   """One configuration's row: its launch and ``KernelReport`` fields."""
   config = parse_config(token)
   f = functools.partial(sparse_mla_attention_pallas, scale=0.1, config=config,
                         interpret=False)
-  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
-  text = jax.jit(f).trace(
-      spec((B, H, Dl), jnp.bfloat16), spec((B, H, Dr), jnp.bfloat16),
-      spec((2 * B * k, Dl + Dr), jnp.bfloat16), spec((B, k), jnp.int32),
-      spec((B, k), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
-  block_h, splits = config.launch(B, H, k, Dl, Dr, 2)
-  r = sm90_report(triton_kernels(text)[KERNEL])
-  return {"batch": B, "config": token, "block_h": block_h, "splits": splits,
-          "block_k": config.block_k, "programs_per_sm": r.programs_per_sm(),
-          **dataclasses.asdict(r)}
+  spec = jax.ShapeDtypeStruct
+  kernels = lowered_kernels(f, spec((B, H, Dl), jnp.bfloat16), spec((B, H, Dr), jnp.bfloat16),
+                            spec((2 * B * k, Dl + Dr), jnp.bfloat16), spec((B, k), jnp.int32),
+                            spec((B, k), jnp.bool_))
+  cost = attention_cost(B, H, k, Dl, Dr, jnp.bfloat16, jnp.bfloat16, config)
+  return _row(kernels[KERNEL], batch=B, config=token, block_h=cost.block_h,
+              splits=cost.splits, block_k=config.block_k)
 
 
 def resolve_reports(B: int, k: int, pool: int, fuse: bool,
@@ -84,22 +88,16 @@ def resolve_reports(B: int, k: int, pool: int, fuse: bool,
   from ula_jax.kernels.resolve.pallas import ResolveConfig, resolve_group_pallas
 
   system = build_system(Setup(pool=pool, batch=B, k=k, buckets=4, steps_total=8), "pb_lru")
-  meta = jax.eval_shape(system.init_group_meta)
   config = ResolveConfig(fuse=fuse)
   if fuse:
     config = dataclasses.replace(config, programs=num_sms * config.resident_per_sm())
   f = functools.partial(resolve_group_pallas, system, config=config, interpret=False)
   spec = jax.ShapeDtypeStruct
-  text = jax.jit(f).trace(meta, spec((B, k), jnp.int32), spec((B, k), jnp.bool_),
-                          spec((B,), jnp.int32), spec((B,), jnp.bool_)
-                          ).lower(lowering_platforms=("cuda",)).as_text()
-  rows = []
-  for name, kernel in triton_kernels(text).items():
-    r = sm90_report(kernel)
-    rows.append({"batch": B, "config": f"pool {pool} {'fused' if fuse else 'staged'}",
-                 "kernel": name, "programs_per_sm": r.programs_per_sm(),
-                 **dataclasses.asdict(r)})
-  return rows
+  kernels = lowered_kernels(f, jax.eval_shape(system.init_group_meta),
+                            spec((B, k), jnp.int32), spec((B, k), jnp.bool_),
+                            spec((B,), jnp.int32), spec((B,), jnp.bool_))
+  label = f"pool {pool} {'fused' if fuse else 'staged'}"
+  return [_row(kernel, batch=B, config=label, kernel=name) for name, kernel in kernels.items()]
 
 
 def print_table(rows: list[dict]) -> None:

@@ -70,6 +70,15 @@ def triton_kernels(lowered_text: str) -> dict[str, TritonKernel]:
   return out
 
 
+def lowered_kernels(fn, *args) -> dict[str, TritonKernel]:
+  """``triton_kernels`` of ``jax.jit(fn)`` lowered for CUDA on ``args`` (arrays or
+  ``jax.ShapeDtypeStruct``s); works on a CPU-only machine."""
+  import jax
+
+  return triton_kernels(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+                        .as_text())
+
+
 def triton_kernels_ir(lowered_text: str) -> dict[str, str]:
   """``{kernel name: Triton IR text}`` of a lowered module (see ``triton_kernels``)."""
   return {name: k.ir for name, k in triton_kernels(lowered_text).items()}
@@ -215,5 +224,5 @@ def sm90_report(kernel: TritonKernel) -> KernelReport:
       triton_version=triton.__version__, **loop_summary(main_loop(sass)))
 
 
-__all__ = ["KernelReport", "TritonKernel", "loop_summary", "main_loop", "sm90_report",
-           "triton_kernels", "triton_kernels_ir"]
+__all__ = ["KernelReport", "TritonKernel", "loop_summary", "lowered_kernels", "main_loop",
+           "sm90_report", "triton_kernels", "triton_kernels_ir"]
