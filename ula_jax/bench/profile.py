@@ -162,10 +162,11 @@ def trace_calls(trace_dir: str | pathlib.Path, functions: str | tuple[str, ...],
           "lines": dict(lines.most_common(20)), "trace": str(path)}
 
 
-def device_ops(trace_dir: str | pathlib.Path, *, top: int = 25) -> list[list]:
-  """Every device operation of the trace, by name: ``[name, count, us]`` (totals over
-  the whole trace, slowest first; an AOT-compiled call has no dispatch event to window
-  by). Empty on a backend without device lines."""
+def _device_op_events(trace_dir: str | pathlib.Path, after: str | None) -> list[dict]:
+  """The device's operations (events on its operation lines) in time order; with
+  ``after``, only those that start after the first host event named ``after`` began
+  (e.g. a ``jax.profiler.TraceAnnotation`` around the calls to count, after untimed
+  ones)."""
   with gzip.open(find_trace(trace_dir), "rt") as f:
     data = json.load(f)
   events = data["traceEvents"] if isinstance(data, dict) else data
@@ -173,12 +174,46 @@ def device_ops(trace_dir: str | pathlib.Path, *, top: int = 25) -> list[list]:
   device = [e for e in events if e.get("ph") == "X" and "dur" in e
             and is_device_process(procs.get(e["pid"], ""))]
   keep = _op_lines({threads.get((e["pid"], e.get("tid")), "") for e in device})
+  ops = [e for e in device if threads.get((e["pid"], e.get("tid")), "") in keep]
+  if after is not None:
+    marks = [e["ts"] for e in events if e.get("ph") == "X" and e.get("name") == after
+             and not is_device_process(procs.get(e["pid"], ""))]
+    if not marks:
+      raise ValueError(f"no host event named {after!r} in the trace under {trace_dir}")
+    ops = [e for e in ops if e["ts"] >= min(marks)]
+  return sorted(ops, key=lambda e: e["ts"])
+
+
+def device_ops(trace_dir: str | pathlib.Path, *, top: int = 25,
+               after: str | None = None) -> list[list]:
+  """Every device operation of the trace, by name: ``[name, count, us]`` (totals over
+  the whole trace, or from the first host event named ``after`` on; slowest first; an
+  AOT-compiled call has no dispatch event to window by). Empty on a backend without
+  device lines."""
   per_name: dict[str, list[float]] = collections.defaultdict(list)
-  for e in device:
-    if threads.get((e["pid"], e.get("tid")), "") in keep:
-      per_name[str(e.get("name", ""))].append(e["dur"])
+  for e in _device_op_events(trace_dir, after):
+    per_name[str(e.get("name", ""))].append(e["dur"])
   return sorted(([name, len(d), sum(d)] for name, d in per_name.items()),
                 key=lambda r: -r[2])[:top]
+
+
+def device_launches(trace_dir: str | pathlib.Path, prefix: str, *,
+                    after: str | None = None) -> list[dict]:
+  """Each launch of the device operations whose names start with ``prefix``, in time
+  order (``after`` as in ``device_ops``): ``{"name", "us", "idle_before_us",
+  "before"}`` -- its duration, the device's idle time between the end of the operation
+  before it and its start, and that operation's name (None for the first counted)."""
+  ops = _device_op_events(trace_dir, after)
+  out, end, before = [], None, None
+  for e in ops:
+    name = str(e.get("name", ""))
+    if name.startswith(prefix):
+      out.append({"name": name, "us": e["dur"],
+                  "idle_before_us": None if end is None else max(0.0, e["ts"] - end),
+                  "before": before})
+    if end is None or e["ts"] + e["dur"] > end:
+      end, before = e["ts"] + e["dur"], name
+  return out
 
 
 def summarize_calls(calls: list[dict]) -> dict:
@@ -188,4 +223,4 @@ def summarize_calls(calls: list[dict]) -> dict:
   return {k: statistics.median(c[k] for c in calls) for k in calls[0]}
 
 
-__all__ = ["device_ops", "find_trace", "summarize_calls", "trace_calls"]
+__all__ = ["device_launches", "device_ops", "find_trace", "summarize_calls", "trace_calls"]

@@ -8,7 +8,10 @@ segments). A segment's resolves run as a device loop (``--loop unrolled``: as
 straight-line code, as a decode step runs its layer groups' resolves). On an H200 both
 times are above the device's work by tens of microseconds of launch and loop overhead:
 ``--profile DIR`` adds, from a trace, each kernel's launches and time per resolve and
-their sum (``device_us``), the device's work alone.
+their sum (``device_us``), the device's work alone, and each of the resolve's own
+kernels launch by launch (``launches``). The profiled resolves are new steps of the
+stream after the timed ones (counted in ``profiled``), after one more untimed segment:
+a kernel's first launch under the profiler takes several times its usual time.
 
 The stream: request ``b`` owns logical addresses ``[b * L, (b + 1) * L)``. Before the
 loop every request's first ``L0`` positions are stored in random order, twice what the
@@ -77,6 +80,13 @@ class Row:
   device_us: float | None = None  # --profile: the device's operations per resolve, summed
   fused: bool = False  # Pallas PB-LRU in one launch
   kernel_us: float | None = None  # --profile: the resolve's own kernels per resolve
+  # --profile: per kernel of the resolve's own, its launches' time and the device's idle
+  # time before each, in launch order: {name: {"us": [...], "idle_before_us": [...],
+  # "before": {op before it: launches}}}
+  launches: dict | None = None
+  # --profile: the profiled resolves (new steps of the stream after the timed ones):
+  # {"resolves", "hits", "misses", "evictions", "fetches"} per resolve
+  profiled: dict | None = None
   error: str | None = None
 
 
@@ -121,8 +131,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="Pallas interpret mode (auto: on everywhere but on GPU)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--profile", default=None, metavar="DIR",
-                 help="also run one segment per row under jax.profiler (traces under DIR) "
-                 "and report the device kernels of a resolve: launches and time of each")
+                 help="also run segments per row under jax.profiler (traces under DIR; "
+                 "new steps after the timed ones) and report the device kernels of a "
+                 "resolve: launches and time of each")
   p.add_argument("--out", default="runs/bench/resolve.json", help="JSON output path")
   p.add_argument("--quick", action="store_true",
                  help="tiny sizes and few steps (smoke test, e.g. on CPU)")
@@ -361,25 +372,67 @@ def measure(row: Row, setup: Setup, system: Ula, fill: Callable, stream: tuple, 
   row.work = work_model(impl, row.policy, system, setup.batch, setup.k, row.placed,
                         fused=row.fused)
   if args.profile:
-    ops = profile_kernels(compiled, meta, stream, T,
-                          f"{args.profile}/pool{row.pool}_b{row.batch}_{row.policy}_{row.impl}")
+    trace_dir = f"{args.profile}/pool{row.pool}_b{row.batch}_{row.policy}_{row.impl}"
+    ops, row.launches, counts = profile_kernels(
+        compiled, meta, stream, T, (args.warmup + args.segments) * T, trace_dir)
+    n = T * (profiled_segments(T) - 1)
+    row.profiled = {"resolves": n, **{key: float(x) / n for key, x in zip(
+        ("hits", "misses", "evictions", "fetches"), counts)}}
     row.kernels = ops[:16]
     row.device_us = sum(us for _, _, us in ops) if ops else None
     own = [us for name, _, us in ops if name.startswith("ula_resolve")]
     row.kernel_us = sum(own) if own else None
 
 
-def profile_kernels(compiled: Callable, meta: Any, stream: tuple, T: int,
-                    trace_dir: str) -> list:
-  """One more segment of ``T`` resolves under the profiler -> ``[name, launches, us]``
-  per resolve for every device operation, slowest first (empty on a backend without
-  device lines, e.g. CPU)."""
+PROFILED_RESOLVES = 8  # at least, after one untimed segment under the profiler
+PROFILED_MARK = "ula_bench_profiled"
+
+
+def profiled_segments(T: int) -> int:
+  """Segments of ``T`` resolves that ``--profile`` runs after the timed ones: one
+  untimed (a kernel's first launch under the profiler is slow) and enough to count
+  ``PROFILED_RESOLVES`` resolves."""
+  return 1 + -(-PROFILED_RESOLVES // T)
+
+
+def profile_kernels(compiled: Callable, meta: Any, stream: tuple, T: int, first: int,
+                    trace_dir: str) -> tuple[list, dict, np.ndarray]:
+  """``profiled_segments(T)`` more segments of ``T`` resolves under the profiler, on the
+  stream's steps from ``first`` on (new steps, as the timed ones were), each waited for
+  as the timed ones are; the first is not counted. -> (``[name, launches, us]`` per
+  counted resolve for every device operation, slowest first; ``own_launches``; the
+  counted resolves' summed counts). Empty on a backend without device lines (CPU)."""
   from ula_jax.bench.profile import device_ops
   sel, new = stream
+  segments = profiled_segments(T)
+  totals = np.zeros((4,), np.int64)
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-    meta, counts = compiled(meta, sel[:T], new[:T])
-    jax.block_until_ready(counts)
-  return [[name, n / T, us / T] for name, n, us in device_ops(trace_dir, top=10**6)]
+    for s in range(segments):
+      at = slice(first + s * T, first + (s + 1) * T)
+      if s == 0:
+        meta, _ = compiled(meta, sel[at], new[at])
+        jax.block_until_ready(meta)
+        continue
+      with jax.profiler.TraceAnnotation(PROFILED_MARK):
+        meta, counts = compiled(meta, sel[at], new[at])
+        totals += np.asarray(jax.block_until_ready(counts))
+  n = T * (segments - 1)
+  ops = [[name, c / n, us / n]
+         for name, c, us in device_ops(trace_dir, top=10**6, after=PROFILED_MARK)]
+  return ops, own_launches(trace_dir), totals
+
+
+def own_launches(trace_dir: str) -> dict:
+  """The resolve's own kernels' launches in the trace, per kernel name (``Row.launches``):
+  whether a kernel is slow in every launch or in some, and what ran just before."""
+  from ula_jax.bench.profile import device_launches
+  out: dict = {}
+  for l in device_launches(trace_dir, "ula_resolve", after=PROFILED_MARK):
+    d = out.setdefault(l["name"], {"us": [], "idle_before_us": [], "before": {}})
+    d["us"].append(l["us"])
+    d["idle_before_us"].append(l["idle_before_us"])
+    d["before"][str(l["before"])] = d["before"].get(str(l["before"]), 0) + 1
+  return out
 
 
 def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any]:
@@ -390,7 +443,8 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   policies = parse_list(args.policies, POLICIES, flag="--policies")
   impls = _impls(parse_list(args.impls, IMPLS, flag="--impls"), args)
   interpret = {"auto": default_interpret(), "on": True, "off": False}[args.interpret]
-  steps_total = (args.warmup + args.segments) * args.steps
+  steps_total = (args.warmup + args.segments
+                 + (profiled_segments(args.steps) if args.profile else 0)) * args.steps
   rows: list[Row] = []
 
   def result() -> dict[str, Any]:
