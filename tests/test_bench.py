@@ -161,6 +161,17 @@ def test_attention_configs_parse():
       attention.parse_config(bad)
 
 
+def test_mosaic_configs_parse():
+  from ula_jax.kernels.sparse_attention.mosaic import MosaicAttentionConfig
+  assert attention.parse_mosaic_config("auto") == MosaicAttentionConfig()
+  assert attention.parse_mosaic_config("s1r208") == MosaicAttentionConfig(
+      num_splits=1, consumer_registers=208)
+  for bad in ("k64", "s", "s2 r208"):
+    with pytest.raises(ValueError, match=r"--mosaic-configs: .*: expected 'auto' or "
+                       r"letters s \(num_splits\), r \(consumer_registers\)"):
+      attention.parse_mosaic_config(bad)
+
+
 def test_argument_lists_are_checked():
   assert parse_sizes("64, 1K,64k") == [64, 1024, 65536]
   assert parse_sizes("1M") == [1 << 20]

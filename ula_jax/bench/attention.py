@@ -42,9 +42,12 @@ from ula_jax.bench.common import (add_timing_args, best_and_median, environment,
 from ula_jax.kernels.sparse_attention.pallas import (ABLATIONS, AttentionConfig,
                                                      attention_cost, bytes_read,
                                                      sparse_mla_attention_pallas)
+from ula_jax.kernels.sparse_attention.mosaic import (MosaicAttentionConfig,
+                                                     sparse_mla_attention_mosaic)
 from ula_jax.kernels.sparse_attention.reference import sparse_mla_attention_reference
 
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas", "mosaic")  # mosaic: the warp-specialised kernel (Hopper GPUs)
+DEFAULT_IMPLS = ("xla", "pallas")
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 COPY = "device copy"  # impl label of the ceiling rows
 _CONFIG_FIELDS = {"h": "block_h", "k": "block_k", "w": "num_warps", "s": "num_splits",
@@ -94,6 +97,23 @@ def parse_config(token: str) -> AttentionConfig:
   return AttentionConfig(**{_CONFIG_FIELDS[a]: int(b) for a, b in parts})
 
 
+_MOSAIC_FIELDS = {"s": "num_splits", "r": "consumer_registers"}
+
+
+def parse_mosaic_config(token: str) -> MosaicAttentionConfig:
+  """'auto' -> MosaicAttentionConfig(); 's2' -> num_splits=2."""
+  token = token.strip()
+  if token == "auto":
+    return MosaicAttentionConfig()
+  parts = re.findall(r"([a-z])(\d+)", token)
+  if not parts or "".join(f"{a}{b}" for a, b in parts) != token or any(
+      a not in _MOSAIC_FIELDS for a, _ in parts):
+    raise ValueError(f"--mosaic-configs: {token!r}: expected 'auto' or letters s "
+                     "(num_splits), r (consumer_registers) each followed by a number, "
+                     "e.g. s2r208")
+  return MosaicAttentionConfig(**{_MOSAIC_FIELDS[a]: int(b) for a, b in parts})
+
+
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="ula-jax bench attention",
                               description=__doc__.split("\n\n")[0])
@@ -105,11 +125,15 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--pool-rows", type=int, default=None,
                  help="rows of the device pool (default: 2 x largest batch x k)")
   p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-  p.add_argument("--impls", default=",".join(IMPLS), help=f"of {list(IMPLS)}")
+  p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                 help=f"of {list(IMPLS)} ('mosaic' needs a Hopper GPU)")
   p.add_argument("--configs", default="auto",
                  help="Pallas configurations, comma list of 'auto' or e.g. h64k64w8s2n3 "
                       "(h block_h, k block_k, w num_warps, s num_splits, n num_stages, "
                       "p preload_slots)")
+  p.add_argument("--mosaic-configs", default="auto",
+                 help="Mosaic configurations, comma list of 'auto' or e.g. s2r208 (s "
+                 "num_splits, r consumer_registers)")
   p.add_argument("--ablations", default="",
                  help=f"also time each Pallas launch with part of its work left out, comma "
                  f"list of {list(ABLATIONS)}: 'compute' reuses one gathered block (the "
@@ -186,6 +210,8 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
     if name == "xla":
       impls.append(("xla", None, None, looped(reference, steps)))
       continue
+    if name == "mosaic":
+      continue  # below, with its own configurations
     for token, cfg in configs:
       for ablation in (None, *ablations):
         tags = ([token] if len(configs) > 1 else []) + ([ablation] if ablation else [])
@@ -193,6 +219,16 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
         fn = functools.partial(sparse_mla_attention_pallas, scale=scale, config=cfg,
                                ablation=ablation)
         impls.append((label, cfg, ablation, looped(fn, steps)))
+  mosaic_configs = [(t.strip(), parse_mosaic_config(t))
+                    for t in args.mosaic_configs.split(",") if t.strip()]
+  if "mosaic" in names:
+    for token, cfg in mosaic_configs:
+      for ablation in (None, *ablations):
+        tags = ([token] if len(mosaic_configs) > 1 else []) + ([ablation] if ablation else [])
+        label = f"mosaic[{','.join(tags)}]" if tags else "mosaic"
+        fn = functools.partial(sparse_mla_attention_mosaic, scale=scale, config=cfg,
+                               ablation=ablation)
+        impls.append((label, None, ablation, looped(fn, steps)))
   copy = copy_loop(steps)
 
   # Inputs from numpy: eager jax.random calls would each compile a small program.

@@ -1,0 +1,372 @@
+"""Sparse MLA decode attention as a warp-specialised Pallas Mosaic GPU kernel (Hopper).
+
+Same contract as ``reference.sparse_mla_attention_reference`` for 64 heads and
+576-wide rows (512 latent + 64 rope), bf16 queries and pool. One program per (request,
+k split), three warpgroups:
+
+- a producer gathers the split's selected rows, 64 at a time, into a ring of two
+  shared-memory tiles. Hopper's tensor memory accelerator has no row gather,
+  so each of its 128 threads issues 16-byte ``cp.async`` copies (from
+  ``plgpu.inline_mgpu``) straight into the tensor cores' swizzled layout and signals
+  each tile when its copies landed;
+- two consumers each compute the tile's scores for all 64 heads (``wgmma``, queries
+  and rows in shared memory), the online softmax in float32 (base 2), and half of the
+  512 output columns (``wgmma`` with the probabilities in registers), then release the
+  tile to the producer.
+
+While the consumers compute on one tile the producer's copies for the next ones are in
+flight: the gathers and the arithmetic overlap, which a Triton kernel (one instruction
+stream per program) does not achieve. Each program writes its split's normalised output
+and log-sum-exp; ``pallas.merge_splits_pallas`` merges splits.
+
+GPU only (sm_90a): Mosaic GPU's interpret mode has no transposed shared-memory operand,
+register operand or layout cast, and the producer is inline Mosaic GPU code. On other
+machines ``lower_for_cuda`` checks that it lowers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_LOG2E = math.log2(math.e)
+HEADS, LATENT, ROPE = 64, 512, 64
+WIDTH = LATENT + ROPE  # 576 bf16 per row: 72 chunks of 16 bytes, 9 swizzle columns of 64
+_CHUNKS = WIDTH * 2 // 16
+_TILE = (8, 64)  # bf16 tiles of the 128-byte swizzle
+_WG = 128  # threads per warpgroup
+_LAUNCH_REGISTERS = 65536 // (3 * _WG) // 8 * 8  # per thread at launch: 168
+
+
+BLOCK_K = 64  # rows per ring tile (the output matmul's K: a multiple of the swizzle's 64)
+STAGES = 2  # ring tiles: two 72-KB tiles and the 72-KB queries fill a block's 227 KB
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicAttentionConfig:
+  """Launch of the Mosaic GPU sparse attention (static and hashable).
+
+  num_splits: programs per request along k (None: 2 below 128 requests, else 1 -- an
+              H200 has 132 SMs and a program takes one)
+  consumer_registers: registers per thread of each consumer warpgroup after its
+              ``setmaxnreg`` (a multiple of 8, 168-232); the producer lowers its own to
+              what is left of the launch's (``producer_registers``)
+  """
+
+  num_splits: int | None = None
+  consumer_registers: int = 232
+
+  def __post_init__(self):
+    if self.num_splits is not None and (isinstance(self.num_splits, bool)
+                                        or not isinstance(self.num_splits, int)
+                                        or self.num_splits < 1):
+      raise ValueError(f"MosaicAttentionConfig.num_splits={self.num_splits!r}: expected "
+                       "None or a positive integer")
+    r = self.consumer_registers
+    if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 168 <= r <= 232:
+      raise ValueError(f"MosaicAttentionConfig.consumer_registers={r!r}: expected a "
+                       "multiple of 8 in [168, 232] (the producer keeps at least 40)")
+
+  def producer_registers(self) -> int:
+    """What the consumers leave of the registers the launch gives the program: its 384
+    threads start with 168 each (64K / 384, rounded down to a multiple of 8), and a
+    ``setmaxnreg`` increase waits until that many are free -- asking for more than the
+    producer releases deadlocks."""
+    pool = _LAUNCH_REGISTERS * 3 * _WG
+    return (pool - 2 * _WG * self.consumer_registers) // _WG // 8 * 8
+
+  def splits(self, B: int) -> int:
+    return self.num_splits or (2 if B < 128 else 1)
+
+
+def smem_bytes() -> int:
+  """Shared memory of one program: queries, the ring and small buffers (the output
+  staging reuses the queries' and ring's memory)."""
+  return (HEADS + STAGES * BLOCK_K) * WIDTH * 2 + 2048
+
+
+def _gather_tile(stage: int, ring_offset: int):
+  """Inline Mosaic GPU code of the producer: this thread's share of one tile's 64 rows
+  (their pool rows listed in ``slots`` [64] int32, shared memory) into ring stage
+  ``stage`` (``ring``: the shared memory holding the ring ``ring_offset`` bytes in), as
+  16-byte ``cp.async`` copies in one commit group."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def body(ctx, pool, slots, ring):
+    del ctx
+    i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
+    i8, index = ir.IntegerType.get_signless(8), ir.IndexType.get()
+    c = lambda v: arith.constant(i32, v)
+    tid = arith.remui(mu.thread_idx(), c(_WG))
+    gbase = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(pool))
+    sbase = mu.memref_ptr(ring)
+    base = ring_offset + stage * BLOCK_K * WIDTH * 2
+    for it in range(BLOCK_K * _CHUNKS // _WG):
+      h = arith.addi(c(it * _WG), tid)
+      row, e = arith.divui(h, c(_CHUNKS)), arith.remui(h, c(_CHUNKS))
+      r8, j, col = arith.remui(row, c(8)), arith.remui(e, c(8)), arith.divui(e, c(8))
+      slot = memref.load(slots, [arith.index_cast(index, row)])
+      # Row-major source; destination in (8, 64) tiles with the 128-byte swizzle: the
+      # 16-byte chunk j of tile row r8 lands at chunk j ^ r8.
+      soff = arith.addi(
+          c(base),
+          arith.addi(arith.muli(arith.addi(arith.muli(arith.divui(row, c(8)),
+                                                      c(WIDTH // 64)), col), c(1024)),
+                     arith.addi(arith.muli(r8, c(128)), arith.muli(arith.xori(j, r8),
+                                                                  c(16)))))
+      goff = arith.addi(arith.muli(arith.extui(i64, slot), arith.constant(i64, WIDTH * 2)),
+                        arith.extui(i64, arith.muli(e, c(16))))
+      nvvm.cp_async_shared_global(mu.getelementptr(sbase, [soff], i8),
+                                  mu.getelementptr(gbase, [goff], i8), 16,
+                                  nvvm.LoadCacheModifierKind.CG)
+    nvvm.cp_async_commit_group()
+    return None
+
+  return body
+
+
+def _wait_groups(pending: int):
+  """Inline Mosaic GPU code: wait until this thread has at most ``pending`` commit
+  groups of copies in flight."""
+  from jax._src.lib.mlir.dialects import nvvm
+
+  def body(ctx):
+    del ctx
+    nvvm.cp_async_wait_group(pending)
+    return None
+
+  return body
+
+
+def _kernel(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slots0, slots1,
+            bits_smem, lse_smem, in_bar, slot_bar, full, empty, done, *, tiles: int,
+            scale2: float, ablation: str | None, registers: tuple[int, int]):
+  # Tiles are processed in pairs, the first of a pair in ring stage 0 and the second in
+  # stage 1, so that every stage, barrier and buffer index below is static.
+  (q_smem, ring), o_stage = union
+  slots_s = (slots0, slots1)
+  b, sp = jax.lax.axis_index("b"), jax.lax.axis_index("split")
+  wg = jax.lax.axis_index("wg")
+  ref_t = plgpu.RefType()
+  ring_raw = ring.ref  # the union's bytes; the ring starts ring_offset bytes in
+  aliased = [t for t in ring.transforms if type(t).__name__ == "ExtractAliasedRef"]
+  if len(aliased) != 1:
+    raise NotImplementedError(f"the ring's shared memory view {ring.transforms}: expected "
+                              "one ExtractAliasedRef (this jax's Mosaic GPU differs)")
+  ring_offset = aliased[0].offset
+  pairs = tiles // 2
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(registers[1], action="decrease")
+    plgpu.copy_gmem_to_smem(bits_ref.at[b, sp], bits_smem, in_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, in_bar)
+    for s in range(2):
+      plgpu.copy_gmem_to_smem(slots_ref.at[b, sp, s], slots_s[s], slot_bar.at[s])
+
+    def pair(jj, carry):
+      for s in range(2):
+        t = 2 * jj + s
+
+        @pl.when(jj > 0)
+        def _():
+          plgpu.barrier_wait(empty.at[s])  # the consumers are done with tile t - 2
+
+        plgpu.barrier_wait(slot_bar.at[s])
+        gather = lambda: plgpu.inline_mgpu(arg_types=(ref_t,) * 3)(
+            _gather_tile(s, ring_offset))(pool_ref, slots_s[s], ring_raw)
+        if ablation == "compute":  # the first two tiles only, reused by every step
+          pl.when(jj == 0)(gather)
+        else:
+          gather()
+        plgpu.commit_smem()  # every thread has read the slot list (and orders the copies)
+
+        @pl.when(t + 2 < tiles)
+        def _():
+          plgpu.copy_gmem_to_smem(slots_ref.at[b, sp, t + 2], slots_s[s], slot_bar.at[s])
+
+        def hand_over():  # tile t - 1 has landed: hand it to the consumers
+          plgpu.inline_mgpu()(_wait_groups(1))()
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(full.at[1 - s])
+
+        if s == 1:
+          hand_over()
+        else:
+          pl.when(jj > 0)(hand_over)
+      return carry
+
+    jax.lax.fori_loop(0, pairs, pair, 0)
+    plgpu.inline_mgpu()(_wait_groups(0))()
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(full.at[1])
+
+  def consumer(w: int):
+    plgpu.set_max_registers(registers[0], action="increase")
+    plgpu.barrier_wait(in_bar)
+    rows = plgpu.Layout.WGMMA.reduce(1)
+    m = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), rows)
+    l = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), rows)
+    acc = plgpu.layout_cast(jnp.zeros((HEADS, LATENT // 2), jnp.float32),
+                            plgpu.Layout.WGMMA)
+
+    def pair(jj, carry):
+      m, l, acc = carry
+      for s in range(2):
+        t = 2 * jj + s
+        plgpu.barrier_wait(full.at[s])
+        stage = ring.at[s]
+        if ablation == "gather":  # the tile is not read
+          plgpu.barrier_arrive(empty.at[s])
+          continue
+
+        def scores(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(stage, (1, 0)))
+          return acc_ref[...]
+
+        sc = pl.run_scoped(scores, plgpu.ACC((HEADS, BLOCK_K), jnp.float32))
+        col = plgpu.broadcasted_iota(jnp.int32, (HEADS, BLOCK_K), 1,
+                                     layout=plgpu.Layout.WGMMA)
+        word = jnp.where(col < 32, bits_smem[2 * t], bits_smem[2 * t + 1])
+        ok = jnp.bitwise_and(jnp.right_shift(word, jnp.bitwise_and(col, 31)), 1) != 0
+        sc = jnp.where(ok, sc * scale2, -jnp.inf)
+        m_new = jnp.maximum(m, sc.max(axis=1))
+        # While a head has seen nothing valid, m is -inf: shift by 0 so exp2() gives 0.
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(sc - jax.lax.broadcast_in_dim(m_safe, sc.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+        p16 = p.astype(jnp.bfloat16)
+
+        def outputs(acc_ref):
+          plgpu.wgmma(acc_ref, p16, stage.at[:, pl.ds(w * (LATENT // 2), LATENT // 2)])
+
+        acc = pl.run_state(outputs)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(empty.at[s])
+        m = m_new
+      return m, l, acc
+
+    m, l, acc = jax.lax.fori_loop(0, pairs, pair, (m, l, acc))
+    # Both consumers are done with the queries and the ring: their memory stages the
+    # outputs.
+    plgpu.barrier_arrive(done)
+    plgpu.barrier_wait(done)
+    l_ok = l > 0
+    l_safe = jnp.where(l_ok, l, 1.0)
+    o_stage.at[w][...] = acc / jax.lax.broadcast_in_dim(l_safe, acc.shape, [0])
+    if w == 0:
+      lse_smem[...] = jnp.where(l_ok, m / _LOG2E + jnp.log(l_safe), -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_stage.at[w],
+                            o_ref.at[b, sp, :, pl.ds(w * (LATENT // 2), LATENT // 2)])
+    if w == 0:
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, sp])
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.when(wg == 0)(lambda: consumer(0))
+  pl.when(wg == 1)(lambda: consumer(1))
+
+
+def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
+                                slots: jax.Array, valid: jax.Array, *, scale: float,
+                                config: MosaicAttentionConfig | None = None,
+                                merge: bool = True, ablation: str | None = None):
+  """Attention of every head over the selected pool rows (Mosaic GPU, sm_90a).
+
+  q_lat: [B, 64, 512], q_rope: [B, 64, 64] queries (cast to bf16); pool: [S, 576] bf16;
+  slots: [B, k] int32 (ignored where not valid; clamped into [0, S)); valid: [B, k]
+  bool; scale: softmax scale. returns o_lat: [B, 64, 512] float32; ``merge=False``:
+  the splits' normalised outputs [B, NS, 64, 512] and log-sum-exps [B, NS, 64].
+  ablation: for benchmarks only, as in ``sparse_mla_attention_pallas`` (the output is
+  not attention): 'compute' gathers each split's first two tiles only and computes on
+  them at every step, 'gather' gathers every tile and computes nothing (zeros).
+  """
+  from ula_jax.kernels.sparse_attention.pallas import ABLATIONS, merge_splits_pallas
+
+  config = config or MosaicAttentionConfig()
+  if ablation not in (None, *ABLATIONS):
+    raise ValueError(f"ablation={ablation!r}: expected None or one of {list(ABLATIONS)}")
+  B, H, Dl = q_lat.shape
+  Dr = q_rope.shape[-1]
+  if (H, Dl, Dr) != (HEADS, LATENT, ROPE) or pool.shape[-1] != WIDTH:
+    raise ValueError(f"q_lat {tuple(q_lat.shape)}, q_rope {tuple(q_rope.shape)}, pool "
+                     f"{tuple(pool.shape)}: the Mosaic kernel takes {HEADS} heads of "
+                     f"{LATENT} + {ROPE} columns (use the Pallas Triton kernel otherwise)")
+  if pool.dtype != jnp.bfloat16:
+    raise ValueError(f"pool.dtype={pool.dtype}: the Mosaic kernel takes bfloat16 pools")
+  S, k = pool.shape[0], slots.shape[1]
+  splits, bk = config.splits(B), BLOCK_K
+  tiles = 2 * -(-k // (2 * bk * splits))  # per split, an even number (pairs of stages)
+  kp = tiles * bk * splits
+  pad = ((0, 0), (0, kp - k))
+  slots = jnp.pad(jnp.where(valid, jnp.clip(slots, 0, S - 1), 0).astype(jnp.int32), pad)
+  valid = jnp.pad(valid, pad)
+  # Validity as bits, 32 entries per int32 word (bit i of word w: entry 32 w + i).
+  shifts = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
+  bits = jnp.sum(jnp.where(valid.reshape(B, kp // 32, 32), shifts, jnp.uint32(0)),
+                 axis=-1, dtype=jnp.uint32)
+  words = kp // 32 // splits
+  wpad = -(-words // 32) * 32  # copies move multiples of 128 bytes
+  bits = jax.lax.bitcast_convert_type(bits, jnp.int32).reshape(B, splits, words)
+  bits = jnp.pad(bits, ((0, 0), (0, 0), (0, wpad - words)))
+  slots = slots.reshape(B, splits, tiles, bk)
+  q = jnp.concatenate([q_lat, q_rope], axis=-1).astype(jnp.bfloat16)
+
+  tiled = (plgpu.TilingTransform(_TILE), plgpu.SwizzleTransform(128))
+  out_tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+  union = plgpu.RefUnion(
+      (plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=tiled),
+       plgpu.SMEM((STAGES, bk, WIDTH), jnp.bfloat16, transforms=tiled)),
+      plgpu.SMEM((2, HEADS, LATENT // 2), jnp.float32, transforms=out_tiled))
+  kernel = plgpu.kernel(
+      lambda *refs: _kernel(*refs, tiles=tiles, scale2=float(scale) * _LOG2E,
+                            ablation=ablation,
+                            registers=(config.consumer_registers,
+                                       config.producer_registers())),
+      out_type=(jax.ShapeDtypeStruct((B, splits, HEADS, LATENT), jnp.float32),
+                jax.ShapeDtypeStruct((B, splits, HEADS), jnp.float32)),
+      scratch_types=[
+          union,
+          plgpu.SMEM((bk,), jnp.int32),  # the slot lists of the tiles in stage 0 and 1
+          plgpu.SMEM((bk,), jnp.int32),
+          plgpu.SMEM((wpad,), jnp.int32),
+          plgpu.SMEM((HEADS,), jnp.float32),
+          plgpu.Barrier(num_arrivals=2),  # bits and queries copied in
+          plgpu.Barrier(num_arrivals=1, num_barriers=2),  # a slot list copied in
+          plgpu.Barrier(num_arrivals=1, num_barriers=2),  # a ring tile landed
+          plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both consumers done with it
+          plgpu.Barrier(num_arrivals=2),  # both consumers left the loop
+      ],
+      grid=(splits, B), grid_names=("split", "b"), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                           approx_math=True),
+  )
+  o, lse = kernel(q, pool, slots, bits)
+  if not merge:
+    return o, lse
+  if splits == 1:
+    return o[:, 0]
+  return merge_splits_pallas(o, lse, interpret=False)
+
+
+def lower_for_cuda(B: int = 2, k: int = 256, S: int = 512,
+                   config: MosaicAttentionConfig | None = None) -> str:
+  """The kernel lowered for CUDA on any machine (no GPU needed): the StableHLO text."""
+  spec = jax.ShapeDtypeStruct
+  f = jax.jit(lambda *a: sparse_mla_attention_mosaic(*a, scale=0.1, config=config,
+                                                     merge=False))
+  return f.trace(spec((B, HEADS, LATENT), jnp.bfloat16), spec((B, HEADS, ROPE), jnp.bfloat16),
+                 spec((S, WIDTH), jnp.bfloat16), spec((B, k), jnp.int32),
+                 spec((B, k), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+__all__ = ["BLOCK_K", "MosaicAttentionConfig", "STAGES", "lower_for_cuda", "smem_bytes",
+           "sparse_mla_attention_mosaic"]
