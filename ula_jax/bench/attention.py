@@ -81,37 +81,36 @@ class Row:
   error: str | None = None
 
 
+def _parse_tokens(token: str, config: type, fields: dict[str, str], *, flag: str,
+                  example: str):
+  """'auto' -> ``config()``; letters of ``fields``, each followed by a number (any
+  subset, any order) -> ``config`` with those fields."""
+  token = token.strip()
+  if token == "auto":
+    return config()
+  parts = re.findall(r"([a-z])(\d+)", token)
+  if not parts or "".join(f"{a}{b}" for a, b in parts) != token or any(
+      a not in fields for a, _ in parts):
+    letters = ", ".join(f"{a} ({name})" for a, name in fields.items())
+    raise ValueError(f"{flag}: {token!r}: expected 'auto' or letters {letters} each "
+                     f"followed by a number, e.g. {example}")
+  return config(**{fields[a]: int(b) for a, b in parts})
+
+
 def parse_config(token: str) -> AttentionConfig:
   """'auto' -> AttentionConfig(); 'h64k32w8s2n3' -> block_h=64, block_k=32, num_warps=8,
   num_splits=2, num_stages=3 (any subset, any order)."""
-  token = token.strip()
-  if token == "auto":
-    return AttentionConfig()
-  parts = re.findall(r"([a-z])(\d+)", token)
-  if not parts or "".join(f"{a}{b}" for a, b in parts) != token or any(
-      a not in _CONFIG_FIELDS for a, _ in parts):
-    raise ValueError(f"--configs: {token!r}: expected 'auto' or letters h (block_h), "
-                     "k (block_k), w (num_warps), s (num_splits), n (num_stages), "
-                     "p (preload_slots) each "
-                     "followed by a number, e.g. h64k64w8")
-  return AttentionConfig(**{_CONFIG_FIELDS[a]: int(b) for a, b in parts})
+  return _parse_tokens(token, AttentionConfig, _CONFIG_FIELDS, flag="--configs",
+                       example="h64k64w8")
 
 
 _MOSAIC_FIELDS = {"s": "num_splits", "r": "consumer_registers"}
 
 
 def parse_mosaic_config(token: str) -> MosaicAttentionConfig:
-  """'auto' -> MosaicAttentionConfig(); 's2' -> num_splits=2."""
-  token = token.strip()
-  if token == "auto":
-    return MosaicAttentionConfig()
-  parts = re.findall(r"([a-z])(\d+)", token)
-  if not parts or "".join(f"{a}{b}" for a, b in parts) != token or any(
-      a not in _MOSAIC_FIELDS for a, _ in parts):
-    raise ValueError(f"--mosaic-configs: {token!r}: expected 'auto' or letters s "
-                     "(num_splits), r (consumer_registers) each followed by a number, "
-                     "e.g. s2r208")
-  return MosaicAttentionConfig(**{_MOSAIC_FIELDS[a]: int(b) for a, b in parts})
+  """'auto' -> MosaicAttentionConfig(); 's2r208' -> num_splits=2, consumer_registers=208."""
+  return _parse_tokens(token, MosaicAttentionConfig, _MOSAIC_FIELDS,
+                       flag="--mosaic-configs", example="s2r208")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -206,29 +205,22 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
                 target_s=args.target_ms / 1e3, warmup=args.warmup)
   reference = jax.jit(functools.partial(sparse_mla_attention_reference, scale=scale))
   impls: list[tuple[str, AttentionConfig | None, str | None, Any]] = []
+  mosaic_configs = [(t.strip(), parse_mosaic_config(t))
+                    for t in args.mosaic_configs.split(",") if t.strip()]
+  kernels = {"pallas": (sparse_mla_attention_pallas, configs),
+             "mosaic": (sparse_mla_attention_mosaic, mosaic_configs)}
   for name in names:
     if name == "xla":
       impls.append(("xla", None, None, looped(reference, steps)))
       continue
-    if name == "mosaic":
-      continue  # below, with its own configurations
-    for token, cfg in configs:
+    kernel, launches = kernels[name]
+    for token, cfg in launches:
       for ablation in (None, *ablations):
-        tags = ([token] if len(configs) > 1 else []) + ([ablation] if ablation else [])
-        label = f"pallas[{','.join(tags)}]" if tags else "pallas"
-        fn = functools.partial(sparse_mla_attention_pallas, scale=scale, config=cfg,
-                               ablation=ablation)
-        impls.append((label, cfg, ablation, looped(fn, steps)))
-  mosaic_configs = [(t.strip(), parse_mosaic_config(t))
-                    for t in args.mosaic_configs.split(",") if t.strip()]
-  if "mosaic" in names:
-    for token, cfg in mosaic_configs:
-      for ablation in (None, *ablations):
-        tags = ([token] if len(mosaic_configs) > 1 else []) + ([ablation] if ablation else [])
-        label = f"mosaic[{','.join(tags)}]" if tags else "mosaic"
-        fn = functools.partial(sparse_mla_attention_mosaic, scale=scale, config=cfg,
-                               ablation=ablation)
-        impls.append((label, None, ablation, looped(fn, steps)))
+        tags = ([token] if len(launches) > 1 else []) + ([ablation] if ablation else [])
+        label = f"{name}[{','.join(tags)}]" if tags else name
+        fn = functools.partial(kernel, scale=scale, config=cfg, ablation=ablation)
+        # The launch's cost model is the Triton kernel's (attention_cost).
+        impls.append((label, cfg if name == "pallas" else None, ablation, looped(fn, steps)))
   copy = copy_loop(steps)
 
   # Inputs from numpy: eager jax.random calls would each compile a small program.
