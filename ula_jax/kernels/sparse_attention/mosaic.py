@@ -14,10 +14,13 @@ k split), three warpgroups:
   512 output columns (``wgmma`` with the probabilities in registers), then release the
   tile to the producer.
 
-While the consumers compute on one tile the producer's copies for the next ones are in
-flight: the gathers and the arithmetic overlap, which a Triton kernel (one instruction
-stream per program) does not achieve. Each program writes its split's normalised output
-and log-sum-exp; ``pallas.merge_splits_pallas`` merges splits.
+The structure lets the consumers compute on one tile while the producer's copies for
+the next are in flight, the overlap the Triton kernel's pipeline misses. Measured on an
+H200 it does not get it yet: the kernel is exact but slower than the Triton one, its
+arithmetic alone and its gathers alone take about as long as each other and add up
+(``RESULTS.md``; ptxas compiles it to 168 registers per thread with spills). Each
+program writes its split's normalised output and log-sum-exp;
+``pallas.merge_splits_pallas`` merges splits.
 
 GPU only (sm_90a): Mosaic GPU's interpret mode has no transposed shared-memory operand,
 register operand or layout cast, and the producer is inline Mosaic GPU code. On other
