@@ -134,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="also run segments per row under jax.profiler (traces under DIR; "
                  "new steps after the timed ones) and report the device kernels of a "
                  "resolve: launches and time of each")
+  p.add_argument("--profile-resolves", type=int, default=8,
+                 help="with --profile: resolves counted under the profiler (at least; "
+                 "whole segments, after one untimed segment)")
   p.add_argument("--out", default="runs/bench/resolve.json", help="JSON output path")
   p.add_argument("--quick", action="store_true",
                  help="tiny sizes and few steps (smoke test, e.g. on CPU)")
@@ -374,8 +377,9 @@ def measure(row: Row, setup: Setup, system: Ula, fill: Callable, stream: tuple, 
   if args.profile:
     trace_dir = f"{args.profile}/pool{row.pool}_b{row.batch}_{row.policy}_{row.impl}"
     ops, row.launches, counts = profile_kernels(
-        compiled, meta, stream, T, (args.warmup + args.segments) * T, trace_dir)
-    n = T * (profiled_segments(T) - 1)
+        compiled, meta, stream, T, (args.warmup + args.segments) * T, trace_dir,
+        args.profile_resolves)
+    n = T * (profiled_segments(T, args.profile_resolves) - 1)
     row.profiled = {"resolves": n, **{key: float(x) / n for key, x in zip(
         ("hits", "misses", "evictions", "fetches"), counts)}}
     row.kernels = ops[:16]
@@ -384,27 +388,27 @@ def measure(row: Row, setup: Setup, system: Ula, fill: Callable, stream: tuple, 
     row.kernel_us = sum(own) if own else None
 
 
-PROFILED_RESOLVES = 8  # at least, after one untimed segment under the profiler
 PROFILED_MARK = "ula_bench_profiled"
 
 
-def profiled_segments(T: int) -> int:
+def profiled_segments(T: int, resolves: int) -> int:
   """Segments of ``T`` resolves that ``--profile`` runs after the timed ones: one
-  untimed (a kernel's first launch under the profiler is slow) and enough to count
-  ``PROFILED_RESOLVES`` resolves."""
-  return 1 + -(-PROFILED_RESOLVES // T)
+  untimed (a kernel's first launch under the profiler is slow) and enough to count at
+  least ``resolves`` (``--profile-resolves``)."""
+  return 1 + max(1, -(-resolves // T))
 
 
 def profile_kernels(compiled: Callable, meta: Any, stream: tuple, T: int, first: int,
-                    trace_dir: str) -> tuple[list, dict, np.ndarray]:
-  """``profiled_segments(T)`` more segments of ``T`` resolves under the profiler, on the
-  stream's steps from ``first`` on (new steps, as the timed ones were), each waited for
-  as the timed ones are; the first is not counted. -> (``[name, launches, us]`` per
-  counted resolve for every device operation, slowest first; ``own_launches``; the
-  counted resolves' summed counts). Empty on a backend without device lines (CPU)."""
+                    trace_dir: str, resolves: int) -> tuple[list, dict, np.ndarray]:
+  """``profiled_segments(T, resolves)`` more segments of ``T`` resolves under the
+  profiler, on the stream's steps from ``first`` on (new steps, as the timed ones
+  were), each waited for as the timed ones are; the first is not counted. ->
+  (``[name, launches, us]`` per counted resolve for every device operation, slowest
+  first; ``own_launches``; the counted resolves' summed counts). Empty on a backend
+  without device lines (CPU)."""
   from ula_jax.bench.profile import device_ops
   sel, new = stream
-  segments = profiled_segments(T)
+  segments = profiled_segments(T, resolves)
   totals = np.zeros((4,), np.int64)
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
     for s in range(segments):
@@ -444,7 +448,8 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   impls = _impls(parse_list(args.impls, IMPLS, flag="--impls"), args)
   interpret = {"auto": default_interpret(), "on": True, "off": False}[args.interpret]
   steps_total = (args.warmup + args.segments
-                 + (profiled_segments(args.steps) if args.profile else 0)) * args.steps
+                 + (profiled_segments(args.steps, args.profile_resolves)
+                    if args.profile else 0)) * args.steps
   rows: list[Row] = []
 
   def result() -> dict[str, Any]:
@@ -575,7 +580,7 @@ def main(argv: list[str]) -> int:
   args = parser.parse_args(argv)
   if args.quick:  # smaller defaults; explicit flags still win
     quick = dict(batch="1,3", k=16, pools="64,256", steps=2, segments=1, warmup=1,
-                 pallas_block_elems="32", pallas_block_place="16")
+                 pallas_block_elems="32", pallas_block_place="16", profile_resolves=2)
     for name, value in quick.items():
       if getattr(args, name) == parser.get_default(name):
         setattr(args, name, value)
