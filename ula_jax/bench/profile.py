@@ -162,11 +162,11 @@ def trace_calls(trace_dir: str | pathlib.Path, functions: str | tuple[str, ...],
           "lines": dict(lines.most_common(20)), "trace": str(path)}
 
 
-def _device_op_events(trace_dir: str | pathlib.Path, after: str | None) -> list[dict]:
+def device_op_events(trace_dir: str | pathlib.Path, after: str | None = None) -> list[dict]:
   """The device's operations (events on its operation lines) in time order; with
   ``after``, only those that start after the first host event named ``after`` began
   (e.g. a ``jax.profiler.TraceAnnotation`` around the calls to count, after untimed
-  ones)."""
+  ones). Read once, they serve ``totals_by_name`` and ``launches_of``."""
   with gzip.open(find_trace(trace_dir), "rt") as f:
     data = json.load(f)
   events = data["traceEvents"] if isinstance(data, dict) else data
@@ -184,26 +184,20 @@ def _device_op_events(trace_dir: str | pathlib.Path, after: str | None) -> list[
   return sorted(ops, key=lambda e: e["ts"])
 
 
-def device_ops(trace_dir: str | pathlib.Path, *, top: int = 25,
-               after: str | None = None) -> list[list]:
-  """Every device operation of the trace, by name: ``[name, count, us]`` (totals over
-  the whole trace, or from the first host event named ``after`` on; slowest first; an
-  AOT-compiled call has no dispatch event to window by). Empty on a backend without
-  device lines."""
+def totals_by_name(ops: list[dict], *, top: int = 25) -> list[list]:
+  """``[name, count, us]`` per operation name of ``device_op_events``, slowest first."""
   per_name: dict[str, list[float]] = collections.defaultdict(list)
-  for e in _device_op_events(trace_dir, after):
+  for e in ops:
     per_name[str(e.get("name", ""))].append(e["dur"])
   return sorted(([name, len(d), sum(d)] for name, d in per_name.items()),
                 key=lambda r: -r[2])[:top]
 
 
-def device_launches(trace_dir: str | pathlib.Path, prefix: str, *,
-                    after: str | None = None) -> list[dict]:
-  """Each launch of the device operations whose names start with ``prefix``, in time
-  order (``after`` as in ``device_ops``): ``{"name", "us", "idle_before_us",
-  "before"}`` -- its duration, the device's idle time between the end of the operation
-  before it and its start, and that operation's name (None for the first counted)."""
-  ops = _device_op_events(trace_dir, after)
+def launches_of(ops: list[dict], prefix: str) -> list[dict]:
+  """Each of ``device_op_events`` whose name starts with ``prefix``, in time order:
+  ``{"name", "us", "idle_before_us", "before"}`` -- its duration, the device's idle time
+  between the end of the operation before it and its start, and that operation's name
+  (None for the first)."""
   out, end, before = [], None, None
   for e in ops:
     name = str(e.get("name", ""))
@@ -216,6 +210,21 @@ def device_launches(trace_dir: str | pathlib.Path, prefix: str, *,
   return out
 
 
+def device_ops(trace_dir: str | pathlib.Path, *, top: int = 25,
+               after: str | None = None) -> list[list]:
+  """Every device operation of the trace, by name: ``[name, count, us]`` (totals over
+  the whole trace, or from the first host event named ``after`` on; slowest first; an
+  AOT-compiled call has no dispatch event to window by). Empty on a backend without
+  device lines."""
+  return totals_by_name(device_op_events(trace_dir, after), top=top)
+
+
+def device_launches(trace_dir: str | pathlib.Path, prefix: str, *,
+                    after: str | None = None) -> list[dict]:
+  """``launches_of`` the trace's device operations (``after`` as in ``device_ops``)."""
+  return launches_of(device_op_events(trace_dir, after), prefix)
+
+
 def summarize_calls(calls: list[dict]) -> dict:
   """Medians over calls of each per-call count (an empty dict for no calls)."""
   if not calls:
@@ -223,4 +232,5 @@ def summarize_calls(calls: list[dict]) -> dict:
   return {k: statistics.median(c[k] for c in calls) for k in calls[0]}
 
 
-__all__ = ["device_launches", "device_ops", "find_trace", "summarize_calls", "trace_calls"]
+__all__ = ["device_launches", "device_op_events", "device_ops", "find_trace", "launches_of",
+           "summarize_calls", "totals_by_name", "trace_calls"]

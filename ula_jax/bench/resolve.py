@@ -376,12 +376,9 @@ def measure(row: Row, setup: Setup, system: Ula, fill: Callable, stream: tuple, 
                         fused=row.fused)
   if args.profile:
     trace_dir = f"{args.profile}/pool{row.pool}_b{row.batch}_{row.policy}_{row.impl}"
-    ops, row.launches, counts = profile_kernels(
+    ops, row.launches, row.profiled = profile_kernels(
         compiled, meta, stream, T, (args.warmup + args.segments) * T, trace_dir,
         args.profile_resolves)
-    n = T * (profiled_segments(T, args.profile_resolves) - 1)
-    row.profiled = {"resolves": n, **{key: float(x) / n for key, x in zip(
-        ("hits", "misses", "evictions", "fetches"), counts)}}
     row.kernels = ops[:16]
     row.device_us = sum(us for _, _, us in ops) if ops else None
     own = [us for name, _, us in ops if name.startswith("ula_resolve")]
@@ -399,14 +396,14 @@ def profiled_segments(T: int, resolves: int) -> int:
 
 
 def profile_kernels(compiled: Callable, meta: Any, stream: tuple, T: int, first: int,
-                    trace_dir: str, resolves: int) -> tuple[list, dict, np.ndarray]:
+                    trace_dir: str, resolves: int) -> tuple[list, dict, dict]:
   """``profiled_segments(T, resolves)`` more segments of ``T`` resolves under the
   profiler, on the stream's steps from ``first`` on (new steps, as the timed ones
   were), each waited for as the timed ones are; the first is not counted. ->
   (``[name, launches, us]`` per counted resolve for every device operation, slowest
-  first; ``own_launches``; the counted resolves' summed counts). Empty on a backend
+  first; ``Row.launches``; ``Row.profiled``). The first two are empty on a backend
   without device lines (CPU)."""
-  from ula_jax.bench.profile import device_ops
+  from ula_jax.bench.profile import device_op_events, launches_of, totals_by_name
   sel, new = stream
   segments = profiled_segments(T, resolves)
   totals = np.zeros((4,), np.int64)
@@ -421,22 +418,19 @@ def profile_kernels(compiled: Callable, meta: Any, stream: tuple, T: int, first:
         meta, counts = compiled(meta, sel[at], new[at])
         totals += np.asarray(jax.block_until_ready(counts))
   n = T * (segments - 1)
-  ops = [[name, c / n, us / n]
-         for name, c, us in device_ops(trace_dir, top=10**6, after=PROFILED_MARK)]
-  return ops, own_launches(trace_dir), totals
-
-
-def own_launches(trace_dir: str) -> dict:
-  """The resolve's own kernels' launches in the trace, per kernel name (``Row.launches``):
-  whether a kernel is slow in every launch or in some, and what ran just before."""
-  from ula_jax.bench.profile import device_launches
-  out: dict = {}
-  for l in device_launches(trace_dir, "ula_resolve", after=PROFILED_MARK):
-    d = out.setdefault(l["name"], {"us": [], "idle_before_us": [], "before": {}})
+  events = device_op_events(trace_dir, PROFILED_MARK)
+  ops = [[name, c / n, us / n] for name, c, us in totals_by_name(events, top=10**6)]
+  # The resolve's own kernels, launch by launch: whether a kernel is slow in every
+  # launch or in some, and what ran just before.
+  launches: dict = {}
+  for l in launches_of(events, "ula_resolve"):
+    d = launches.setdefault(l["name"], {"us": [], "idle_before_us": [], "before": {}})
     d["us"].append(l["us"])
     d["idle_before_us"].append(l["idle_before_us"])
     d["before"][str(l["before"])] = d["before"].get(str(l["before"]), 0) + 1
-  return out
+  profiled = {"resolves": n, **{key: float(x) / n for key, x in zip(
+      ("hits", "misses", "evictions", "fetches"), totals)}}
+  return ops, launches, profiled
 
 
 def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any]:
