@@ -13,10 +13,10 @@ reference. Each Pallas row also records its launch (head block, splits, programs
 moves and computes beyond the must-read bytes (split partials, re-gathered rows, FLOPs)
 and the launch model's estimate, which is what explains a rate below the target.
 
-``--ablations compute,gather`` adds, for each Pallas launch, the same launch with its row
-gathers left out (one block gathered and reused) and with everything but the gathers left
-out: when the launch takes about the sum of the two, its gathers and its arithmetic do not
-overlap.
+``--ablations compute,gather`` adds, for each Pallas or Mosaic launch, the same launch
+with its row gathers left out (one block gathered and reused) and with everything but the
+gathers left out: when the launch takes about the sum of the two, its gathers and its
+arithmetic do not overlap.
 
     ula-jax bench attention [--batch 1,8,32,64] [--heads 64] [--k 2048]
                             [--configs auto,h64k64w8,h32k64w8s1] [--ablations compute,gather]
@@ -134,8 +134,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="Mosaic configurations, comma list of 'auto' or e.g. s2r208 (s "
                  "num_splits, r consumer_registers)")
   p.add_argument("--ablations", default="",
-                 help=f"also time each Pallas launch with part of its work left out, comma "
-                 f"list of {list(ABLATIONS)}: 'compute' reuses one gathered block (the "
+                 help=f"also time each Pallas or Mosaic launch with part of its work left "
+                 f"out, comma list of {list(ABLATIONS)}: 'compute' reuses one gathered block (the "
                  "arithmetic alone), 'gather' only gathers (the row reads alone)")
   p.add_argument("--loop", type=int, default=16, help="steps per jitted loop")
   add_timing_args(p, max_iters=200, target_ms=100.0)
