@@ -21,10 +21,12 @@ from ula_jax.kernels.sparse_attention.mosaic import (MosaicAttentionConfig,
 
 H, DL, DR = mosaic.HEADS, mosaic.LATENT, mosaic.ROPE
 CONFIGS = [MosaicAttentionConfig(), MosaicAttentionConfig(num_splits=1),
-           MosaicAttentionConfig(num_splits=3)]
+           MosaicAttentionConfig(num_splits=3), MosaicAttentionConfig(producer=False),
+           MosaicAttentionConfig(num_splits=3, producer=False)]
+config_id = lambda c: f"s{c.num_splits}{'' if c.producer else '-two'}"
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"s{c.num_splits}")
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_lowers_for_cuda(config):
   text = mosaic.lower_for_cuda(B=2, k=200, S=300, config=config)
   assert "mosaic_gpu" in text
@@ -70,7 +72,7 @@ def test_shapes_are_checked():
 @pytest.mark.gpu
 class TestSparseAttentionMosaicGpu:
 
-  @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"s{c.num_splits}")
+  @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
   @pytest.mark.parametrize("B, k, S", [(3, 200, 300), (8, 2048, 20000)])
   def test_matches_reference(self, rng, config, B, k, S):
     args = make_inputs(rng, B, H, DL, DR, S, k, jnp.bfloat16)

@@ -94,7 +94,9 @@ def _parse_tokens(token: str, config: type, fields: dict[str, str], *, flag: str
     letters = ", ".join(f"{a} ({name})" for a, name in fields.items())
     raise ValueError(f"{flag}: {token!r}: expected 'auto' or letters {letters} each "
                      f"followed by a number, e.g. {example}")
-  return config(**{fields[a]: int(b) for a, b in parts})
+  bools = {f.name for f in dataclasses.fields(config) if f.type in (bool, "bool")}
+  return config(**{fields[a]: (int(b) != 0 if fields[a] in bools else int(b))
+                   for a, b in parts})
 
 
 def parse_config(token: str) -> AttentionConfig:
@@ -104,11 +106,12 @@ def parse_config(token: str) -> AttentionConfig:
                        example="h64k64w8")
 
 
-_MOSAIC_FIELDS = {"s": "num_splits", "r": "consumer_registers"}
+_MOSAIC_FIELDS = {"s": "num_splits", "r": "consumer_registers", "p": "producer"}
 
 
 def parse_mosaic_config(token: str) -> MosaicAttentionConfig:
-  """'auto' -> MosaicAttentionConfig(); 's2r208' -> num_splits=2, consumer_registers=208."""
+  """'auto' -> MosaicAttentionConfig(); 's2r208' -> num_splits=2, consumer_registers=208;
+  'p0' -> producer=False."""
   return _parse_tokens(token, MosaicAttentionConfig, _MOSAIC_FIELDS,
                        flag="--mosaic-configs", example="s2r208")
 
@@ -131,8 +134,8 @@ def _parser() -> argparse.ArgumentParser:
                       "(h block_h, k block_k, w num_warps, s num_splits, n num_stages, "
                       "p preload_slots)")
   p.add_argument("--mosaic-configs", default="auto",
-                 help="Mosaic configurations, comma list of 'auto' or e.g. s2r208 (s "
-                 "num_splits, r consumer_registers)")
+                 help="Mosaic configurations, comma list of 'auto' or e.g. s2r208, p0 (s "
+                 "num_splits, r consumer_registers, p producer warpgroup 1/0)")
   p.add_argument("--ablations", default="",
                  help=f"also time each Pallas or Mosaic launch with part of its work left "
                  f"out, comma list of {list(ABLATIONS)}: 'compute' reuses one gathered block (the "

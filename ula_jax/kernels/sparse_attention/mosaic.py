@@ -59,10 +59,14 @@ class MosaicAttentionConfig:
   consumer_registers: registers per thread of each consumer warpgroup after its
               ``setmaxnreg`` (a multiple of 8, 168-232); the producer lowers its own to
               what is left of the launch's (``producer_registers``)
+  producer:   a producer warpgroup gathers the tiles; False: no producer, the two
+              consumers (255 registers each, nothing to share with a third) issue the
+              next tile's copies themselves at the start of each step
   """
 
   num_splits: int | None = None
   consumer_registers: int = 232
+  producer: bool = True
 
   def __post_init__(self):
     if self.num_splits is not None and (isinstance(self.num_splits, bool)
@@ -70,6 +74,9 @@ class MosaicAttentionConfig:
                                         or self.num_splits < 1):
       raise ValueError(f"MosaicAttentionConfig.num_splits={self.num_splits!r}: expected "
                        "None or a positive integer")
+    if not isinstance(self.producer, bool):
+      raise ValueError(f"MosaicAttentionConfig.producer={self.producer!r}: expected true "
+                       "or false")
     r = self.consumer_registers
     if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 168 <= r <= 232:
       raise ValueError(f"MosaicAttentionConfig.consumer_registers={r!r}: expected a "
@@ -93,11 +100,12 @@ def smem_bytes() -> int:
   return (HEADS + STAGES * BLOCK_K) * WIDTH * 2 + 2048
 
 
-def _gather_tile(stage: int, ring_offset: int):
+def _gather_tile(stage: int, ring_offset: int, threads: int = _WG):
   """Inline Mosaic GPU code of the producer: this thread's share of one tile's 64 rows
   (their pool rows listed in ``slots`` [64] int32, shared memory) into ring stage
   ``stage`` (``ring``: the shared memory holding the ring ``ring_offset`` bytes in), as
-  16-byte ``cp.async`` copies in one commit group."""
+  16-byte ``cp.async`` copies in one commit group; the tile is shared by ``threads``
+  threads (one warpgroup, or two)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
   from jax.experimental.mosaic.gpu import utils as mu
@@ -107,12 +115,12 @@ def _gather_tile(stage: int, ring_offset: int):
     i32, i64 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64)
     i8, index = ir.IntegerType.get_signless(8), ir.IndexType.get()
     c = lambda v: arith.constant(i32, v)
-    tid = arith.remui(mu.thread_idx(), c(_WG))
+    tid = arith.remui(mu.thread_idx(), c(threads))
     gbase = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(pool))
     sbase = mu.memref_ptr(ring)
     base = ring_offset + stage * BLOCK_K * WIDTH * 2
-    for it in range(BLOCK_K * _CHUNKS // _WG):
-      h = arith.addi(c(it * _WG), tid)
+    for it in range(BLOCK_K * _CHUNKS // threads):
+      h = arith.addi(c(it * threads), tid)
       row, e = arith.divui(h, c(_CHUNKS)), arith.remui(h, c(_CHUNKS))
       r8, j, col = arith.remui(row, c(8)), arith.remui(e, c(8)), arith.divui(e, c(8))
       slot = memref.load(slots, [arith.index_cast(index, row)])
@@ -148,6 +156,68 @@ def _wait_groups(pending: int):
   return body
 
 
+def _softmax_init():
+  """A consumer's running max and sum per head and its 64 x 256 output accumulator."""
+  rows = plgpu.Layout.WGMMA.reduce(1)
+  return (plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), rows),
+          plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), rows),
+          plgpu.layout_cast(jnp.zeros((HEADS, LATENT // 2), jnp.float32),
+                            plgpu.Layout.WGMMA))
+
+
+def _tile_step(q_smem, stage, bits_smem, t, w: int, scale2: float, m, l, acc):
+  """One consumer's work on tile ``t`` in ring ``stage``: the scores of all 64 heads,
+  masked by the tile's validity bits, the online softmax (base 2) and output columns
+  ``[256 w, 256 w + 256)``. -> the new (m, l, acc)."""
+
+  def scores(acc_ref):
+    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(stage, (1, 0)))
+    return acc_ref[...]
+
+  sc = pl.run_scoped(scores, plgpu.ACC((HEADS, BLOCK_K), jnp.float32))
+  col = plgpu.broadcasted_iota(jnp.int32, (HEADS, BLOCK_K), 1, layout=plgpu.Layout.WGMMA)
+  word = jnp.where(col < 32, bits_smem[2 * t], bits_smem[2 * t + 1])
+  ok = jnp.bitwise_and(jnp.right_shift(word, jnp.bitwise_and(col, 31)), 1) != 0
+  sc = jnp.where(ok, sc * scale2, -jnp.inf)
+  m_new = jnp.maximum(m, sc.max(axis=1))
+  # While a head has seen nothing valid, m is -inf: shift by 0 so exp2() gives 0.
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp2(m - m_safe)
+  p = jnp.exp2(sc - jax.lax.broadcast_in_dim(m_safe, sc.shape, [0]))
+  l = l * alpha + p.sum(axis=1)
+  acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+  p16 = p.astype(jnp.bfloat16)
+
+  def outputs(acc_ref):
+    plgpu.wgmma(acc_ref, p16, stage.at[:, pl.ds(w * (LATENT // 2), LATENT // 2)])
+
+  return m_new, l, pl.run_state(outputs)(plgpu.ACC.init(acc))
+
+
+def _write_out(o_stage, lse_smem, o_gmem, lse_gmem, w: int, m, l, acc) -> None:
+  """Consumer ``w``'s normalised output columns (and, from consumer 0, the log-sum-exp)
+  through shared memory no longer read by anyone to the split's outputs."""
+  l_ok = l > 0
+  l_safe = jnp.where(l_ok, l, 1.0)
+  o_stage.at[w][...] = acc / jax.lax.broadcast_in_dim(l_safe, acc.shape, [0])
+  if w == 0:
+    lse_smem[...] = jnp.where(l_ok, m / _LOG2E + jnp.log(l_safe), -jnp.inf)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_stage.at[w], o_gmem.at[:, pl.ds(w * (LATENT // 2), LATENT // 2)])
+  if w == 0:
+    plgpu.copy_smem_to_gmem(lse_smem, lse_gmem)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _ring_view(ring):
+  """(the shared memory holding the ring, the ring's byte offset in it)."""
+  aliased = [t for t in ring.transforms if type(t).__name__ == "ExtractAliasedRef"]
+  if len(aliased) != 1:
+    raise NotImplementedError(f"the ring's shared memory view {ring.transforms}: expected "
+                              "one ExtractAliasedRef (this jax's Mosaic GPU differs)")
+  return ring.ref, aliased[0].offset
+
+
 def _kernel(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slots0, slots1,
             bits_smem, lse_smem, in_bar, slot_bar, full, empty, done, *, tiles: int,
             scale2: float, ablation: str | None, registers: tuple[int, int]):
@@ -158,12 +228,7 @@ def _kernel(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slots0,
   b, sp = jax.lax.axis_index("b"), jax.lax.axis_index("split")
   wg = jax.lax.axis_index("wg")
   ref_t = plgpu.RefType()
-  ring_raw = ring.ref  # the union's bytes; the ring starts ring_offset bytes in
-  aliased = [t for t in ring.transforms if type(t).__name__ == "ExtractAliasedRef"]
-  if len(aliased) != 1:
-    raise NotImplementedError(f"the ring's shared memory view {ring.transforms}: expected "
-                              "one ExtractAliasedRef (this jax's Mosaic GPU differs)")
-  ring_offset = aliased[0].offset
+  ring_raw, ring_offset = _ring_view(ring)
   pairs = tiles // 2
 
   @pl.when(wg == 2)
@@ -214,11 +279,6 @@ def _kernel(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slots0,
   def consumer(w: int):
     plgpu.set_max_registers(registers[0], action="increase")
     plgpu.barrier_wait(in_bar)
-    rows = plgpu.Layout.WGMMA.reduce(1)
-    m = plgpu.layout_cast(jnp.full((HEADS,), -jnp.inf, jnp.float32), rows)
-    l = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), rows)
-    acc = plgpu.layout_cast(jnp.zeros((HEADS, LATENT // 2), jnp.float32),
-                            plgpu.Layout.WGMMA)
 
     def pair(jj, carry):
       m, l, acc = carry
@@ -230,52 +290,83 @@ def _kernel(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slots0,
           plgpu.barrier_arrive(empty.at[s])
           continue
 
-        def scores(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(stage, (1, 0)))
-          return acc_ref[...]
-
-        sc = pl.run_scoped(scores, plgpu.ACC((HEADS, BLOCK_K), jnp.float32))
-        col = plgpu.broadcasted_iota(jnp.int32, (HEADS, BLOCK_K), 1,
-                                     layout=plgpu.Layout.WGMMA)
-        word = jnp.where(col < 32, bits_smem[2 * t], bits_smem[2 * t + 1])
-        ok = jnp.bitwise_and(jnp.right_shift(word, jnp.bitwise_and(col, 31)), 1) != 0
-        sc = jnp.where(ok, sc * scale2, -jnp.inf)
-        m_new = jnp.maximum(m, sc.max(axis=1))
-        # While a head has seen nothing valid, m is -inf: shift by 0 so exp2() gives 0.
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_safe)
-        p = jnp.exp2(sc - jax.lax.broadcast_in_dim(m_safe, sc.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
-        acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p16 = p.astype(jnp.bfloat16)
-
-        def outputs(acc_ref):
-          plgpu.wgmma(acc_ref, p16, stage.at[:, pl.ds(w * (LATENT // 2), LATENT // 2)])
-
-        acc = pl.run_state(outputs)(plgpu.ACC.init(acc))
+        m, l, acc = _tile_step(q_smem, stage, bits_smem, t, w, scale2, m, l, acc)
         plgpu.barrier_arrive(empty.at[s])
-        m = m_new
       return m, l, acc
 
-    m, l, acc = jax.lax.fori_loop(0, pairs, pair, (m, l, acc))
+    m, l, acc = jax.lax.fori_loop(0, pairs, pair, _softmax_init())
     # Both consumers are done with the queries and the ring: their memory stages the
     # outputs.
     plgpu.barrier_arrive(done)
     plgpu.barrier_wait(done)
-    l_ok = l > 0
-    l_safe = jnp.where(l_ok, l, 1.0)
-    o_stage.at[w][...] = acc / jax.lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    if w == 0:
-      lse_smem[...] = jnp.where(l_ok, m / _LOG2E + jnp.log(l_safe), -jnp.inf)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_stage.at[w],
-                            o_ref.at[b, sp, :, pl.ds(w * (LATENT // 2), LATENT // 2)])
-    if w == 0:
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, sp])
-    plgpu.wait_smem_to_gmem(0)
+    _write_out(o_stage, lse_smem, o_ref.at[b, sp], lse_ref.at[b, sp], w, m, l, acc)
 
   pl.when(wg == 0)(lambda: consumer(0))
   pl.when(wg == 1)(lambda: consumer(1))
+
+
+def _kernel_two(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slots0,
+                slots1, bits_smem, lse_smem, in_bar, slot_bar, step_bar, *, tiles: int,
+                scale2: float, ablation: str | None):
+  # Two warpgroups and no producer: at the start of step t both issue their halves of
+  # tile t + 1's copies into the other ring stage, compute tile t, then wait for their
+  # copies and meet at a barrier (tile t + 1 complete, tile t no longer read). Tiles go
+  # in pairs (stage 0, stage 1) so that every stage and buffer index is static.
+  (q_smem, ring), o_stage = union
+  slots_s = (slots0, slots1)
+  b, sp = jax.lax.axis_index("b"), jax.lax.axis_index("split")
+  wg = jax.lax.axis_index("wg")
+  ref_t = plgpu.RefType()
+  ring_raw, ring_offset = _ring_view(ring)
+  pairs = tiles // 2
+
+  def gather(stage: int):
+    plgpu.barrier_wait(slot_bar.at[stage])  # the tile's slot list is in
+    plgpu.inline_mgpu(arg_types=(ref_t,) * 3)(
+        _gather_tile(stage, ring_offset, threads=2 * _WG))(pool_ref, slots_s[stage],
+                                                           ring_raw)
+
+  def land():  # this warpgroup's copies landed; then both warpgroups meet
+    plgpu.inline_mgpu()(_wait_groups(0))()
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(step_bar)
+    plgpu.barrier_wait(step_bar)
+
+  def body(w: int):
+    if w == 0:  # one warpgroup issues the bulk copies (one arrival each)
+      plgpu.copy_gmem_to_smem(bits_ref.at[b, sp], bits_smem, in_bar)
+      plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, in_bar)
+      for s in range(2):
+        plgpu.copy_gmem_to_smem(slots_ref.at[b, sp, s], slots_s[s], slot_bar.at[s])
+    gather(0)
+    land()
+    plgpu.barrier_wait(in_bar)
+
+    def pair(jj, carry):
+      m, l, acc = carry
+      for s in range(2):
+        t = 2 * jj + s
+        if w == 0:  # slot list s held tile t, read before the last barrier: refill
+          @pl.when(t + 2 < tiles)
+          def _():
+            plgpu.copy_gmem_to_smem(slots_ref.at[b, sp, t + 2], slots_s[s],
+                                    slot_bar.at[s])
+
+        nxt = (lambda: gather(1 - s))
+        if ablation == "compute":  # tiles 0 and 1 only, reused by every step
+          pl.when(t == 0)(nxt)
+        else:
+          pl.when(t + 1 < tiles)(nxt)
+        if ablation != "gather":
+          m, l, acc = _tile_step(q_smem, ring.at[s], bits_smem, t, w, scale2, m, l, acc)
+        land()
+      return m, l, acc
+
+    m, l, acc = jax.lax.fori_loop(0, pairs, pair, _softmax_init())
+    _write_out(o_stage, lse_smem, o_ref.at[b, sp], lse_ref.at[b, sp], w, m, l, acc)
+
+  pl.when(wg == 0)(lambda: body(0))
+  pl.when(wg == 1)(lambda: body(1))
 
 
 def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
@@ -329,26 +420,34 @@ def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
       (plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=tiled),
        plgpu.SMEM((STAGES, bk, WIDTH), jnp.bfloat16, transforms=tiled)),
       plgpu.SMEM((2, HEADS, LATENT // 2), jnp.float32, transforms=out_tiled))
+  common = [
+      union,
+      plgpu.SMEM((bk,), jnp.int32),  # the slot lists of the tiles in stage 0 and 1
+      plgpu.SMEM((bk,), jnp.int32),
+      plgpu.SMEM((wpad,), jnp.int32),
+      plgpu.SMEM((HEADS,), jnp.float32),
+      plgpu.Barrier(num_arrivals=2),  # bits and queries copied in
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),  # a slot list copied in
+  ]
+  static = dict(tiles=tiles, scale2=float(scale) * _LOG2E, ablation=ablation)
+  if config.producer:
+    body = lambda *refs: _kernel(*refs, **static, registers=(
+        config.consumer_registers, config.producer_registers()))
+    scratch = common + [
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # a ring tile landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both consumers done with it
+        plgpu.Barrier(num_arrivals=2),  # both consumers left the loop
+    ]
+  else:
+    body = lambda *refs: _kernel_two(*refs, **static)
+    scratch = common + [plgpu.Barrier(num_arrivals=2)]  # the end of a step
   kernel = plgpu.kernel(
-      lambda *refs: _kernel(*refs, tiles=tiles, scale2=float(scale) * _LOG2E,
-                            ablation=ablation,
-                            registers=(config.consumer_registers,
-                                       config.producer_registers())),
+      body,
       out_type=(jax.ShapeDtypeStruct((B, splits, HEADS, LATENT), jnp.float32),
                 jax.ShapeDtypeStruct((B, splits, HEADS), jnp.float32)),
-      scratch_types=[
-          union,
-          plgpu.SMEM((bk,), jnp.int32),  # the slot lists of the tiles in stage 0 and 1
-          plgpu.SMEM((bk,), jnp.int32),
-          plgpu.SMEM((wpad,), jnp.int32),
-          plgpu.SMEM((HEADS,), jnp.float32),
-          plgpu.Barrier(num_arrivals=2),  # bits and queries copied in
-          plgpu.Barrier(num_arrivals=1, num_barriers=2),  # a slot list copied in
-          plgpu.Barrier(num_arrivals=1, num_barriers=2),  # a ring tile landed
-          plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both consumers done with it
-          plgpu.Barrier(num_arrivals=2),  # both consumers left the loop
-      ],
-      grid=(splits, B), grid_names=("split", "b"), num_threads=3, thread_name="wg",
+      scratch_types=scratch,
+      grid=(splits, B), grid_names=("split", "b"), num_threads=3 if config.producer else 2,
+      thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                            approx_math=True),
   )
