@@ -209,13 +209,16 @@ def _write_out(o_stage, lse_smem, o_gmem, lse_gmem, w: int, m, l, acc) -> None:
   plgpu.wait_smem_to_gmem(0)
 
 
-def _ring_view(ring):
-  """(the shared memory holding the ring, the ring's byte offset in it)."""
+def _program(union):
+  """A program's shared memory and ids: (queries, ring, output staging, the shared
+  memory holding the ring, the ring's byte offset in it, (request, split, warpgroup))."""
+  (q_smem, ring), o_stage = union
   aliased = [t for t in ring.transforms if type(t).__name__ == "ExtractAliasedRef"]
   if len(aliased) != 1:
     raise NotImplementedError(f"the ring's shared memory view {ring.transforms}: expected "
                               "one ExtractAliasedRef (this jax's Mosaic GPU differs)")
-  return ring.ref, aliased[0].offset
+  ids = tuple(jax.lax.axis_index(n) for n in ("b", "split", "wg"))
+  return q_smem, ring, o_stage, ring.ref, aliased[0].offset, ids
 
 
 def _kernel(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slots0, slots1,
@@ -223,13 +226,8 @@ def _kernel(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slots0,
             scale2: float, ablation: str | None, registers: tuple[int, int]):
   # Tiles are processed in pairs, the first of a pair in ring stage 0 and the second in
   # stage 1, so that every stage, barrier and buffer index below is static.
-  (q_smem, ring), o_stage = union
-  slots_s = (slots0, slots1)
-  b, sp = jax.lax.axis_index("b"), jax.lax.axis_index("split")
-  wg = jax.lax.axis_index("wg")
-  ref_t = plgpu.RefType()
-  ring_raw, ring_offset = _ring_view(ring)
-  pairs = tiles // 2
+  q_smem, ring, o_stage, ring_raw, ring_offset, (b, sp, wg) = _program(union)
+  slots_s, ref_t, pairs = (slots0, slots1), plgpu.RefType(), tiles // 2
 
   @pl.when(wg == 2)
   def _producer():
@@ -312,13 +310,8 @@ def _kernel_two(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slo
   # tile t + 1's copies into the other ring stage, compute tile t, then wait for their
   # copies and meet at a barrier (tile t + 1 complete, tile t no longer read). Tiles go
   # in pairs (stage 0, stage 1) so that every stage and buffer index is static.
-  (q_smem, ring), o_stage = union
-  slots_s = (slots0, slots1)
-  b, sp = jax.lax.axis_index("b"), jax.lax.axis_index("split")
-  wg = jax.lax.axis_index("wg")
-  ref_t = plgpu.RefType()
-  ring_raw, ring_offset = _ring_view(ring)
-  pairs = tiles // 2
+  q_smem, ring, o_stage, ring_raw, ring_offset, (b, sp, wg) = _program(union)
+  slots_s, ref_t, pairs = (slots0, slots1), plgpu.RefType(), tiles // 2
 
   def gather(stage: int):
     plgpu.barrier_wait(slot_bar.at[stage])  # the tile's slot list is in
