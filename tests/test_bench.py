@@ -166,9 +166,9 @@ def test_mosaic_configs_parse():
   assert attention.parse_mosaic_config("auto") == MosaicAttentionConfig()
   assert attention.parse_mosaic_config("s1r208") == MosaicAttentionConfig(
       num_splits=1, consumer_registers=208)
-  assert attention.parse_mosaic_config("p0s2") == MosaicAttentionConfig(
-      num_splits=2, producer=False)
-  for bad in ("k64", "s", "s2 r208"):
+  assert attention.parse_mosaic_config("p0s2k32") == MosaicAttentionConfig(
+      num_splits=2, producer=False, block_k=32)
+  for bad in ("x64", "s", "s2 r208"):
     with pytest.raises(ValueError, match=r"--mosaic-configs: .*: expected 'auto' or "
                        r"letters s \(num_splits\), r \(consumer_registers\)"):
       attention.parse_mosaic_config(bad)

@@ -22,8 +22,10 @@ from ula_jax.kernels.sparse_attention.mosaic import (MosaicAttentionConfig,
 H, DL, DR = mosaic.HEADS, mosaic.LATENT, mosaic.ROPE
 CONFIGS = [MosaicAttentionConfig(), MosaicAttentionConfig(num_splits=1),
            MosaicAttentionConfig(num_splits=3), MosaicAttentionConfig(producer=False),
-           MosaicAttentionConfig(num_splits=3, producer=False)]
-config_id = lambda c: f"s{c.num_splits}{'' if c.producer else '-two'}"
+           MosaicAttentionConfig(num_splits=3, producer=False),
+           MosaicAttentionConfig(producer=False, block_k=32),
+           MosaicAttentionConfig(num_splits=1, producer=False, block_k=32)]
+config_id = lambda c: f"s{c.num_splits}{'' if c.producer else '-two'}-k{c.block_k}"
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
@@ -53,6 +55,14 @@ def test_register_split_never_asks_for_more_than_the_launch_gives(consumer, prod
   config = MosaicAttentionConfig(consumer_registers=consumer)
   assert config.producer_registers() == producer
   assert 2 * 128 * consumer + 128 * producer <= 168 * 3 * 128
+
+
+def test_block_k_needs_no_producer_for_32_rows():
+  with pytest.raises(ValueError, match="block_k=32: expected 64, or 32 without a producer"):
+    MosaicAttentionConfig(block_k=32)
+  with pytest.raises(ValueError, match="block_k=16"):
+    MosaicAttentionConfig(block_k=16, producer=False)
+  assert MosaicAttentionConfig(block_k=32, producer=False).ring() == (32, 4, 64)
 
 
 def test_shared_memory_fits_an_h200_block():

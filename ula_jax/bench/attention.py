@@ -106,12 +106,13 @@ def parse_config(token: str) -> AttentionConfig:
                        example="h64k64w8")
 
 
-_MOSAIC_FIELDS = {"s": "num_splits", "r": "consumer_registers", "p": "producer"}
+_MOSAIC_FIELDS = {"s": "num_splits", "r": "consumer_registers", "p": "producer",
+                  "k": "block_k"}
 
 
 def parse_mosaic_config(token: str) -> MosaicAttentionConfig:
   """'auto' -> MosaicAttentionConfig(); 's2r208' -> num_splits=2, consumer_registers=208;
-  'p0' -> producer=False."""
+  'p0k32' -> producer=False, block_k=32."""
   return _parse_tokens(token, MosaicAttentionConfig, _MOSAIC_FIELDS,
                        flag="--mosaic-configs", example="s2r208")
 
@@ -134,8 +135,8 @@ def _parser() -> argparse.ArgumentParser:
                       "(h block_h, k block_k, w num_warps, s num_splits, n num_stages, "
                       "p preload_slots)")
   p.add_argument("--mosaic-configs", default="auto",
-                 help="Mosaic configurations, comma list of 'auto' or e.g. s2r208, p0 (s "
-                 "num_splits, r consumer_registers, p producer warpgroup 1/0)")
+                 help="Mosaic configurations, comma list of 'auto' or e.g. s2r208, p0k32 (s "
+                 "num_splits, r consumer_registers, p producer warpgroup 1/0, k block_k)")
   p.add_argument("--ablations", default="",
                  help=f"also time each Pallas or Mosaic launch with part of its work left "
                  f"out, comma list of {list(ABLATIONS)}: 'compute' reuses one gathered block (the "

@@ -22,6 +22,10 @@ arithmetic alone and its gathers alone take about as long as each other and add 
 program writes its split's normalised output and log-sum-exp;
 ``pallas.merge_splits_pallas`` merges splits.
 
+Without a producer (``MosaicAttentionConfig(producer=False)``) the two warpgroups keep
+255 registers each and issue the copies themselves, ``stages - 1`` tiles ahead, at the
+start of every step, with 64-row tiles in two stages or 32-row tiles in four.
+
 GPU only (sm_90a): Mosaic GPU's interpret mode has no transposed shared-memory operand,
 register operand or layout cast, and the producer is inline Mosaic GPU code. On other
 machines ``lower_for_cuda`` checks that it lowers.
@@ -41,13 +45,13 @@ _LOG2E = math.log2(math.e)
 HEADS, LATENT, ROPE = 64, 512, 64
 WIDTH = LATENT + ROPE  # 576 bf16 per row: 72 chunks of 16 bytes, 9 swizzle columns of 64
 _CHUNKS = WIDTH * 2 // 16
-_TILE = (8, 64)  # bf16 tiles of the 128-byte swizzle
 _WG = 128  # threads per warpgroup
 _LAUNCH_REGISTERS = 65536 // (3 * _WG) // 8 * 8  # per thread at launch: 168
 
 
 BLOCK_K = 64  # rows per ring tile (the output matmul's K: a multiple of the swizzle's 64)
 STAGES = 2  # ring tiles: two 72-KB tiles and the 72-KB queries fill a block's 227 KB
+MAX_SPLIT_ROWS = 1024  # without a producer: a split's slot list in shared memory (4 KB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +65,16 @@ class MosaicAttentionConfig:
               what is left of the launch's (``producer_registers``)
   producer:   a producer warpgroup gathers the tiles; False: no producer, the two
               consumers (255 registers each, nothing to share with a third) issue the
-              next tile's copies themselves at the start of each step
+              copies themselves, ``stages - 1`` tiles ahead, at the start of each step
+  block_k:    rows per ring tile: 64 (two stages, the 128-byte swizzle) or, without a
+              producer, 32 (four stages, the 64-byte swizzle: the output matmul's K of
+              32 is a multiple of its 32 columns)
   """
 
   num_splits: int | None = None
   consumer_registers: int = 232
   producer: bool = True
+  block_k: int = 64
 
   def __post_init__(self):
     if self.num_splits is not None and (isinstance(self.num_splits, bool)
@@ -77,6 +85,9 @@ class MosaicAttentionConfig:
     if not isinstance(self.producer, bool):
       raise ValueError(f"MosaicAttentionConfig.producer={self.producer!r}: expected true "
                        "or false")
+    if self.block_k not in (32, 64) or (self.block_k == 32 and self.producer):
+      raise ValueError(f"MosaicAttentionConfig.block_k={self.block_k!r}: expected 64, or "
+                       "32 without a producer (producer=False)")
     r = self.consumer_registers
     if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 168 <= r <= 232:
       raise ValueError(f"MosaicAttentionConfig.consumer_registers={r!r}: expected a "
@@ -90,6 +101,10 @@ class MosaicAttentionConfig:
     pool = _LAUNCH_REGISTERS * 3 * _WG
     return (pool - 2 * _WG * self.consumer_registers) // _WG // 8 * 8
 
+  def ring(self) -> tuple[int, int, int]:
+    """(rows per tile, stages, swizzle bytes): each ring holds 144 KB."""
+    return (64, 2, 128) if self.block_k == 64 else (32, 4, 64)
+
   def splits(self, B: int) -> int:
     return self.num_splits or (2 if B < 128 else 1)
 
@@ -100,15 +115,21 @@ def smem_bytes() -> int:
   return (HEADS + STAGES * BLOCK_K) * WIDTH * 2 + 2048
 
 
-def _gather_tile(stage: int, ring_offset: int, threads: int = _WG):
-  """Inline Mosaic GPU code of the producer: this thread's share of one tile's 64 rows
-  (their pool rows listed in ``slots`` [64] int32, shared memory) into ring stage
+def _gather_tile(stage: int, ring_offset: int, *, threads: int = _WG,
+                 block_k: int = BLOCK_K, swizzle: int = 128, tile: int | None = None):
+  """Inline Mosaic GPU code: this thread's share of one tile's ``block_k`` rows (their
+  pool rows listed in ``slots``, shared memory: [block_k] int32, or with ``tile`` the
+  split's whole list [tiles, block_k] and this tile's index in it) into ring stage
   ``stage`` (``ring``: the shared memory holding the ring ``ring_offset`` bytes in), as
   16-byte ``cp.async`` copies in one commit group; the tile is shared by ``threads``
-  threads (one warpgroup, or two)."""
+  threads (one warpgroup, or two). The ring is in (8, swizzle / 2) bf16 tiles with the
+  ``swizzle``-byte swizzle (128 or 64)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, memref, nvvm
   from jax.experimental.mosaic.gpu import utils as mu
+
+  per_row = swizzle // 16  # 16-byte chunks in a tile row
+  tiles_per_row = WIDTH * 2 // swizzle
 
   def body(ctx, pool, slots, ring):
     del ctx
@@ -118,20 +139,25 @@ def _gather_tile(stage: int, ring_offset: int, threads: int = _WG):
     tid = arith.remui(mu.thread_idx(), c(threads))
     gbase = llvm.addrspacecast(llvm.PointerType.get(address_space=1), mu.memref_ptr(pool))
     sbase = mu.memref_ptr(ring)
-    base = ring_offset + stage * BLOCK_K * WIDTH * 2
-    for it in range(BLOCK_K * _CHUNKS // threads):
+    base = ring_offset + stage * block_k * WIDTH * 2
+    for it in range(block_k * _CHUNKS // threads):
       h = arith.addi(c(it * threads), tid)
       row, e = arith.divui(h, c(_CHUNKS)), arith.remui(h, c(_CHUNKS))
-      r8, j, col = arith.remui(row, c(8)), arith.remui(e, c(8)), arith.divui(e, c(8))
-      slot = memref.load(slots, [arith.index_cast(index, row)])
-      # Row-major source; destination in (8, 64) tiles with the 128-byte swizzle: the
-      # 16-byte chunk j of tile row r8 lands at chunk j ^ r8.
+      r8, j = arith.remui(row, c(8)), arith.remui(e, c(per_row))
+      at = [arith.index_cast(index, row)]
+      if tile is not None:
+        at = [arith.index_cast(index, c(tile))] + at
+      slot = memref.load(slots, at)
+      # Row-major source; destination in (8, swizzle / 2) tiles: the swizzle moves the
+      # 16-byte chunk j of tile row r8 to chunk j ^ ((r8 * swizzle / 128) % per_row).
+      group = arith.remui(arith.divui(arith.muli(r8, c(swizzle)), c(128)), c(per_row))
+      tile_idx = arith.addi(arith.muli(arith.divui(row, c(8)), c(tiles_per_row)),
+                            arith.divui(e, c(per_row)))
       soff = arith.addi(
           c(base),
-          arith.addi(arith.muli(arith.addi(arith.muli(arith.divui(row, c(8)),
-                                                      c(WIDTH // 64)), col), c(1024)),
-                     arith.addi(arith.muli(r8, c(128)), arith.muli(arith.xori(j, r8),
-                                                                  c(16)))))
+          arith.addi(arith.muli(tile_idx, c(8 * swizzle)),
+                     arith.addi(arith.muli(r8, c(swizzle)),
+                                arith.muli(arith.xori(j, group), c(16)))))
       goff = arith.addi(arith.muli(arith.extui(i64, slot), arith.constant(i64, WIDTH * 2)),
                         arith.extui(i64, arith.muli(e, c(16))))
       nvvm.cp_async_shared_global(mu.getelementptr(sbase, [soff], i8),
@@ -165,18 +191,22 @@ def _softmax_init():
                             plgpu.Layout.WGMMA))
 
 
-def _tile_step(q_smem, stage, bits_smem, t, w: int, scale2: float, m, l, acc):
-  """One consumer's work on tile ``t`` in ring ``stage``: the scores of all 64 heads,
-  masked by the tile's validity bits, the online softmax (base 2) and output columns
-  ``[256 w, 256 w + 256)``. -> the new (m, l, acc)."""
+def _tile_step(q_smem, stage, bits_smem, t, w: int, scale2: float, m, l, acc,
+               block_k: int = BLOCK_K):
+  """One consumer's work on tile ``t`` (``block_k`` rows) in ring ``stage``: the scores
+  of all 64 heads, masked by the tile's validity bits, the online softmax (base 2) and
+  output columns ``[256 w, 256 w + 256)``. -> the new (m, l, acc)."""
 
   def scores(acc_ref):
     plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(stage, (1, 0)))
     return acc_ref[...]
 
-  sc = pl.run_scoped(scores, plgpu.ACC((HEADS, BLOCK_K), jnp.float32))
-  col = plgpu.broadcasted_iota(jnp.int32, (HEADS, BLOCK_K), 1, layout=plgpu.Layout.WGMMA)
-  word = jnp.where(col < 32, bits_smem[2 * t], bits_smem[2 * t + 1])
+  sc = pl.run_scoped(scores, plgpu.ACC((HEADS, block_k), jnp.float32))
+  col = plgpu.broadcasted_iota(jnp.int32, (HEADS, block_k), 1, layout=plgpu.Layout.WGMMA)
+  if block_k == 64:
+    word = jnp.where(col < 32, bits_smem[2 * t], bits_smem[2 * t + 1])
+  else:
+    word = bits_smem[t]
   ok = jnp.bitwise_and(jnp.right_shift(word, jnp.bitwise_and(col, 31)), 1) != 0
   sc = jnp.where(ok, sc * scale2, -jnp.inf)
   m_new = jnp.maximum(m, sc.max(axis=1))
@@ -303,24 +333,26 @@ def _kernel(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slots0,
   pl.when(wg == 1)(lambda: consumer(1))
 
 
-def _kernel_two(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slots0,
-                slots1, bits_smem, lse_smem, in_bar, slot_bar, step_bar, *, tiles: int,
-                scale2: float, ablation: str | None):
-  # Two warpgroups and no producer: at the start of step t both issue their halves of
-  # tile t + 1's copies into the other ring stage, compute tile t, then wait for their
-  # copies and meet at a barrier (tile t + 1 complete, tile t no longer read). Tiles go
-  # in pairs (stage 0, stage 1) so that every stage and buffer index is static.
+def _kernel_static(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slots,
+                   bits_smem, lse_smem, in_bar, slot_bar, step_bar, *, tiles: int,
+                   stages: int, block_k: int, swizzle: int, scale2: float,
+                   ablation: str | None):
+  # Two warpgroups and no producer, every step unrolled (static stages and slot list
+  # offsets): at the start of step t both issue their halves of tile t + stages - 1's
+  # copies into the stage tile t - 1 left, compute tile t, then wait until tile t + 1
+  # has landed and meet at a barrier (so tile t is no longer read either).
   q_smem, ring, o_stage, ring_raw, ring_offset, (b, sp, wg) = _program(union)
-  slots_s, ref_t, pairs = (slots0, slots1), plgpu.RefType(), tiles // 2
+  ref_t = plgpu.RefType()
 
-  def gather(stage: int):
-    plgpu.barrier_wait(slot_bar.at[stage])  # the tile's slot list is in
-    plgpu.inline_mgpu(arg_types=(ref_t,) * 3)(
-        _gather_tile(stage, ring_offset, threads=2 * _WG))(pool_ref, slots_s[stage],
-                                                           ring_raw)
+  def gather(t: int):
+    if ablation == "compute" and t >= stages:  # the first tiles only, reused
+      return
+    plgpu.inline_mgpu(arg_types=(ref_t,) * 3)(_gather_tile(
+        t % stages, ring_offset, threads=2 * _WG, block_k=block_k, swizzle=swizzle,
+        tile=t))(pool_ref, slots, ring_raw)
 
-  def land():  # this warpgroup's copies landed; then both warpgroups meet
-    plgpu.inline_mgpu()(_wait_groups(0))()
+  def land(pending: int):  # this warpgroup's copies but ``pending`` landed; then meet
+    plgpu.inline_mgpu()(_wait_groups(max(pending, 0)))()
     plgpu.commit_smem()
     plgpu.barrier_arrive(step_bar)
     plgpu.barrier_wait(step_bar)
@@ -329,33 +361,23 @@ def _kernel_two(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slo
     if w == 0:  # one warpgroup issues the bulk copies (one arrival each)
       plgpu.copy_gmem_to_smem(bits_ref.at[b, sp], bits_smem, in_bar)
       plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, in_bar)
-      for s in range(2):
-        plgpu.copy_gmem_to_smem(slots_ref.at[b, sp, s], slots_s[s], slot_bar.at[s])
-    gather(0)
-    land()
+      plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], slots, slot_bar)
+    plgpu.barrier_wait(slot_bar)
+    ahead = min(stages - 1, tiles)
+    for t in range(ahead):
+      gather(t)
+    land(ahead - 1)  # tile 0
     plgpu.barrier_wait(in_bar)
-
-    def pair(jj, carry):
-      m, l, acc = carry
-      for s in range(2):
-        t = 2 * jj + s
-        if w == 0:  # slot list s held tile t, read before the last barrier: refill
-          @pl.when(t + 2 < tiles)
-          def _():
-            plgpu.copy_gmem_to_smem(slots_ref.at[b, sp, t + 2], slots_s[s],
-                                    slot_bar.at[s])
-
-        nxt = (lambda: gather(1 - s))
-        if ablation == "compute":  # tiles 0 and 1 only, reused by every step
-          pl.when(t == 0)(nxt)
-        else:
-          pl.when(t + 1 < tiles)(nxt)
-        if ablation != "gather":
-          m, l, acc = _tile_step(q_smem, ring.at[s], bits_smem, t, w, scale2, m, l, acc)
-        land()
-      return m, l, acc
-
-    m, l, acc = jax.lax.fori_loop(0, pairs, pair, _softmax_init())
+    m, l, acc = _softmax_init()
+    for t in range(tiles):
+      if t + stages - 1 < tiles:
+        gather(t + stages - 1)
+      if ablation != "gather":
+        m, l, acc = _tile_step(q_smem, ring.at[t % stages], bits_smem, t, w, scale2, m, l,
+                               acc, block_k)
+      if t + 1 < tiles:
+        land(min(t + stages - 1, tiles - 1) - (t + 1))
+    land(0)  # both done reading before the output staging reuses the memory
     _write_out(o_stage, lse_smem, o_ref.at[b, sp], lse_ref.at[b, sp], w, m, l, acc)
 
   pl.when(wg == 0)(lambda: body(0))
@@ -390,8 +412,11 @@ def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   if pool.dtype != jnp.bfloat16:
     raise ValueError(f"pool.dtype={pool.dtype}: the Mosaic kernel takes bfloat16 pools")
   S, k = pool.shape[0], slots.shape[1]
-  splits, bk = config.splits(B), BLOCK_K
-  tiles = 2 * -(-k // (2 * bk * splits))  # per split, an even number (pairs of stages)
+  bk, stages, swizzle = config.ring()
+  splits = config.splits(B)
+  if not config.producer:  # the split's whole slot list sits in shared memory
+    splits = max(splits, -(-k // MAX_SPLIT_ROWS))
+  tiles = stages * -(-k // (stages * bk * splits))  # per split, whole rounds of the ring
   kp = tiles * bk * splits
   pad = ((0, 0), (0, kp - k))
   slots = jnp.pad(jnp.where(valid, jnp.clip(slots, 0, S - 1), 0).astype(jnp.int32), pad)
@@ -407,33 +432,29 @@ def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   slots = slots.reshape(B, splits, tiles, bk)
   q = jnp.concatenate([q_lat, q_rope], axis=-1).astype(jnp.bfloat16)
 
-  tiled = (plgpu.TilingTransform(_TILE), plgpu.SwizzleTransform(128))
+  tiled = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
   out_tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
   union = plgpu.RefUnion(
       (plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=tiled),
-       plgpu.SMEM((STAGES, bk, WIDTH), jnp.bfloat16, transforms=tiled)),
+       plgpu.SMEM((stages, bk, WIDTH), jnp.bfloat16, transforms=tiled)),
       plgpu.SMEM((2, HEADS, LATENT // 2), jnp.float32, transforms=out_tiled))
-  common = [
-      union,
-      plgpu.SMEM((bk,), jnp.int32),  # the slot lists of the tiles in stage 0 and 1
-      plgpu.SMEM((bk,), jnp.int32),
-      plgpu.SMEM((wpad,), jnp.int32),
-      plgpu.SMEM((HEADS,), jnp.float32),
-      plgpu.Barrier(num_arrivals=2),  # bits and queries copied in
-      plgpu.Barrier(num_arrivals=1, num_barriers=2),  # a slot list copied in
-  ]
+  small = [plgpu.SMEM((wpad,), jnp.int32), plgpu.SMEM((HEADS,), jnp.float32),
+           plgpu.Barrier(num_arrivals=2)]  # bits and queries copied in
   static = dict(tiles=tiles, scale2=float(scale) * _LOG2E, ablation=ablation)
   if config.producer:
     body = lambda *refs: _kernel(*refs, **static, registers=(
         config.consumer_registers, config.producer_registers()))
-    scratch = common + [
-        plgpu.Barrier(num_arrivals=1, num_barriers=2),  # a ring tile landed
-        plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both consumers done with it
-        plgpu.Barrier(num_arrivals=2),  # both consumers left the loop
-    ]
+    scratch = [union, plgpu.SMEM((bk,), jnp.int32), plgpu.SMEM((bk,), jnp.int32), *small,
+               plgpu.Barrier(num_arrivals=1, num_barriers=2),  # a slot list copied in
+               plgpu.Barrier(num_arrivals=1, num_barriers=2),  # a ring tile landed
+               plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both consumers done
+               plgpu.Barrier(num_arrivals=2)]  # both consumers left the loop
   else:
-    body = lambda *refs: _kernel_two(*refs, **static)
-    scratch = common + [plgpu.Barrier(num_arrivals=2)]  # the end of a step
+    body = lambda *refs: _kernel_static(*refs, **static, stages=stages, block_k=bk,
+                                        swizzle=swizzle)
+    scratch = [union, plgpu.SMEM((tiles, bk), jnp.int32), *small,
+               plgpu.Barrier(num_arrivals=1),  # the slot list copied in
+               plgpu.Barrier(num_arrivals=2)]  # the end of a step
   kernel = plgpu.kernel(
       body,
       out_type=(jax.ShapeDtypeStruct((B, splits, HEADS, LATENT), jnp.float32),
