@@ -4,9 +4,9 @@
 #     OUT=/some/dir bash scripts/gpu_mosaic.sh
 #
 # Steps: tests (tests/test_sparse_attention_mosaic.py -m gpu: every launch form against
-# the reference), ptxas (registers and spills of each launch form, from
+# the reference), ptxas (registers and spills of each launch form at batch 64, k 2048, from
 # MOSAIC_GPU_DUMP_PTXAS), bench (ula_jax.bench.attention at batch 64 and 128: the Triton
-# kernel and the Mosaic launch forms MOSAIC_CONFIGS, default auto,p0,p0k32, with
+# kernel and the Mosaic launch forms MOSAIC_CONFIGS, default auto,k32,p1, with
 # --ablations compute,gather). Results under $OUT: bench_mosaic.json and the logs; the
 # last lines printed are the steps' table and the benchmark's rows.
 set -u
@@ -14,8 +14,8 @@ cd "$(dirname "$0")/.."
 # shellcheck source=scripts/gpu_steps.sh
 source scripts/gpu_steps.sh
 gpu_setup gpu_mosaic 540
-CONFIGS=${MOSAIC_CONFIGS:-auto,p0,p0k32}
-step tests 200 "$PY" -m pytest -m gpu tests/test_sparse_attention_mosaic.py -q \
+CONFIGS=${MOSAIC_CONFIGS:-auto,k32,p1}
+step tests 150 "$PY" -m pytest -m gpu tests/test_sparse_attention_mosaic.py -q \
   -p no:cacheprovider -W ignore::DeprecationWarning
 MOSAIC_GPU_DUMP_PTXAS=1 step ptxas 120 "$PY" -c "
 import sys, jax, jax.numpy as jnp
@@ -25,9 +25,9 @@ z = jnp.zeros
 for token in sys.argv[1].split(','):
   print('CONFIG', token, flush=True)
   g = jax.jit(lambda *a: f(*a, scale=0.1, config=parse_mosaic_config(token), merge=False))
-  jax.block_until_ready(g(z((2, 64, 512), jnp.bfloat16), z((2, 64, 64), jnp.bfloat16),
-                          z((300, 576), jnp.bfloat16), z((2, 256), jnp.int32),
-                          z((2, 256), bool)))
+  jax.block_until_ready(g(z((64, 64, 512), jnp.bfloat16), z((64, 64, 64), jnp.bfloat16),
+                          z((300, 576), jnp.bfloat16), z((64, 2048), jnp.int32),
+                          z((64, 2048), bool)))
   print('RAN', token, flush=True)" "$CONFIGS"
 grep -E "CONFIG|RAN|registers|spill" "$WORK/ptxas.log"
 step bench 240 "$PY" -c "

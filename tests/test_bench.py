@@ -168,6 +168,7 @@ def test_mosaic_configs_parse():
       num_splits=1, consumer_registers=208)
   assert attention.parse_mosaic_config("p0s2k32") == MosaicAttentionConfig(
       num_splits=2, producer=False, block_k=32)
+  assert attention.parse_mosaic_config("p1") == MosaicAttentionConfig(producer=True)
   for bad in ("x64", "s", "s2 r208"):
     with pytest.raises(ValueError, match=r"--mosaic-configs: .*: expected 'auto' or "
                        r"letters s \(num_splits\), r \(consumer_registers\)"):

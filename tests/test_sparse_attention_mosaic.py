@@ -20,11 +20,11 @@ from ula_jax.kernels.sparse_attention.mosaic import (MosaicAttentionConfig,
                                                      sparse_mla_attention_mosaic)
 
 H, DL, DR = mosaic.HEADS, mosaic.LATENT, mosaic.ROPE
-CONFIGS = [MosaicAttentionConfig(), MosaicAttentionConfig(num_splits=1),
-           MosaicAttentionConfig(num_splits=3), MosaicAttentionConfig(producer=False),
-           MosaicAttentionConfig(num_splits=3, producer=False),
-           MosaicAttentionConfig(producer=False, block_k=32),
-           MosaicAttentionConfig(num_splits=1, producer=False, block_k=32)]
+CONFIGS = [MosaicAttentionConfig(producer=True),
+           MosaicAttentionConfig(num_splits=1, producer=True),
+           MosaicAttentionConfig(num_splits=3, producer=True), MosaicAttentionConfig(),
+           MosaicAttentionConfig(num_splits=3), MosaicAttentionConfig(block_k=32),
+           MosaicAttentionConfig(num_splits=1, block_k=32)]
 config_id = lambda c: f"s{c.num_splits}{'' if c.producer else '-two'}-k{c.block_k}"
 
 
@@ -52,17 +52,18 @@ def test_register_split_never_asks_for_more_than_the_launch_gives(consumer, prod
   # 384 threads launch with 168 registers each; a setmaxnreg increase waits for free
   # registers, so the consumers' increase must be covered by the producer's decrease
   # (232 for the consumers with 48 for the producer hung on an H200).
-  config = MosaicAttentionConfig(consumer_registers=consumer)
+  config = MosaicAttentionConfig(consumer_registers=consumer, producer=True)
   assert config.producer_registers() == producer
   assert 2 * 128 * consumer + 128 * producer <= 168 * 3 * 128
 
 
 def test_block_k_needs_no_producer_for_32_rows():
   with pytest.raises(ValueError, match="block_k=32: expected 64, or 32 without a producer"):
-    MosaicAttentionConfig(block_k=32)
+    MosaicAttentionConfig(block_k=32, producer=True)
   with pytest.raises(ValueError, match="block_k=16"):
-    MosaicAttentionConfig(block_k=16, producer=False)
-  assert MosaicAttentionConfig(block_k=32, producer=False).ring() == (32, 4, 64)
+    MosaicAttentionConfig(block_k=16)
+  assert MosaicAttentionConfig(block_k=32).ring() == (32, 4, 64)
+  assert not MosaicAttentionConfig().producer  # the faster form on an H200
 
 
 def test_shared_memory_fits_an_h200_block():

@@ -111,10 +111,10 @@ _MOSAIC_FIELDS = {"s": "num_splits", "r": "consumer_registers", "p": "producer",
 
 
 def parse_mosaic_config(token: str) -> MosaicAttentionConfig:
-  """'auto' -> MosaicAttentionConfig(); 's2r208' -> num_splits=2, consumer_registers=208;
-  'p0k32' -> producer=False, block_k=32."""
+  """'auto' -> MosaicAttentionConfig(); 'p1s2r208' -> producer=True, num_splits=2,
+  consumer_registers=208; 'k32' -> block_k=32."""
   return _parse_tokens(token, MosaicAttentionConfig, _MOSAIC_FIELDS,
-                       flag="--mosaic-configs", example="s2r208")
+                       flag="--mosaic-configs", example="p1r208")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -135,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
                       "(h block_h, k block_k, w num_warps, s num_splits, n num_stages, "
                       "p preload_slots)")
   p.add_argument("--mosaic-configs", default="auto",
-                 help="Mosaic configurations, comma list of 'auto' or e.g. s2r208, p0k32 (s "
+                 help="Mosaic configurations, comma list of 'auto' or e.g. k32, p1r208 (s "
                  "num_splits, r consumer_registers, p producer warpgroup 1/0, k block_k)")
   p.add_argument("--ablations", default="",
                  help=f"also time each Pallas or Mosaic launch with part of its work left "

@@ -1,33 +1,33 @@
-"""Sparse MLA decode attention as a warp-specialised Pallas Mosaic GPU kernel (Hopper).
+"""Sparse MLA decode attention as a Pallas Mosaic GPU kernel (Hopper).
 
 Same contract as ``reference.sparse_mla_attention_reference`` for 64 heads and
 576-wide rows (512 latent + 64 rope), bf16 queries and pool. One program per (request,
-k split), three warpgroups:
+k split). Hopper's tensor memory accelerator has no row gather, so the split's selected
+rows are gathered by 16-byte ``cp.async`` copies (from ``plgpu.inline_mgpu``) straight
+into the tensor cores' swizzled layout, a tile of rows at a time, into a ring of
+shared-memory tiles next to the queries. Two warpgroups each compute a tile's scores
+for all 64 heads (``wgmma``, queries and rows in shared memory), the online softmax in
+float32 (base 2) and half of the 512 output columns (``wgmma`` with the probabilities in
+registers). Two launch forms (``MosaicAttentionConfig.producer``):
 
-- a producer gathers the split's selected rows, 64 at a time, into a ring of two
-  shared-memory tiles. Hopper's tensor memory accelerator has no row gather,
-  so each of its 128 threads issues 16-byte ``cp.async`` copies (from
-  ``plgpu.inline_mgpu``) straight into the tensor cores' swizzled layout and signals
-  each tile when its copies landed;
-- two consumers each compute the tile's scores for all 64 heads (``wgmma``, queries
-  and rows in shared memory), the online softmax in float32 (base 2), and half of the
-  512 output columns (``wgmma`` with the probabilities in registers), then release the
-  tile to the producer.
+- two warpgroups (the default): both issue their halves of the copies of tile
+  ``t + stages - 1`` at the start of step ``t``, in a loop over rounds of the ring's
+  ``stages`` tiles (64-row tiles in two stages, or 32-row tiles in four);
+- three: a producer warpgroup issues every copy and signals each tile when it landed;
+  the two consumers raise their registers with ``setmaxnreg`` to what the producer
+  gives up.
 
-The structure lets the consumers compute on one tile while the producer's copies for
-the next are in flight, the overlap the Triton kernel's pipeline misses. Measured on an
-H200 it does not get it yet: the kernel is exact but slower than the Triton one, its
-arithmetic alone and its gathers alone take about as long as each other and add up
-(``RESULTS.md``; ptxas compiles it to 168 registers per thread with spills). Each
-program writes its split's normalised output and log-sum-exp;
-``pallas.merge_splits_pallas`` merges splits.
-
-Without a producer (``MosaicAttentionConfig(producer=False)``) the two warpgroups keep
-255 registers each and issue the copies themselves, ``stages - 1`` tiles ahead, at the
-start of every step, with 64-row tiles in two stages or 32-row tiles in four.
+Measured on an H200 (``RESULTS.md``) both are exact and slower than the Triton kernel:
+the copies do not overlap the arithmetic. In the two-warpgroup form the time is the
+same whether or not a step waits for its copies to land, so issuing them is what stalls
+the warps that then compute; with a producer its single warpgroup issues them at half
+the rate, and the consumers compile to 168 registers with spills. The arithmetic alone
+takes twice the Triton kernel's for the same tensor-core instructions. Each program
+writes its split's normalised output and log-sum-exp; ``pallas.merge_splits_pallas``
+merges splits.
 
 GPU only (sm_90a): Mosaic GPU's interpret mode has no transposed shared-memory operand,
-register operand or layout cast, and the producer is inline Mosaic GPU code. On other
+register operand or layout cast, and the copies are inline Mosaic GPU code. On other
 machines ``lower_for_cuda`` checks that it lowers.
 """
 
@@ -60,12 +60,14 @@ class MosaicAttentionConfig:
 
   num_splits: programs per request along k (None: 2 below 128 requests, else 1 -- an
               H200 has 132 SMs and a program takes one)
-  consumer_registers: registers per thread of each consumer warpgroup after its
-              ``setmaxnreg`` (a multiple of 8, 168-232); the producer lowers its own to
-              what is left of the launch's (``producer_registers``)
-  producer:   a producer warpgroup gathers the tiles; False: no producer, the two
-              consumers (255 registers each, nothing to share with a third) issue the
-              copies themselves, ``stages - 1`` tiles ahead, at the start of each step
+  consumer_registers: with a producer, registers per thread of each consumer
+              warpgroup after its ``setmaxnreg`` (a multiple of 8, 168-232); the
+              producer lowers its own to what is left of the launch's
+              (``producer_registers``)
+  producer:   False (default): two warpgroups (255 registers each) that issue the
+              copies themselves, ``stages - 1`` tiles ahead, at the start of each step;
+              True: a third, producer warpgroup gathers the tiles (the faster form on
+              an H200 is the default: ``RESULTS.md``)
   block_k:    rows per ring tile: 64 (two stages, the 128-byte swizzle) or, without a
               producer, 32 (four stages, the 64-byte swizzle: the output matmul's K of
               32 is a multiple of its 32 columns)
@@ -73,7 +75,7 @@ class MosaicAttentionConfig:
 
   num_splits: int | None = None
   consumer_registers: int = 232
-  producer: bool = True
+  producer: bool = False
   block_k: int = 64
 
   def __post_init__(self):
@@ -116,12 +118,12 @@ def smem_bytes() -> int:
 
 
 def _gather_tile(stage: int, ring_offset: int, *, threads: int = _WG,
-                 block_k: int = BLOCK_K, swizzle: int = 128, tile: int | None = None):
+                 block_k: int = BLOCK_K, swizzle: int = 128, commit: bool = True):
   """Inline Mosaic GPU code: this thread's share of one tile's ``block_k`` rows (their
-  pool rows listed in ``slots``, shared memory: [block_k] int32, or with ``tile`` the
-  split's whole list [tiles, block_k] and this tile's index in it) into ring stage
+  pool rows listed in ``slots``, shared memory: [block_k] int32) into ring stage
   ``stage`` (``ring``: the shared memory holding the ring ``ring_offset`` bytes in), as
-  16-byte ``cp.async`` copies in one commit group; the tile is shared by ``threads``
+  16-byte ``cp.async`` copies, closing their commit group unless ``commit`` is False
+  (then ``_commit_group`` closes it); the tile is shared by ``threads``
   threads (one warpgroup, or two). The ring is in (8, swizzle / 2) bf16 tiles with the
   ``swizzle``-byte swizzle (128 or 64)."""
   from jax._src.lib.mlir import ir
@@ -144,10 +146,7 @@ def _gather_tile(stage: int, ring_offset: int, *, threads: int = _WG,
       h = arith.addi(c(it * threads), tid)
       row, e = arith.divui(h, c(_CHUNKS)), arith.remui(h, c(_CHUNKS))
       r8, j = arith.remui(row, c(8)), arith.remui(e, c(per_row))
-      at = [arith.index_cast(index, row)]
-      if tile is not None:
-        at = [arith.index_cast(index, c(tile))] + at
-      slot = memref.load(slots, at)
+      slot = memref.load(slots, [arith.index_cast(index, row)])
       # Row-major source; destination in (8, swizzle / 2) tiles: the swizzle moves the
       # 16-byte chunk j of tile row r8 to chunk j ^ ((r8 * swizzle / 128) % per_row).
       group = arith.remui(arith.divui(arith.muli(r8, c(swizzle)), c(128)), c(per_row))
@@ -163,6 +162,19 @@ def _gather_tile(stage: int, ring_offset: int, *, threads: int = _WG,
       nvvm.cp_async_shared_global(mu.getelementptr(sbase, [soff], i8),
                                   mu.getelementptr(gbase, [goff], i8), 16,
                                   nvvm.LoadCacheModifierKind.CG)
+    if commit:
+      nvvm.cp_async_commit_group()
+    return None
+
+  return body
+
+
+def _commit_group():
+  """Inline Mosaic GPU code: close this thread's copy group (empty if it issued none)."""
+  from jax._src.lib.mlir.dialects import nvvm
+
+  def body(ctx):
+    del ctx
     nvvm.cp_async_commit_group()
     return None
 
@@ -337,22 +349,26 @@ def _kernel_static(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, 
                    bits_smem, lse_smem, in_bar, slot_bar, step_bar, *, tiles: int,
                    stages: int, block_k: int, swizzle: int, scale2: float,
                    ablation: str | None):
-  # Two warpgroups and no producer, every step unrolled (static stages and slot list
-  # offsets): at the start of step t both issue their halves of tile t + stages - 1's
-  # copies into the stage tile t - 1 left, compute tile t, then wait until tile t + 1
-  # has landed and meet at a barrier (so tile t is no longer read either).
+  # Two warpgroups and no producer. A loop over rounds of ``stages`` tiles, step s of a
+  # round in ring stage s (every stage static): at the start of step t both issue their
+  # halves of tile t + stages - 1's copies into the stage tile t - 1 left, compute tile
+  # t, then wait until tile t + 1 has landed and meet at a barrier (so tile t is no
+  # longer read either). Every step commits one copy group, empty past the last tile, so
+  # the groups left in flight are the same at every step. (With every step unrolled the
+  # kernel was ~400 KB of instructions with 2.4 times the spills, and slower: RESULTS.md.)
   q_smem, ring, o_stage, ring_raw, ring_offset, (b, sp, wg) = _program(union)
   ref_t = plgpu.RefType()
 
-  def gather(t: int):
-    if ablation == "compute" and t >= stages:  # the first tiles only, reused
-      return
+  def copies(t, stage: int):
     plgpu.inline_mgpu(arg_types=(ref_t,) * 3)(_gather_tile(
-        t % stages, ring_offset, threads=2 * _WG, block_k=block_k, swizzle=swizzle,
-        tile=t))(pool_ref, slots, ring_raw)
+        stage, ring_offset, threads=2 * _WG, block_k=block_k, swizzle=swizzle,
+        commit=False))(pool_ref, slots.at[t], ring_raw)
 
-  def land(pending: int):  # this warpgroup's copies but ``pending`` landed; then meet
-    plgpu.inline_mgpu()(_wait_groups(max(pending, 0)))()
+  def commit():
+    plgpu.inline_mgpu()(_commit_group())()
+
+  def land(pending: int):  # this warpgroup's copies but ``pending`` groups landed; meet
+    plgpu.inline_mgpu()(_wait_groups(pending))()
     plgpu.commit_smem()
     plgpu.barrier_arrive(step_bar)
     plgpu.barrier_wait(step_bar)
@@ -363,20 +379,29 @@ def _kernel_static(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, 
       plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, in_bar)
       plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], slots, slot_bar)
     plgpu.barrier_wait(slot_bar)
-    ahead = min(stages - 1, tiles)
-    for t in range(ahead):
-      gather(t)
-    land(ahead - 1)  # tile 0
+    for t in range(stages - 1):  # tiles is a multiple of stages
+      copies(t, t)
+      commit()
+    land(stages - 2)  # tile 0
     plgpu.barrier_wait(in_bar)
-    m, l, acc = _softmax_init()
-    for t in range(tiles):
-      if t + stages - 1 < tiles:
-        gather(t + stages - 1)
-      if ablation != "gather":
-        m, l, acc = _tile_step(q_smem, ring.at[t % stages], bits_smem, t, w, scale2, m, l,
-                               acc, block_k)
-      if t + 1 < tiles:
-        land(min(t + stages - 1, tiles - 1) - (t + 1))
+
+    def round_(r, carry):
+      m, l, acc = carry
+      for s in range(stages):
+        t = r * stages + s
+        nxt = t + stages - 1
+        issue = nxt < tiles
+        if ablation == "compute":  # the first tiles only, reused
+          issue = jnp.logical_and(issue, nxt < stages)
+        pl.when(issue)(lambda: copies(nxt, (s + stages - 1) % stages))
+        commit()
+        if ablation != "gather":
+          m, l, acc = _tile_step(q_smem, ring.at[s], bits_smem, t, w, scale2, m, l, acc,
+                                 block_k)
+        land(stages - 2)  # tile t + 1 (past the end: nothing in flight but empty groups)
+      return m, l, acc
+
+    m, l, acc = jax.lax.fori_loop(0, tiles // stages, round_, _softmax_init())
     land(0)  # both done reading before the output staging reuses the memory
     _write_out(o_stage, lse_smem, o_ref.at[b, sp], lse_ref.at[b, sp], w, m, l, acc)
 

@@ -1,0 +1,137 @@
+"""Where the Mosaic GPU sparse attention's time goes, part by part (Hopper GPU).
+
+Times ``sparse_mla_attention_mosaic`` with parts of a tile step replaced, for each
+launch form (``--configs``, the attention benchmark's Mosaic tokens) and variant
+(``--variants``). The outputs of a variant other than ``full`` are not attention; each
+variant keeps the data dependences of what it leaves in, so that nothing is optimised
+away:
+
+  full           the kernel as it is
+  scores_only    scores (wgmma) and the online softmax, no output matmul
+  no_softmax     scores and the output matmul, the probabilities are the raw scores
+  outputs_only   softmax and output matmul over constant scores, no score matmul
+  scores_nosoft  the score matmul alone
+
+Suffixes: ``+c`` the benchmark's 'compute' ablation (the first tiles gathered once and
+reused: no copies in flight), ``+nw`` no step waits for its copies to land (the
+results are then wrong; the time says whether waiting, or issuing, is what costs).
+
+    PYTHONPATH=. python scripts/gpu_mosaic_probe.py --configs auto,k32 \\
+        --variants full,full+nw,full+c,scores_only+c --out probe.json
+
+Prints one line per run (fastest and median of 5 x 20 calls, microseconds) and writes
+them with the environment to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ula_jax.bench.attention import parse_mosaic_config
+from ula_jax.bench.common import environment
+from ula_jax.kernels.sparse_attention import mosaic as M
+
+VARIANTS = ("full", "scores_only", "no_softmax", "outputs_only", "scores_nosoft")
+_TILE_STEP, _WAIT_GROUPS = M._tile_step, M._wait_groups
+
+
+def _tile_step(variant: str):
+  """A replacement of ``mosaic._tile_step`` that does only part of a step."""
+
+  def step(q_smem, stage, bits_smem, t, w, scale2, m, l, acc, block_k=M.BLOCK_K):
+    if variant == "full":
+      return _TILE_STEP(q_smem, stage, bits_smem, t, w, scale2, m, l, acc, block_k)
+    shape = (M.HEADS, block_k)
+    if variant == "outputs_only":
+      sc = plgpu.layout_cast(jnp.full(shape, 0.5, jnp.float32), plgpu.Layout.WGMMA)
+    else:
+      def scores(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(stage, (1, 0)))
+        return acc_ref[...]
+      sc = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+    if variant in ("no_softmax", "outputs_only", "scores_nosoft"):
+      p, m_new = sc, m + sc.max(axis=1)
+    else:
+      m_new = jnp.maximum(m, sc.max(axis=1))
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m - m_safe)
+      p = jnp.exp2(sc - jax.lax.broadcast_in_dim(m_safe, sc.shape, [0]))
+      l = l * alpha + p.sum(axis=1)
+      acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+    if variant in ("scores_only", "scores_nosoft"):
+      return m_new, l, acc + jax.lax.broadcast_in_dim(p.sum(axis=1), acc.shape, [0])
+    p16 = p.astype(jnp.bfloat16)
+
+    def outputs(acc_ref):
+      plgpu.wgmma(acc_ref, p16, stage.at[:, pl.ds(w * (M.LATENT // 2), M.LATENT // 2)])
+
+    return m_new, l, pl.run_state(outputs)(plgpu.ACC.init(acc))
+
+  return step
+
+
+def _parse_variant(token: str) -> tuple[str, bool, bool]:
+  name, *flags = token.split("+")
+  if name not in VARIANTS or any(f not in ("c", "nw") for f in flags):
+    raise ValueError(f"--variants: {token!r}: expected one of {list(VARIANTS)} with "
+                     "optional suffixes +c (compute ablation) and +nw (no copy waits)")
+  return name, "c" in flags, "nw" in flags
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--configs", default="auto", help="Mosaic launch tokens, comma list")
+  p.add_argument("--variants", default="full,full+nw,full+c", help="comma list")
+  p.add_argument("--batch", type=int, default=64)
+  p.add_argument("--k", type=int, default=2048)
+  p.add_argument("--pool-rows", type=int, default=262144)
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  configs = [(t, parse_mosaic_config(t)) for t in args.configs.split(",") if t]
+  variants = [_parse_variant(t) for t in args.variants.split(",") if t]
+  B, k, S = args.batch, args.k, args.pool_rows
+  ks = jax.random.split(jax.random.PRNGKey(0), 4)
+  inputs = (jax.random.normal(ks[0], (B, M.HEADS, M.LATENT), jnp.bfloat16),
+            jax.random.normal(ks[1], (B, M.HEADS, M.ROPE), jnp.bfloat16),
+            jax.random.normal(ks[2], (S, M.WIDTH), jnp.bfloat16),
+            jax.random.randint(ks[3], (B, k), 0, S, jnp.int32), jnp.ones((B, k), bool))
+  rows = []
+  try:
+    for token, config in configs:
+      for name, compute, nowait in variants:
+        M._tile_step = _tile_step(name)
+        M._wait_groups = (lambda pending: (lambda ctx: None)) if nowait else _WAIT_GROUPS
+        f = jax.jit(lambda *a: M.sparse_mla_attention_mosaic(
+            *a, scale=0.1, config=config, merge=False,
+            ablation="compute" if compute else None)[0]).lower(*inputs).compile()
+        jax.block_until_ready(f(*inputs))
+        times = []
+        for _ in range(5):
+          t0 = time.perf_counter()
+          for _ in range(20):
+            o = f(*inputs)
+          jax.block_until_ready(o)
+          times.append((time.perf_counter() - t0) / 20 * 1e6)
+        times.sort()
+        label = f"{token}:{name}" + ("+c" if compute else "") + ("+nw" if nowait else "")
+        rows.append({"config": token, "variant": name, "compute_ablation": compute,
+                     "no_copy_waits": nowait, "us": times[0], "median_us": times[2]})
+        print(f"{label:28s} {times[0]:8.1f} us  median {times[2]:8.1f}", flush=True)
+  finally:
+    M._tile_step, M._wait_groups = _TILE_STEP, _WAIT_GROUPS
+  if args.out:
+    with open(args.out, "w") as fh:
+      json.dump({"benchmark": "mosaic_probe", "environment": environment(), "batch": B,
+                 "k": k, "pool_rows": S, "rows": rows}, fh, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
