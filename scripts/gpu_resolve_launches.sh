@@ -7,7 +7,8 @@
 #
 #     OUT=/some/dir bash scripts/gpu_resolve_launches.sh
 #
-# LAUNCH_RUNS="NAME ARGS..." lines replace the default runs. Results under $OUT:
+# LAUNCH_RUNS="NAME ARGS..." lines replace the default runs (e.g. "while32_flush --loop while
+# --steps 32 --flush-mb 128": the cache cleared between resolves). Results under $OUT:
 # launches.json (every run's benchmark result, by run name: while32_fuse_on, ...); printed
 # last, per run and kernel: its median / min / max per launch, its median after an idle
 # device and after back-to-back work, the first launches, and the profiled resolves'

@@ -12,6 +12,8 @@ their sum (``device_us``), the device's work alone, and each of the resolve's ow
 kernels launch by launch (``launches``). The profiled resolves are new steps of the
 stream after the timed ones (counted in ``profiled``), after one more untimed segment:
 a kernel's first launch under the profiler takes several times its usual time.
+``--flush-mb MB`` clears the device's cache between resolves (a pass over MB MiB
+ordered after each resolve and before the next), as a decode step's other kernels do.
 
 The stream: request ``b`` owns logical addresses ``[b * L, (b + 1) * L)``. Before the
 loop every request's first ``L0`` positions are stored in random order, twice what the
@@ -110,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--loop", choices=("while", "unrolled"), default="while",
                  help="a segment's resolves as a device loop or as straight-line code (as "
                  "in a decode step)")
+  p.add_argument("--flush-mb", type=int, default=0, metavar="MB",
+                 help="between resolves, a read-and-write pass over a buffer of MB MiB "
+                 "(0: none), so that no resolve finds the previous one's data in the "
+                 "device's cache, as in a decode step; the times include the pass, the "
+                 "profiled kernel times do not")
   p.add_argument("--segments", type=int, default=3, help="timed segments (median reported)")
   p.add_argument("--warmup", type=int, default=2,
                  help="untimed segments first (the pool reaches its steady state)")
@@ -235,10 +242,15 @@ def make_stream(setup: Setup, churn: float, seed: int) -> tuple[jax.Array, jax.A
 
 
 def resolve_loop(system: Ula, impl: str, *, config: ResolveConfig | None,
-                 interpret: bool, unroll: bool = False) -> Callable:
+                 interpret: bool, unroll: bool = False, flush_mb: int = 0) -> Callable:
   """``(meta, sel [T, B, k], new [T, B]) -> (meta, totals [4] int32)``: T resolves in one
   jitted call (totals: hits, misses, evictions, fetches). ``unroll``: as straight-line
-  code, the way a decode step runs its groups' resolves; otherwise a device loop."""
+  code, the way a decode step runs its groups' resolves; otherwise a device loop.
+  ``flush_mb``: between consecutive resolves, one read-and-write pass over a buffer of
+  that many MiB (ordered after the one resolve and before the next), which leaves in the
+  device's cache what a decode step's attention and projections would: none of the
+  previous resolve's data."""
+  words = flush_mb * 2**20 // 4
 
   def run(meta, sel, new):
     T, B, _ = sel.shape
@@ -246,16 +258,22 @@ def resolve_loop(system: Ula, impl: str, *, config: ResolveConfig | None,
     active = jnp.ones((B,), jnp.bool_)
 
     def body(t, carry):
-      meta, totals = carry
+      meta, totals, junk = carry
       meta, _, _, plan, stats = resolve_group(system, meta, sel[t], valid, new[t], active,
                                               impl=impl, interpret=interpret, config=config,
                                               fast_path=False)
       counts = jnp.stack([stats["hits"], stats["misses"], stats["evictions"],
                           plan.n_fetch]).astype(jnp.int32)
-      return meta, totals + counts
+      if words:
+        junk = junk + counts[0].astype(junk.dtype)
+        meta, junk = jax.lax.optimization_barrier((meta, junk))
+      return meta, totals + counts, junk
 
-    return jax.lax.fori_loop(0, T, body, (meta, jnp.zeros((4,), jnp.int32)),
-                             unroll=T if unroll else 1)
+    junk = jnp.zeros((words,), jnp.float32)
+    meta, totals, _ = jax.lax.fori_loop(0, T, body,
+                                        (meta, jnp.zeros((4,), jnp.int32), junk),
+                                        unroll=T if unroll else 1)
+    return meta, totals
 
   return jax.jit(run, donate_argnums=0)
 
@@ -352,7 +370,7 @@ def measure(row: Row, setup: Setup, system: Ula, fill: Callable, stream: tuple, 
   sel, new = stream
   meta = fill(args.seed)
   loop = resolve_loop(system, impl, config=config, interpret=interpret,
-                      unroll=args.loop == "unrolled")
+                      unroll=args.loop == "unrolled", flush_mb=args.flush_mb)
   compiled = loop.lower(meta, sel[:T], new[:T]).compile()
   for s in range(args.warmup):
     meta, _ = compiled(meta, sel[s * T:(s + 1) * T], new[s * T:(s + 1) * T])
@@ -441,6 +459,9 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   policies = parse_list(args.policies, POLICIES, flag="--policies")
   impls = _impls(parse_list(args.impls, IMPLS, flag="--impls"), args)
   interpret = {"auto": default_interpret(), "on": True, "off": False}[args.interpret]
+  if args.flush_mb < 0:
+    raise ValueError(f"--flush-mb={args.flush_mb}: expected 0 (no pass) or a positive "
+                     "number of MiB")
   steps_total = (args.warmup + args.segments
                  + (profiled_segments(args.steps, args.profile_resolves)
                     if args.profile else 0)) * args.steps
@@ -450,7 +471,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
     return {"benchmark": "resolve", "environment": environment(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "stream": {"k": args.k, "churn": args.churn, "steps": args.steps,
-                       "loop": args.loop,
+                       "loop": args.loop, "flush_mb": args.flush_mb,
                        "segments": args.segments, "warmup": args.warmup,
                        "buckets": args.buckets, "interpret": interpret},
             "rows": [dataclasses.asdict(r) for r in rows],
