@@ -117,7 +117,8 @@ class ResolveConfig:
   default: the fused launch's persistent programs (two per SM, so that all are resident)
   hide less latency than the launches' own programs (at batch 64, per launch: one
   launch 40-42 us, the four launches' kernels 32 us, in a device loop or straight-line
-  code of up to 8 resolves; the one launch 51-53 us in straight-line code of 16-32).
+  code of up to 8 resolves; the one launch 51-53 us in straight-line code of 16-32, and
+  49-52 us in every form from a cold cache, where the four launches take 32-36 us).
   """
 
   block_elems: int = 256
