@@ -111,10 +111,13 @@ class MosaicAttentionConfig:
     return self.num_splits or (2 if B < 128 else 1)
 
 
-def smem_bytes() -> int:
-  """Shared memory of one program: queries, the ring and small buffers (the output
-  staging reuses the queries' and ring's memory)."""
-  return (HEADS + STAGES * BLOCK_K) * WIDTH * 2 + 2048
+def smem_bytes(config: MosaicAttentionConfig | None = None) -> int:
+  """Shared memory of one program at most: queries, the ring (144 KB in every form),
+  small buffers and, without a producer, the split's slot list (the output staging
+  reuses the queries' and ring's memory)."""
+  config = config or MosaicAttentionConfig()
+  slot_list = 2 * BLOCK_K * 4 if config.producer else MAX_SPLIT_ROWS * 4
+  return (HEADS + STAGES * BLOCK_K) * WIDTH * 2 + 2048 + slot_list
 
 
 def _gather_tile(stage: int, ring_offset: int, *, threads: int = _WG,
