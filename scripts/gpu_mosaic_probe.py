@@ -31,7 +31,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ula_jax.bench.attention import parse_mosaic_config
@@ -48,31 +47,18 @@ def _tile_step(variant: str):
   def step(q_smem, stage, bits_smem, t, w, scale2, m, l, acc, block_k=M.BLOCK_K):
     if variant == "full":
       return _TILE_STEP(q_smem, stage, bits_smem, t, w, scale2, m, l, acc, block_k)
-    shape = (M.HEADS, block_k)
     if variant == "outputs_only":
-      sc = plgpu.layout_cast(jnp.full(shape, 0.5, jnp.float32), plgpu.Layout.WGMMA)
+      sc = plgpu.layout_cast(jnp.full((M.HEADS, block_k), 0.5, jnp.float32),
+                             plgpu.Layout.WGMMA)
     else:
-      def scores(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(stage, (1, 0)))
-        return acc_ref[...]
-      sc = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+      sc = M._scores(q_smem, stage, block_k)
     if variant in ("no_softmax", "outputs_only", "scores_nosoft"):
-      p, m_new = sc, m + sc.max(axis=1)
+      p, m = sc, m + sc.max(axis=1)
     else:
-      m_new = jnp.maximum(m, sc.max(axis=1))
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m - m_safe)
-      p = jnp.exp2(sc - jax.lax.broadcast_in_dim(m_safe, sc.shape, [0]))
-      l = l * alpha + p.sum(axis=1)
-      acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+      m, l, acc, p = M._softmax_update(sc, m, l, acc)
     if variant in ("scores_only", "scores_nosoft"):
-      return m_new, l, acc + jax.lax.broadcast_in_dim(p.sum(axis=1), acc.shape, [0])
-    p16 = p.astype(jnp.bfloat16)
-
-    def outputs(acc_ref):
-      plgpu.wgmma(acc_ref, p16, stage.at[:, pl.ds(w * (M.LATENT // 2), M.LATENT // 2)])
-
-    return m_new, l, pl.run_state(outputs)(plgpu.ACC.init(acc))
+      return m, l, acc + jax.lax.broadcast_in_dim(p.sum(axis=1), acc.shape, [0])
+    return m, l, M._outputs(p, stage, w, acc)
 
   return step
 

@@ -206,37 +206,54 @@ def _softmax_init():
                             plgpu.Layout.WGMMA))
 
 
-def _tile_step(q_smem, stage, bits_smem, t, w: int, scale2: float, m, l, acc,
-               block_k: int = BLOCK_K):
-  """One consumer's work on tile ``t`` (``block_k`` rows) in ring ``stage``: the scores
-  of all 64 heads, masked by the tile's validity bits, the online softmax (base 2) and
-  output columns ``[256 w, 256 w + 256)``. -> the new (m, l, acc)."""
+def _scores(q_smem, stage, block_k: int):
+  """Scores of all 64 heads over the ``block_k`` rows in ring ``stage`` (float32,
+  ``wgmma`` with both operands in shared memory)."""
 
   def scores(acc_ref):
     plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(stage, (1, 0)))
     return acc_ref[...]
 
-  sc = pl.run_scoped(scores, plgpu.ACC((HEADS, block_k), jnp.float32))
-  col = plgpu.broadcasted_iota(jnp.int32, (HEADS, block_k), 1, layout=plgpu.Layout.WGMMA)
-  if block_k == 64:
-    word = jnp.where(col < 32, bits_smem[2 * t], bits_smem[2 * t + 1])
-  else:
-    word = bits_smem[t]
-  ok = jnp.bitwise_and(jnp.right_shift(word, jnp.bitwise_and(col, 31)), 1) != 0
-  sc = jnp.where(ok, sc * scale2, -jnp.inf)
+  return pl.run_scoped(scores, plgpu.ACC((HEADS, block_k), jnp.float32))
+
+
+def _softmax_update(sc, m, l, acc):
+  """The online softmax (base 2) over one tile's scaled scores: -> (the new running max,
+  the new running sum, the rescaled accumulator, the probabilities)."""
   m_new = jnp.maximum(m, sc.max(axis=1))
   # While a head has seen nothing valid, m is -inf: shift by 0 so exp2() gives 0.
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
   alpha = jnp.exp2(m - m_safe)
   p = jnp.exp2(sc - jax.lax.broadcast_in_dim(m_safe, sc.shape, [0]))
   l = l * alpha + p.sum(axis=1)
-  acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+  return m_new, l, acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0]), p
+
+
+def _outputs(p, stage, w: int, acc):
+  """``acc`` plus the probabilities ``p`` times output columns ``[256 w, 256 w + 256)``
+  of the rows in ring ``stage`` (``wgmma``, ``p`` in registers as bf16)."""
   p16 = p.astype(jnp.bfloat16)
 
   def outputs(acc_ref):
     plgpu.wgmma(acc_ref, p16, stage.at[:, pl.ds(w * (LATENT // 2), LATENT // 2)])
 
-  return m_new, l, pl.run_state(outputs)(plgpu.ACC.init(acc))
+  return pl.run_state(outputs)(plgpu.ACC.init(acc))
+
+
+def _tile_step(q_smem, stage, bits_smem, t, w: int, scale2: float, m, l, acc,
+               block_k: int = BLOCK_K):
+  """One consumer's work on tile ``t`` (``block_k`` rows) in ring ``stage``: the scores
+  of all 64 heads, masked by the tile's validity bits, the online softmax (base 2) and
+  output columns ``[256 w, 256 w + 256)``. -> the new (m, l, acc)."""
+  sc = _scores(q_smem, stage, block_k)
+  col = plgpu.broadcasted_iota(jnp.int32, (HEADS, block_k), 1, layout=plgpu.Layout.WGMMA)
+  if block_k == 64:
+    word = jnp.where(col < 32, bits_smem[2 * t], bits_smem[2 * t + 1])
+  else:
+    word = bits_smem[t]
+  ok = jnp.bitwise_and(jnp.right_shift(word, jnp.bitwise_and(col, 31)), 1) != 0
+  m, l, acc, p = _softmax_update(jnp.where(ok, sc * scale2, -jnp.inf), m, l, acc)
+  return m, l, _outputs(p, stage, w, acc)
 
 
 def _write_out(o_stage, lse_smem, o_gmem, lse_gmem, w: int, m, l, acc) -> None:
