@@ -98,3 +98,41 @@ class TestSparseAttentionMosaicGpu:
                        empty_row=False)
     got = sparse_mla_attention_mosaic(*args, scale=0.05)
     assert_close(got, reference(*args, scale=0.05), jnp.bfloat16)
+
+
+def _script(name: str):
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_gpu_diagnostic_scripts_lower_for_cuda():
+  """The probe's partial tile steps and the TMA row gathers lower for CUDA; their modes
+  and variants are checked."""
+  import jax
+  probe = _script("gpu_mosaic_probe")
+  try:
+    for variant in probe.VARIANTS:
+      mosaic._tile_step = probe._tile_step(variant)
+      assert "mosaic_gpu" in mosaic.lower_for_cuda(config=MosaicAttentionConfig())
+  finally:
+    mosaic._tile_step = probe._TILE_STEP
+  with pytest.raises(ValueError, match="'full\\+x': expected one of"):
+    probe._parse_variant("full+x")
+  gather = _script("gpu_row_gather")
+  spec = jax.ShapeDtypeStruct
+  for mode in gather.MODES:
+    f = jax.jit(lambda p, s, mode=mode: gather.tma_gather(p, s, mode=mode, splits=2))
+    text = f.trace(spec((4096, 576), jnp.bfloat16), spec((2, 512), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+  with pytest.raises(ValueError, match="mode='tiles'"):
+    gather.tma_gather(jnp.zeros((8, 576), jnp.bfloat16), jnp.zeros((1, 256), jnp.int32),
+                      mode="tiles", splits=1)
+  with pytest.raises(ValueError, match="k=192: expected a multiple of 256"):
+    gather.tma_gather(jnp.zeros((8, 576), jnp.bfloat16), jnp.zeros((1, 192), jnp.int32),
+                      mode="row", splits=2)
