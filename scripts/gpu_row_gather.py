@@ -15,7 +15,11 @@ Beside them, in the same run: the attention benchmark's device copy of the same 
 (``bench.attention.copy_loop``: the ceiling the attention target is a fraction of, bytes
 read per second against the copy's read + write traffic).
 
-    PYTHONPATH=. python scripts/gpu_row_gather.py --modes row,chunks --out gather.json
+    PYTHONPATH=. python scripts/gpu_row_gather.py --modes row,chunks --issuers 1,2,4 \\
+        --out gather.json
+
+``--issuers``: warpgroups per program that issue the copies (each from one thread):
+whether a tile's 576 small copies are bound by one thread's issue rate.
 """
 
 from __future__ import annotations
@@ -36,11 +40,15 @@ WIDTH, TILE = 576, 64
 MODES = ("row", "chunks")
 
 
-def tma_gather(pool, slots, *, mode: str, splits: int):
+def tma_gather(pool, slots, *, mode: str, splits: int, issuers: int = 1):
   """Gathers ``pool[slots]`` tile by tile into shared memory (and discards it);
-  returns each program's last tile's first row, so the copies cannot be dropped."""
+  returns each program's last tile's first row, so the copies cannot be dropped.
+  ``issuers``: warpgroups per program, each issuing the copies of every
+  ``issuers``-th row of a tile from one of its threads (1, 2 or 4)."""
   if mode not in MODES:
     raise ValueError(f"mode={mode!r}: expected one of {list(MODES)}")
+  if issuers not in (1, 2, 4):
+    raise ValueError(f"issuers={issuers!r}: expected 1, 2 or 4 warpgroups")
   S, B, k = pool.shape[0], slots.shape[0], slots.shape[1]
   tiles = k // splits // TILE
   if tiles < 2 or k % (splits * TILE * 2):
@@ -53,11 +61,17 @@ def tma_gather(pool, slots, *, mode: str, splits: int):
 
   def body(src_ref, slots_ref, out_ref, buf, slots_smem, bars, in_bar):
     b, sp = jax.lax.axis_index("b"), jax.lax.axis_index("split")
-    plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], slots_smem, in_bar)
+    wg = jax.lax.axis_index("wg")
+
+    @pl.when(wg == 0)
+    def _():
+      plgpu.copy_gmem_to_smem(slots_ref.at[b, sp], slots_smem, in_bar)
+
     plgpu.barrier_wait(in_bar)
 
     def issue(t, s: int):
-      def row(r, carry):
+      def row(i, carry):
+        r = i * issuers + wg
         slot = slots_smem[t, r]
         if mode == "row":
           plgpu.copy_gmem_to_smem(src_ref.at[pl.ds(slot * 3, 3)], buf.at[s, r], bars.at[s])
@@ -67,7 +81,7 @@ def tma_gather(pool, slots, *, mode: str, splits: int):
                                     bars.at[s])
         return carry
 
-      jax.lax.fori_loop(0, TILE, row, 0)
+      jax.lax.fori_loop(0, TILE // issuers, row, 0)
 
     issue(0, 0)
 
@@ -79,8 +93,11 @@ def tma_gather(pool, slots, *, mode: str, splits: int):
       return carry
 
     jax.lax.fori_loop(0, tiles // 2, pair, 0)
-    plgpu.copy_smem_to_gmem(buf.at[1, 0], out_ref.at[b, sp])
-    plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 0)
+    def _():
+      plgpu.copy_smem_to_gmem(buf.at[1, 0], out_ref.at[b, sp])
+      plgpu.wait_smem_to_gmem(0)
 
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((B, splits) + box, pool.dtype),
@@ -88,7 +105,7 @@ def tma_gather(pool, slots, *, mode: str, splits: int):
                      plgpu.SMEM((tiles, TILE), jnp.int32),
                      plgpu.Barrier(num_arrivals=copies, num_barriers=2),
                      plgpu.Barrier(num_arrivals=1)],
-      grid=(splits, B), grid_names=("split", "b"),
+      grid=(splits, B), grid_names=("split", "b"), num_threads=issuers, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Lane))
   return kernel(src, slots)
@@ -112,6 +129,8 @@ def main(argv=None) -> int:
   p.add_argument("--batch", type=int, default=64)
   p.add_argument("--k", type=int, default=2048)
   p.add_argument("--splits", type=int, default=2)
+  p.add_argument("--issuers", default="1", help="warpgroups issuing copies, comma list "
+                 "of 1, 2, 4")
   p.add_argument("--pool-rows", type=int, default=262144)
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
@@ -131,17 +150,19 @@ def main(argv=None) -> int:
   copy_gbps = 2 * nbytes / copy_s / 1e9  # read + write traffic
   rows = [{"mode": "device copy", "us": copy_s * 1e6, "read_gbps": nbytes / copy_s / 1e9,
            "fraction": 0.5}]
-  for mode in [m for m in args.modes.split(",") if m]:
-    f = jax.jit(lambda pl_, sl, mode=mode: tma_gather(pl_, sl, mode=mode,
-                                                      splits=args.splits))
+  runs = [(m, int(n)) for m in args.modes.split(",") if m
+          for n in args.issuers.split(",") if n]
+  for mode, issuers in runs:
+    f = jax.jit(lambda pl_, sl, mode=mode, n=issuers: tma_gather(
+        pl_, sl, mode=mode, splits=args.splits, issuers=n))
     got = f(pool, slots)  # the last tile's first row of every program
     want = pool[slots.reshape(B, args.splits, -1)[:, :, -TILE]]  # last tile, row 0
     exact = bool(jnp.array_equal(got.reshape(want.shape), want))
     s = _time(f, pool, slots)
-    rows.append({"mode": mode, "us": s * 1e6, "read_gbps": nbytes / s / 1e9,
+    rows.append({"mode": mode, "issuers": issuers, "us": s * 1e6, "read_gbps": nbytes / s / 1e9,
                  "fraction": nbytes / s / 1e9 / copy_gbps, "exact": exact})
   for r in rows:
-    print(f"{r['mode']:12s} {r['us']:8.1f} us  {r['read_gbps']:7.1f} GB/s read  "
+    print(f"{r['mode']:12s} {r.get('issuers', '-')!s:>3} {r['us']:8.1f} us  {r['read_gbps']:7.1f} GB/s read  "
           f"fraction {r['fraction']:.3f}  {'exact' if r.get('exact', True) else 'WRONG'}")
   if args.out:
     with open(args.out, "w") as fh:

@@ -125,14 +125,18 @@ def test_gpu_diagnostic_scripts_lower_for_cuda():
     probe._parse_variant("full+x")
   gather = _script("gpu_row_gather")
   spec = jax.ShapeDtypeStruct
-  for mode in gather.MODES:
-    f = jax.jit(lambda p, s, mode=mode: gather.tma_gather(p, s, mode=mode, splits=2))
+  for mode, issuers in zip(gather.MODES, (1, 4)):
+    f = jax.jit(lambda p, s, mode=mode, n=issuers: gather.tma_gather(
+        p, s, mode=mode, splits=2, issuers=n))
     text = f.trace(spec((4096, 576), jnp.bfloat16), spec((2, 512), jnp.int32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
   with pytest.raises(ValueError, match="mode='tiles'"):
     gather.tma_gather(jnp.zeros((8, 576), jnp.bfloat16), jnp.zeros((1, 256), jnp.int32),
                       mode="tiles", splits=1)
+  with pytest.raises(ValueError, match="issuers=3: expected 1, 2 or 4"):
+    gather.tma_gather(jnp.zeros((8, 576), jnp.bfloat16), jnp.zeros((1, 256), jnp.int32),
+                      mode="row", splits=1, issuers=3)
   with pytest.raises(ValueError, match="k=192: expected a multiple of 256"):
     gather.tma_gather(jnp.zeros((8, 576), jnp.bfloat16), jnp.zeros((1, 192), jnp.int32),
                       mode="row", splits=2)
