@@ -365,10 +365,10 @@ def _kernel(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slots0,
   pl.when(wg == 1)(lambda: consumer(1))
 
 
-def _kernel_static(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slots,
-                   bits_smem, lse_smem, in_bar, slot_bar, step_bar, *, tiles: int,
-                   stages: int, block_k: int, swizzle: int, scale2: float,
-                   ablation: str | None):
+def _kernel_two(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slots,
+                bits_smem, lse_smem, in_bar, slot_bar, step_bar, *, tiles: int,
+                stages: int, block_k: int, swizzle: int, scale2: float,
+                ablation: str | None):
   # Two warpgroups and no producer. A loop over rounds of ``stages`` tiles, step s of a
   # round in ring stage s (every stage static): at the start of step t both issue their
   # halves of tile t + stages - 1's copies into the stage tile t - 1 left, compute tile
@@ -440,8 +440,9 @@ def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   bool; scale: softmax scale. returns o_lat: [B, 64, 512] float32; ``merge=False``:
   the splits' normalised outputs [B, NS, 64, 512] and log-sum-exps [B, NS, 64].
   ablation: for benchmarks only, as in ``sparse_mla_attention_pallas`` (the output is
-  not attention): 'compute' gathers each split's first two tiles only and computes on
-  them at every step, 'gather' gathers every tile and computes nothing (zeros).
+  not attention): 'compute' gathers each split's first round of the ring only (two tiles,
+  four with ``block_k=32``) and computes on them at every step, 'gather' gathers every
+  tile and computes nothing (zeros).
   """
   from ula_jax.kernels.sparse_attention.pallas import ABLATIONS, merge_splits_pallas
 
@@ -495,8 +496,8 @@ def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
                plgpu.Barrier(num_arrivals=2, num_barriers=2),  # both consumers done
                plgpu.Barrier(num_arrivals=2)]  # both consumers left the loop
   else:
-    body = lambda *refs: _kernel_static(*refs, **static, stages=stages, block_k=bk,
-                                        swizzle=swizzle)
+    body = lambda *refs: _kernel_two(*refs, **static, stages=stages, block_k=bk,
+                                     swizzle=swizzle)
     scratch = [union, plgpu.SMEM((tiles, bk), jnp.int32), *small,
                plgpu.Barrier(num_arrivals=1),  # the slot list copied in
                plgpu.Barrier(num_arrivals=2)]  # the end of a step
