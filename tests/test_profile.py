@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from ula_jax.bench.profile import device_launches, device_ops, summarize_calls, trace_calls
+from ula_jax.bench.profile import (device_op_events, device_ops, launches_of,
+                                   summarize_calls, totals_by_name, trace_calls)
 
 
 def _meta(pid, name, tid=None, thread=None):
@@ -60,17 +61,16 @@ def test_trace_calls_splits_the_trace_per_dispatch(tmp_path):
   # The whole trace by name (no windows; the derived line left out).
   assert device_ops(tmp_path)[:2] == [["fusion_9", 1, 30], ["fusion_1", 3, 21]]
   # Each launch of one kernel, with the device's idle time before it.
-  launches = device_launches(tmp_path, "fusion_1")
+  events = device_op_events(tmp_path)
+  launches = launches_of(events, "fusion_1")
   assert [(l["us"], l["idle_before_us"], l["before"]) for l in launches] == [
       (10, None, None), (6, 75, "fusion_9"), (5, 89, "fusion_1")]
-  assert device_launches(tmp_path, "fusion_2")[0]["idle_before_us"] == 0  # overlaps
+  assert launches_of(events, "fusion_2")[0]["idle_before_us"] == 0  # overlaps
   # From the first host event of a name on (the prefill's dispatch at 100).
-  assert device_ops(tmp_path, after="PjitFunction(prefill)")[:2] == [
-      ["fusion_9", 1, 30], ["fusion_1", 2, 11]]
-  assert [l["before"] for l in device_launches(tmp_path, "fusion_1",
-                                               after="PjitFunction(prefill)")] == [
-      "fusion_9", "fusion_1"]
+  late = device_op_events(tmp_path, after="PjitFunction(prefill)")
+  assert totals_by_name(late)[:2] == [["fusion_9", 1, 30], ["fusion_1", 2, 11]]
+  assert [l["before"] for l in launches_of(late, "fusion_1")] == ["fusion_9", "fusion_1"]
   with pytest.raises(ValueError, match="no host event named 'nothing'"):
-    device_ops(tmp_path, after="nothing")
+    device_op_events(tmp_path, after="nothing")
   with pytest.raises(FileNotFoundError):
     trace_calls(tmp_path / "none", "decode")

@@ -210,19 +210,11 @@ def launches_of(ops: list[dict], prefix: str) -> list[dict]:
   return out
 
 
-def device_ops(trace_dir: str | pathlib.Path, *, top: int = 25,
-               after: str | None = None) -> list[list]:
+def device_ops(trace_dir: str | pathlib.Path, *, top: int = 25) -> list[list]:
   """Every device operation of the trace, by name: ``[name, count, us]`` (totals over
-  the whole trace, or from the first host event named ``after`` on; slowest first; an
-  AOT-compiled call has no dispatch event to window by). Empty on a backend without
-  device lines."""
-  return totals_by_name(device_op_events(trace_dir, after), top=top)
-
-
-def device_launches(trace_dir: str | pathlib.Path, prefix: str, *,
-                    after: str | None = None) -> list[dict]:
-  """``launches_of`` the trace's device operations (``after`` as in ``device_ops``)."""
-  return launches_of(device_op_events(trace_dir, after), prefix)
+  the whole trace, slowest first; an AOT-compiled call has no dispatch event to window
+  by). Empty on a backend without device lines."""
+  return totals_by_name(device_op_events(trace_dir), top=top)
 
 
 def summarize_calls(calls: list[dict]) -> dict:
@@ -232,5 +224,5 @@ def summarize_calls(calls: list[dict]) -> dict:
   return {k: statistics.median(c[k] for c in calls) for k in calls[0]}
 
 
-__all__ = ["device_launches", "device_op_events", "device_ops", "find_trace", "launches_of",
-           "summarize_calls", "totals_by_name", "trace_calls"]
+__all__ = ["device_op_events", "device_ops", "find_trace", "launches_of", "summarize_calls",
+           "totals_by_name", "trace_calls"]
