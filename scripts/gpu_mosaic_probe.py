@@ -27,16 +27,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ula_jax.bench.attention import parse_mosaic_config
-from ula_jax.bench.common import environment
+from ula_jax.bench.common import best_and_median, environment, time_calls
 from ula_jax.kernels.sparse_attention import mosaic as M
 
+TIMING = dict(min_iters=20, max_iters=20, target_s=0.0, warmup=1)  # 20 calls
 VARIANTS = ("full", "scores_only", "no_softmax", "outputs_only", "scores_nosoft")
 _TILE_STEP, _WAIT_GROUPS = M._tile_step, M._wait_groups
 
@@ -97,19 +97,12 @@ def main(argv=None) -> int:
         f = jax.jit(lambda *a: M.sparse_mla_attention_mosaic(
             *a, scale=0.1, config=config, merge=False,
             ablation="compute" if compute else None)[0]).lower(*inputs).compile()
-        jax.block_until_ready(f(*inputs))
-        times = []
-        for _ in range(5):
-          t0 = time.perf_counter()
-          for _ in range(20):
-            o = f(*inputs)
-          jax.block_until_ready(o)
-          times.append((time.perf_counter() - t0) / 20 * 1e6)
-        times.sort()
+        best, median = best_and_median(
+            [time_calls(lambda _: f(*inputs), None, **TIMING)[0] * 1e6 for _ in range(5)])
         label = f"{token}:{name}" + ("+c" if compute else "") + ("+nw" if nowait else "")
         rows.append({"config": token, "variant": name, "compute_ablation": compute,
-                     "no_copy_waits": nowait, "us": times[0], "median_us": times[2]})
-        print(f"{label:28s} {times[0]:8.1f} us  median {times[2]:8.1f}", flush=True)
+                     "no_copy_waits": nowait, "us": best, "median_us": median})
+        print(f"{label:28s} {best:8.1f} us  median {median:8.1f}", flush=True)
   finally:
     M._tile_step, M._wait_groups = _TILE_STEP, _WAIT_GROUPS
   if args.out:

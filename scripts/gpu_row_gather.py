@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ula_jax.bench.attention import copy_loop
-from ula_jax.bench.common import environment
+from ula_jax.bench.common import best_and_median, environment, time_calls
 
 WIDTH, TILE = 576, 64
 MODES = ("row", "chunks")
@@ -111,16 +110,14 @@ def tma_gather(pool, slots, *, mode: str, splits: int, issuers: int = 1):
   return kernel(src, slots)
 
 
-def _time(f, *args, reps: int = 5, calls: int = 20) -> float:
-  jax.block_until_ready(f(*args))
-  best = float("inf")
+def _best(step, state, reps: int = 5) -> float:
+  """Fastest of ``reps`` measurements (``bench.common.time_calls``) of 20 calls of
+  ``state = step(state)``: seconds per call."""
+  times = []
   for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(calls):
-      out = f(*args)
-    jax.block_until_ready(out)
-    best = min(best, (time.perf_counter() - t0) / calls)
-  return best
+    t, state = time_calls(step, state, min_iters=20, max_iters=20, target_s=0.0, warmup=1)
+    times.append(t)
+  return best_and_median(times)[0]
 
 
 def main(argv=None) -> int:
@@ -140,13 +137,7 @@ def main(argv=None) -> int:
   slots = jax.random.randint(key[1], (B, k), 0, S, jnp.int32)
   nbytes = B * k * WIDTH * 2
   passes = 16  # the attention benchmark's ceiling: passes over a donated buffer
-  copy, buf = copy_loop(passes), [jnp.zeros((nbytes // 4,), jnp.uint32)]
-
-  def copy_once(_):
-    buf[0] = copy(buf[0])
-    return buf[0]
-
-  copy_s = _time(copy_once, None) / passes
+  copy_s = _best(copy_loop(passes), jnp.zeros((nbytes // 4,), jnp.uint32)) / passes
   copy_gbps = 2 * nbytes / copy_s / 1e9  # read + write traffic
   rows = [{"mode": "device copy", "us": copy_s * 1e6, "read_gbps": nbytes / copy_s / 1e9,
            "fraction": 0.5}]
@@ -158,7 +149,7 @@ def main(argv=None) -> int:
     got = f(pool, slots)  # the last tile's first row of every program
     want = pool[slots.reshape(B, args.splits, -1)[:, :, -TILE]]  # last tile, row 0
     exact = bool(jnp.array_equal(got.reshape(want.shape), want))
-    s = _time(f, pool, slots)
+    s = _best(lambda _: f(pool, slots), None)
     rows.append({"mode": mode, "issuers": issuers, "us": s * 1e6, "read_gbps": nbytes / s / 1e9,
                  "fraction": nbytes / s / 1e9 / copy_gbps, "exact": exact})
   for r in rows:
