@@ -24,8 +24,10 @@ CONFIGS = [MosaicAttentionConfig(producer=True),
            MosaicAttentionConfig(num_splits=1, producer=True),
            MosaicAttentionConfig(num_splits=3, producer=True), MosaicAttentionConfig(),
            MosaicAttentionConfig(num_splits=3), MosaicAttentionConfig(block_k=32),
-           MosaicAttentionConfig(num_splits=1, block_k=32)]
-config_id = lambda c: f"s{c.num_splits}{'' if c.producer else '-two'}-k{c.block_k}"
+           MosaicAttentionConfig(num_splits=1, block_k=32), MosaicAttentionConfig(rows=True),
+           MosaicAttentionConfig(num_splits=3, rows=True)]
+config_id = lambda c: (f"s{c.num_splits}{'' if c.producer else '-two'}-k{c.block_k}"
+                       f"{'-rows' if c.rows else ''}")
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)

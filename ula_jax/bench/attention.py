@@ -107,12 +107,12 @@ def parse_config(token: str) -> AttentionConfig:
 
 
 _MOSAIC_FIELDS = {"s": "num_splits", "r": "consumer_registers", "p": "producer",
-                  "k": "block_k"}
+                  "k": "block_k", "t": "rows"}
 
 
 def parse_mosaic_config(token: str) -> MosaicAttentionConfig:
   """'auto' -> MosaicAttentionConfig(); 'p1s2r208' -> producer=True, num_splits=2,
-  consumer_registers=208; 'k32' -> block_k=32."""
+  consumer_registers=208; 'k32' -> block_k=32; 't1' -> rows=True (TMA row copies)."""
   return _parse_tokens(token, MosaicAttentionConfig, _MOSAIC_FIELDS,
                        flag="--mosaic-configs", example="p1r208")
 
@@ -135,8 +135,9 @@ def _parser() -> argparse.ArgumentParser:
                       "(h block_h, k block_k, w num_warps, s num_splits, n num_stages, "
                       "p preload_slots)")
   p.add_argument("--mosaic-configs", default="auto",
-                 help="Mosaic configurations, comma list of 'auto' or e.g. k32, p1r208 (s "
-                 "num_splits, r consumer_registers, p producer warpgroup 1/0, k block_k)")
+                 help="Mosaic configurations, comma list of 'auto' or e.g. k32, p1r208, t1 (s "
+                 "num_splits, r consumer_registers, p producer warpgroup 1/0, k block_k, "
+                 "t TMA row copies 1/0)")
   p.add_argument("--ablations", default="",
                  help=f"also time each Pallas or Mosaic launch with part of its work left "
                  f"out, comma list of {list(ABLATIONS)}: 'compute' reuses one gathered block (the "

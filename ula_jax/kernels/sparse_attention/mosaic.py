@@ -71,12 +71,17 @@ class MosaicAttentionConfig:
   block_k:    rows per ring tile: 64 (two stages, the 128-byte swizzle) or, without a
               producer, 32 (four stages, the 64-byte swizzle: the output matmul's K of
               32 is a multiple of its 32 columns)
+  rows:       gather each selected row with one TMA copy into a ring of row-major tiles
+              and compute transposed from them (two warpgroups, 32 heads each; 64-row
+              tiles, no producer); False: the 16-byte ``cp.async`` copies into the
+              tensor cores' layout
   """
 
   num_splits: int | None = None
   consumer_registers: int = 232
   producer: bool = False
   block_k: int = 64
+  rows: bool = False
 
   def __post_init__(self):
     if self.num_splits is not None and (isinstance(self.num_splits, bool)
@@ -87,6 +92,12 @@ class MosaicAttentionConfig:
     if not isinstance(self.producer, bool):
       raise ValueError(f"MosaicAttentionConfig.producer={self.producer!r}: expected true "
                        "or false")
+    if not isinstance(self.rows, bool):
+      raise ValueError(f"MosaicAttentionConfig.rows={self.rows!r}: expected true or false")
+    if self.rows and (self.producer or self.block_k != 64):
+      raise ValueError(f"MosaicAttentionConfig.rows=True takes block_k=64 and "
+                       f"producer=False (got block_k={self.block_k!r}, "
+                       f"producer={self.producer!r})")
     if self.block_k not in (32, 64) or (self.block_k == 32 and self.producer):
       raise ValueError(f"MosaicAttentionConfig.block_k={self.block_k!r}: expected 64, or "
                        "32 without a producer (producer=False)")
@@ -116,6 +127,9 @@ def smem_bytes(config: MosaicAttentionConfig | None = None) -> int:
   small buffers and, without a producer, the split's slot list (the output staging
   reuses the queries' and ring's memory)."""
   config = config or MosaicAttentionConfig()
+  if config.rows:  # + the probabilities of both warpgroups, two tiles' slot lists
+    return (HEADS + STAGES * BLOCK_K) * WIDTH * 2 + 2 * BLOCK_K * HALF * 2 + 2048 \
+        + 2 * BLOCK_K * 4
   slot_list = 2 * BLOCK_K * 4 if config.producer else MAX_SPLIT_ROWS * 4
   return (HEADS + STAGES * BLOCK_K) * WIDTH * 2 + 2048 + slot_list
 
@@ -429,6 +443,402 @@ def _kernel_two(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slo
   pl.when(wg == 1)(lambda: body(1))
 
 
+
+# --- The TMA row form (``MosaicAttentionConfig(rows=True)``) -----------------------------
+# Each selected row is one TMA copy of its 1152 bytes (the pool viewed as [S, 9, 64], a
+# (9, 64) box with the 128-byte swizzle), so a ring tile holds its 64 rows one after
+# another: row r's columns [64 c, 64 c + 64) are the 128-byte line 9 r + c, its 16-byte
+# chunk j stored at chunk j ^ (line % 8) (the swizzle follows the shared-memory address;
+# the ring starts 1024-byte aligned). ``wgmma`` cannot read such a tile from shared
+# memory (it reads eight rows' pieces of one column block together), but ``ldmatrix``
+# can: each lane names the row it loads, and the swizzle puts the eight rows of a load
+# in eight different banks. So the tile is the register operand: warpgroup w computes
+# the transposed scores of its 32 heads, S^T = K Q_w^T ([64 rows, 32 heads], nine
+# ``wgmma`` of K 64 with the queries' columns in shared memory), their softmax over the
+# rows, and O_w^T += V^T P_w^T ([512 columns, 32 heads], eight ``wgmma`` with V^T
+# loaded by ``ldmatrix.trans`` and P_w^T written to shared memory).
+
+ROW_LINES = WIDTH // 64  # 128-byte lines per row
+HALF = HEADS // 2  # heads per warpgroup
+
+
+def _ldmatrix_frag(stage: int, block: int, trans: bool):
+  """Inline Mosaic GPU code: a [64, 64] bf16 ``wgmma`` register operand (WGMMA layout)
+  from ring ``stage`` (the ring's memref, [2, 64, 9, 64] bf16, 1024-byte aligned).
+
+  trans=False: rows x columns [64 block, 64 block + 64) of the tile (the scores' K);
+  trans=True: columns [64 block, 64 block + 64) x the 64 rows (the outputs' V^T)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic.gpu import utils as mu
+  import numpy as np
+
+  def body(ctx, ring):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    c = lambda v: arith.constant(i32, v)
+    tid = arith.remui(mu.thread_idx(), c(_WG))
+    warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
+    q, idx = arith.divui(lane, c(8)), arith.remui(lane, c(8))  # matrix, its row
+    qlo, qhi = arith.remui(q, c(2)), arith.divui(q, c(2))
+    base = llvm.ptrtoint(i32, mu.memref_ptr(ring))
+    base = arith.addi(base, c(stage * BLOCK_K * WIDTH * 2))
+    bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+    layout = fa.WGMMA_LAYOUT
+    regs = np.empty(layout.registers_shape((64, 64)), dtype=object)
+    struct = llvm.StructType.get_literal([i32] * 4)
+    op = "ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "") + ".shared.b16"
+    for kk in range(4):  # k16 steps
+      if trans:  # matrix q: columns 16 warp + 8 (q % 2) (+8), rows 16 kk + 8 (q // 2) + idx
+        row = arith.addi(c(16 * kk), arith.addi(arith.muli(qhi, c(8)), idx))
+        chunk = arith.addi(arith.muli(warp, c(2)), qlo)
+        line_c = block
+      else:  # matrix q: rows 16 warp + 8 (q % 2) + idx, columns 64 block + 16 kk + 8 (q // 2)
+        row = arith.addi(arith.muli(warp, c(16)), arith.addi(arith.muli(qlo, c(8)), idx))
+        chunk = arith.addi(c(2 * kk), qhi)
+        line_c = block
+      line = arith.addi(base, arith.muli(arith.addi(arith.muli(row, c(ROW_LINES)),
+                                                    c(line_c)), c(128)))
+      phase = arith.andi(arith.shrui(line, c(7)), c(7))
+      addr = arith.addi(line, arith.muli(arith.xori(chunk, phase), c(16)))
+      out = llvm.inline_asm(struct, [addr], op + " {$0, $1, $2, $3}, [$4];",
+                            "=r,=r,=r,=r,r", has_side_effects=False)
+      for m in range(4):  # matrix m -> register (column group 2 kk + m // 2, row half m % 2)
+        reg = mu.bitcast(llvm.extractvalue(i32, out, [m]), bf16x2)
+        regs[0, 2 * kk + m // 2, 0, 0, m % 2, 0, 0, 0, 0] = reg
+    return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+  del mgpu
+  return body
+
+
+def _store_transposed(col0: int):
+  """Inline Mosaic GPU code: stores x [R, C] (a WGMMA-layout or WGMMA-column-layout
+  float32 array, this warpgroup's heads as its last axis) transposed into ``ref``:
+  x[r, c] -> ref[col0 + c, r] (2-D), or x[c] -> ref[col0 + c] (1-D)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, memref, vector
+
+  def body(ctx, x, ref):
+    del ctx
+    index = ir.IndexType.get()
+    for idx, reg in zip(x.layout.thread_idxs(x.shape), x.registers.flat):
+      n = ir.VectorType(reg.type).shape[0]
+      for e in range(n):
+        val = vector.extract(reg, dynamic_position=[], static_position=[e])
+        col = arith.addi(idx[-1], arith.constant(index, col0 + e))
+        dst = [col] if len(idx) == 1 else [col, idx[0]]
+        memref.store(val, ref, dst)
+    return None
+
+  return body
+
+
+
+_MAX_KEYS = STAGES * BLOCK_K  # meta buffer: two slot lists, each warpgroup's running maxima
+_BITS = _MAX_KEYS + HEADS  # then the split's validity bits (a 128-byte multiple in)
+
+
+def _ordered(i32v):
+  """float32 bits <-> int32 that orders like the floats (an involution)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith
+  i32 = ir.IntegerType.get_signless(32)
+  sign = arith.shrsi(i32v, arith.constant(i32, 31))
+  return arith.xori(i32v, arith.andi(sign, arith.constant(i32, 0x7FFFFFFF)))
+
+
+def _warp_col_reduce(x, op):
+  """This warp's column reductions of x [64, 32] (WGMMA layout, float32): registers
+  [j][v] for columns 8 j + 2 (lane % 4) + v, the same in every lane of a column."""
+  from jax._src.lib.mlir.dialects import vector
+  from jax.experimental.mosaic.gpu import utils as mu
+  regs = x.registers
+  if regs.shape != (1, 4, 1, 1, 2, 1, 1, 1, 1):
+    raise NotImplementedError(f"registers {regs.shape}: expected a [64, 32] WGMMA array")
+  out = []
+  for j in range(4):
+    a = op(regs[0, j, 0, 0, 0, 0, 0, 0, 0], regs[0, j, 0, 0, 1, 0, 0, 0, 0])
+    for stride in (4, 8, 16):  # lanes of the same column: lane / 4 differs
+      a = op(a, mu.shfl_bfly(a, stride))
+    out.append([vector.extract(a, dynamic_position=[], static_position=[v])
+                for v in range(2)])
+  return out
+
+
+def _col_array(values):
+  """A [32] WGMMA-column-layout float32 array from values[j][v]."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import vector
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  import numpy as np
+  f32x2 = ir.VectorType.get((2,), ir.F32Type.get())
+  regs = np.empty(fa.WGMMA_COL_LAYOUT.registers_shape((HALF,)), dtype=object)
+  for j, (a, b) in enumerate(values):
+    regs[j, 0, 0] = vector.from_elements(f32x2, [a, b])
+  return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_COL_LAYOUT, _is_signed=None)
+
+
+def _running_max(w: int):
+  """Inline Mosaic GPU code: the running column maxima of warpgroup ``w``, raised by
+  x [64, 32] (its scores over one tile): every warp's column maxima go into the
+  warpgroup's 32 keys of the meta buffer by a shared-memory atomic max (keys only
+  grow, so the running maxima need no reset), and every thread reads them back."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, memref, scf
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def body(ctx, x, meta):
+    del ctx
+    i32, f32, index = ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.IndexType.get()
+    c = lambda v: arith.constant(i32, v)
+    lane = arith.remui(mu.thread_idx(), c(32))
+    col = arith.muli(arith.remui(lane, c(4)), c(2))
+    vals = _warp_col_reduce(x, arith.maximumf)
+    base = arith.addi(llvm.ptrtoint(i32, mu.memref_ptr(meta)), c(4 * (_MAX_KEYS + HALF * w)))
+    first = arith.cmpi(arith.CmpIPredicate.ult, lane, c(4))
+    if_op = scf.IfOp(first)
+    with ir.InsertionPoint(if_op.then_block):
+      for j in range(4):
+        for v in range(2):
+          key = _ordered(arith.bitcast(i32, vals[j][v]))
+          addr = arith.addi(base, arith.muli(arith.addi(col, c(8 * j + v)), c(4)))
+          llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr, key],
+                          "red.shared.max.s32 [$0], $1;", "r,r", has_side_effects=True)
+      scf.yield_([])
+    mu.warpgroup_barrier()
+    out = []
+    for j in range(4):
+      pair = []
+      for v in range(2):
+        i = arith.addi(col, c(_MAX_KEYS + HALF * w + 8 * j + v))
+        key = memref.load(meta, [arith.index_cast(index, i)])
+        pair.append(arith.bitcast(f32, _ordered(key)))
+      out.append(pair)
+    return _col_array(out)
+
+  return body
+
+
+def _init_max(w: int):
+  """Inline Mosaic GPU code: warpgroup ``w``'s running maxima set to -inf."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, memref, scf
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def body(ctx, meta):
+    del ctx
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    tid = arith.remui(mu.thread_idx(), arith.constant(i32, _WG))
+    if_op = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, tid, arith.constant(i32, HALF)))
+    with ir.InsertionPoint(if_op.then_block):
+      neg_inf = _ordered(arith.constant(i32, -8388608))  # 0xFF800000: -inf
+      i = arith.addi(tid, arith.constant(i32, _MAX_KEYS + HALF * w))
+      memref.store(neg_inf, meta, [arith.index_cast(index, i)])
+      scf.yield_([])
+    mu.warpgroup_barrier()
+    return None
+
+  return body
+
+
+def _warp_sums():
+  """Inline Mosaic GPU code: this warp's column sums of x [64, 32] (its 16 rows) as a
+  [32] column-layout array (so not the same in every warp: ``_final_sums`` adds them)."""
+  from jax._src.lib.mlir.dialects import arith
+
+  def body(ctx, x):
+    del ctx
+    return _col_array(_warp_col_reduce(x, arith.addf))
+
+  return body
+
+
+def _final_sums(w: int):
+  """Inline Mosaic GPU code: the four warps' column sums (``_warp_sums``, accumulated)
+  added, through warpgroup ``w``'s 512 bytes of ``scratch`` (memory no longer read)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, scf, vector
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def body(ctx, x, scratch):
+    del ctx
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+    c = lambda v: arith.constant(i32, v)
+    tid = arith.remui(mu.thread_idx(), c(_WG))
+    warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
+    col = arith.muli(arith.remui(lane, c(4)), c(2))
+    base = arith.addi(llvm.ptrtoint(i32, mu.memref_ptr(scratch)), c(512 * w))
+    ptr_t = llvm.PointerType.get(address_space=3)
+    addr = lambda wp, j, v: llvm.inttoptr(ptr_t, arith.addi(
+        base, arith.muli(arith.addi(arith.muli(wp, c(HALF)), arith.addi(col, c(8 * j + v))),
+                         c(4))))
+    vals = [[vector.extract(x.registers[j, 0, 0], dynamic_position=[], static_position=[v])
+             for v in range(2)] for j in range(4)]
+    if_op = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, lane, c(4)))
+    with ir.InsertionPoint(if_op.then_block):
+      for j in range(4):
+        for v in range(2):
+          llvm.store(vals[j][v], addr(warp, j, v))
+      scf.yield_([])
+    mu.warpgroup_barrier()
+    out = []
+    for j in range(4):
+      pair = []
+      for v in range(2):
+        total = None
+        for wp in range(4):
+          val = llvm.load(f32, addr(c(wp), j, v))
+          total = val if total is None else arith.addf(total, val)
+        pair.append(total)
+      out.append(pair)
+    return _col_array(out)
+
+  return body
+
+
+def _rows_tile_step(q_smem, ring, pt_smem, meta_smem, s: int, t, w: int, scale2: float,
+                    m, l, acc_refs):
+  """Warpgroup ``w``'s work on tile ``t`` in ring stage ``s``: the transposed scores of
+  heads [32 w, 32 w + 32), masked by the tile's validity bits, the online softmax over
+  the rows and the 512 output columns of those heads, accumulated in ``acc_refs``
+  (eight [64 columns, 32 heads] accumulators). -> the new (m, l)."""
+  frag_t = plgpu.ShapeDtypeStruct((64, 64), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+  ref_t = plgpu.RefType((plgpu.SwizzleTransform(128),))
+  load = lambda block, trans: plgpu.inline_mgpu(arg_types=(ref_t,), return_type=frag_t)(
+      _ldmatrix_frag(s, block, trans))(ring)
+
+  def scores(acc_ref):
+    for c in range(ROW_LINES):
+      qt = plgpu.transpose_ref(q_smem.at[pl.ds(HALF * w, HALF), pl.ds(64 * c, 64)], (1, 0))
+      plgpu.wgmma(acc_ref, load(c, False), qt)
+      plgpu.wgmma_wait(1)  # so that at most two register operands are live
+    return acc_ref[...]
+
+  sc = pl.run_scoped(scores, plgpu.ACC((BLOCK_K, HALF), jnp.float32))
+  row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, HALF), 0, layout=plgpu.Layout.WGMMA)
+  bits = _BITS + 2 * t  # the tile's two validity words in the meta buffer
+  word = jnp.where(row < 32, meta_smem[bits], meta_smem[bits + 1])
+  ok = jnp.bitwise_and(jnp.right_shift(word, jnp.bitwise_and(row, 31)), 1) != 0
+  sc = jnp.where(ok, sc * scale2, -jnp.inf)
+  # Column reductions are inline: Pallas' cross-warp reductions share one scratch
+  # buffer between warpgroups.
+  grid_t, col_t = plgpu.Layout.WGMMA, plgpu.ShapeDtypeStruct(
+      (HALF,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(0))
+  m_new = plgpu.inline_mgpu(arg_types=(grid_t, plgpu.RefType()), return_type=col_t)(
+      _running_max(w))(sc, meta_smem)
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing valid yet: exp2() gives 0
+  alpha = jnp.exp2(m - m_safe)
+  p = jnp.exp2(sc - jax.lax.broadcast_in_dim(m_safe, sc.shape, [1]))
+  # l: this warp's rows only, the warps' sums added at the end (``_final_sums``).
+  l = l * alpha + plgpu.inline_mgpu(arg_types=(grid_t,), return_type=col_t)(_warp_sums())(p)
+  scale = jax.lax.broadcast_in_dim(alpha, (64, HALF), [1])
+  for acc_ref in acc_refs:  # (reading one waits for the last tile's output matmuls)
+    acc_ref[...] = acc_ref[...] * scale
+  pt_smem.at[w][...] = p.astype(jnp.bfloat16)
+  plgpu.commit_smem()  # visible to the tensor cores (and every thread has written)
+  for cb, acc_ref in enumerate(acc_refs):
+    plgpu.wgmma(acc_ref, load(cb, True), pt_smem.at[w])
+    plgpu.wgmma_wait(1)  # so that at most two register operands are live
+  return m_new, l
+
+
+def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, ring,
+                 pt_smem, meta_smem, in_bar, slot_bar, full, step_bar, *, tiles: int,
+                 scale2: float, ablation: str | None):
+  # A loop over pairs of tiles, tile t in ring stage t % 2. Step t: wait for tile t,
+  # compute it, meet (both warpgroups are done reading stage t % 2), issue tile t + 2's
+  # row copies into it (each warpgroup half the rows, from one thread) and copy tile
+  # t + 3's slot list in. Slot lists are double-buffered like the ring: ``meta_smem``
+  # holds them (64 words each) and then the split's validity bits.
+  b, sp, wg = (jax.lax.axis_index(n) for n in ("b", "split", "wg"))
+
+  def slots_in(t, s: int):
+    plgpu.copy_gmem_to_smem(slots_ref.at[b, sp, t],
+                            meta_smem.at[pl.ds(BLOCK_K * s, BLOCK_K)], slot_bar.at[s])
+
+  def rows_in(t, s: int, w: int):  # this warpgroup's half of tile t's rows
+    plgpu.barrier_wait(slot_bar.at[s])
+
+    def row(i, carry):
+      r = HALF * w + i
+      slot = meta_smem[BLOCK_K * s + r]
+      plgpu.copy_gmem_to_smem(pool_ref.at[slot], ring.at[s, r], full.at[s])
+      return carry
+
+    jax.lax.fori_loop(0, BLOCK_K // 2, row, 0)
+
+  def meet():
+    plgpu.barrier_arrive(step_bar)
+    plgpu.barrier_wait(step_bar)
+
+  def init():
+    f32 = jnp.float32
+    cols = plgpu.Layout.WGMMA.reduce(0)
+    return (plgpu.layout_cast(jnp.full((HALF,), -jnp.inf, f32), cols),
+            plgpu.layout_cast(jnp.zeros((HALF,), f32), cols))
+
+  def body(w: int):
+    if w == 0:
+      plgpu.copy_gmem_to_smem(bits_ref.at[b, sp],
+                              meta_smem.at[pl.ds(_BITS, bits_ref.shape[-1])], in_bar)
+      plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, in_bar)
+      slots_in(0, 0)
+      slots_in(1, 1)
+    rows_in(0, 0, w)
+    rows_in(1, 1, w)
+    meet()  # both read slot lists 0 and 1
+    if w == 0 and tiles > 2 and ablation != "compute":
+      slots_in(2, 0)
+    plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_init_max(w))(meta_smem)
+    plgpu.barrier_wait(in_bar)
+
+    def pair(jj, carry, acc_refs):
+      m, l = carry
+      for s in range(2):
+        t = 2 * jj + s
+        if ablation == "compute":  # only the first two tiles are gathered
+          pl.when(jj == 0)(lambda: plgpu.barrier_wait(full.at[s]))
+        else:
+          plgpu.barrier_wait(full.at[s])
+        if ablation != "gather":
+          m, l = _rows_tile_step(q_smem, ring, pt_smem, meta_smem, s, t, w, scale2, m, l,
+                                 acc_refs)
+        meet()
+        if ablation != "compute":  # (which reuses the first two tiles)
+          pl.when(t + 2 < tiles)(lambda: rows_in(t + 2, s, w))
+          if w == 0:
+            pl.when(t + 3 < tiles)(lambda: slots_in(t + 3, 1 - s))
+      return m, l
+
+    def run(*acc_refs):  # the accumulators stay in place (no copy per step)
+      m, l = jax.lax.fori_loop(0, tiles // 2, lambda jj, c: pair(jj, c, acc_refs), init())
+      return m, l, tuple(r[...] for r in acc_refs)
+
+    m, l, accs = pl.run_scoped(run, *[plgpu.ACC((64, HALF), jnp.float32)] * (LATENT // 64))
+    # Every tile computed and met after: the ring is free to add the warps' sums in.
+    l = plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA.reduce(0), plgpu.RefType((plgpu.SwizzleTransform(128),))),
+        return_type=plgpu.ShapeDtypeStruct((HALF,), jnp.float32,
+                                           layout=plgpu.Layout.WGMMA.reduce(0)))(
+        _final_sums(w))(l, ring)
+    l_ok = l > 0
+    l_safe = jnp.where(l_ok, l, 1.0)
+    inv = jax.lax.broadcast_in_dim(1.0 / l_safe, (64, HALF), [1])
+    lse = jnp.where(l_ok, m / _LOG2E + jnp.log(l_safe), -jnp.inf)
+    o = o_ref.at[b, sp]  # [64 heads, 512]
+    for cb, acc in enumerate(accs):
+      plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
+          _store_transposed(HALF * w))(acc * inv, o.at[:, pl.ds(64 * cb, 64)])
+    plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(0), plgpu.RefType()))(
+        _store_transposed(HALF * w))(lse, lse_ref.at[b, sp])
+
+  pl.when(wg == 0)(lambda: body(0))
+  pl.when(wg == 1)(lambda: body(1))
+
+
 def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
                                 slots: jax.Array, valid: jax.Array, *, scale: float,
                                 config: MosaicAttentionConfig | None = None,
@@ -487,7 +897,22 @@ def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   small = [plgpu.SMEM((wpad,), jnp.int32), plgpu.SMEM((HEADS,), jnp.float32),
            plgpu.Barrier(num_arrivals=2)]  # bits and queries copied in
   static = dict(tiles=tiles, scale2=float(scale) * _LOG2E, ablation=ablation)
-  if config.producer:
+  if config.rows:
+    body = lambda *refs: _kernel_rows(*refs, **static)
+    pool = pool.reshape(S, ROW_LINES, 64)  # a row is one (9, 64) box
+    union = None
+    scratch = [plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=tiled),
+               plgpu.SMEM((STAGES, BLOCK_K, ROW_LINES, 64), jnp.bfloat16,
+                          transforms=(plgpu.SwizzleTransform(128),)),
+               plgpu.SMEM((2, BLOCK_K, HALF), jnp.bfloat16,
+                          transforms=(plgpu.TilingTransform((8, HALF)),
+                                      plgpu.SwizzleTransform(64))),
+               plgpu.SMEM((_BITS + wpad,), jnp.int32),  # slot lists, maxima, bits
+               small[2],  # bits and queries copied in
+               plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # a slot list copied in
+               plgpu.Barrier(num_arrivals=BLOCK_K, num_barriers=STAGES),  # rows landed
+               plgpu.Barrier(num_arrivals=2)]  # the end of a step
+  elif config.producer:
     body = lambda *refs: _kernel(*refs, **static, registers=(
         config.consumer_registers, config.producer_registers()))
     scratch = [union, plgpu.SMEM((bk,), jnp.int32), plgpu.SMEM((bk,), jnp.int32), *small,
@@ -506,7 +931,8 @@ def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
       out_type=(jax.ShapeDtypeStruct((B, splits, HEADS, LATENT), jnp.float32),
                 jax.ShapeDtypeStruct((B, splits, HEADS), jnp.float32)),
       scratch_types=scratch,
-      grid=(splits, B), grid_names=("split", "b"), num_threads=3 if config.producer else 2,
+      grid=(splits, B), grid_names=("split", "b"),
+      num_threads=3 if config.producer and not config.rows else 2,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                            approx_math=True),
