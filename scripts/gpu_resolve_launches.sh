@@ -8,7 +8,8 @@
 #     OUT=/some/dir bash scripts/gpu_resolve_launches.sh
 #
 # LAUNCH_RUNS="NAME ARGS..." lines replace the default runs (e.g. "while32_flush --loop while
-# --steps 32 --flush-mb 128": the cache cleared between resolves). Results under $OUT:
+# --steps 32 --flush-mb 128": the cache cleared between resolves; BENCH_LIMIT: seconds per run,
+# default 200). Results under $OUT:
 # launches.json (every run's benchmark result, by run name: while32_fuse_on, ...); printed
 # last, per run and kernel: its median / min / max per launch, its median after an idle
 # device and after back-to-back work, the first launches, and the profiled resolves'
@@ -19,7 +20,7 @@ cd "$(dirname "$0")/.."
 source scripts/gpu_steps.sh
 gpu_setup gpu_resolve_launches 540
 bench() {
-  step "$1" 200 "$PY" -c "
+  step "$1" "${BENCH_LIMIT:-200}" "$PY" -c "
 import sys
 from ula_jax.bench import resolve
 sys.exit(resolve.main(sys.argv[1:]))" --impls pallas --pools 1M --batch 64 --policies pb_lru \

@@ -26,7 +26,7 @@ import pytest
 
 from ula_jax.kernels.resolve import IMPLS, resolve_group
 from ula_jax.kernels.resolve import pallas as pallas_module
-from ula_jax.kernels.resolve.pallas import ResolveConfig, resolve_group_pallas
+from ula_jax.kernels.resolve.pallas import FUSED_CONFIG, ResolveConfig, resolve_group_pallas
 from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
 from ula_jax.memory.policies import bitmap
 from ula_jax.memory.ula import Ula, UlaState
@@ -192,6 +192,15 @@ class TestResolvePallasGpu(ResolvePallasCases):
                 config=ResolveConfig(fuse=fuse, poison=POISON))
     assert self.check_steps(case, rng, steps=2) > 0
 
+  def test_full_size_fused_three_per_sm(self, rng):
+    """The one launch with 128-entry mark blocks and 8-entry place blocks, three
+    programs per SM (what its 168 registers per thread allow)."""
+    config = ResolveConfig(fuse=True, block_elems=128, block_place=8, per_sm=3,
+                           poison=POISON)
+    case = Case("pb_lru", device=1 << 18, host=1 << 18, B=64, k=2048, buckets=4, fill=0.9,
+                config=config)
+    assert self.check_steps(case, rng, steps=2) > 0
+
   @pytest.mark.parametrize("programs", [1, 3])
   def test_fused_few_programs(self, programs, rng):
     """The fused launch with fewer programs than virtual ones: every program loops
@@ -316,10 +325,21 @@ def test_pallas_rejects_bad_shapes(shapes, match):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(programs=0), r"ResolveConfig.programs=0: expected a positive integer"),
     (dict(fuse="yes"), r"ResolveConfig.fuse='yes': expected true or false"),
+    (dict(per_sm=0), r"ResolveConfig.per_sm=0: expected None or an integer in \[1, 16\]"),
+    (dict(per_sm=2.5), r"ResolveConfig.per_sm=2.5: expected None"),
 ])
 def test_config_rejects_bad_fused_launch(kwargs, match):
   with pytest.raises(ValueError, match=match):
     ResolveConfig(**kwargs)
+
+
+def test_fused_launch_programs_per_sm():
+  """Two programs of 4 warps per SM fit at any register count; ``per_sm`` raises it
+  (the one launch's preset: three) and the residency limit with it."""
+  assert ResolveConfig().resident_per_sm() == 2
+  assert ResolveConfig(num_warps=2).resident_per_sm() == 4
+  assert FUSED_CONFIG.fuse and FUSED_CONFIG.resident_per_sm() == 3
+  assert (FUSED_CONFIG.block_elems, FUSED_CONFIG.block_place) == (128, 8)
 
 
 def test_interpreted_fused_launch_is_one_program():

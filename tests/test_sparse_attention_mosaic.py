@@ -68,6 +68,19 @@ def test_block_k_needs_no_producer_for_32_rows():
   assert not MosaicAttentionConfig().producer  # the faster form on an H200
 
 
+def test_rows_form_takes_64_row_tiles_and_no_producer():
+  with pytest.raises(ValueError, match=r"rows=True takes block_k=64 and producer=False "
+                     r"\(got block_k=32, producer=False\)"):
+    MosaicAttentionConfig(rows=True, block_k=32)
+  with pytest.raises(ValueError, match=r"rows=True takes .*producer=True\)"):
+    MosaicAttentionConfig(rows=True, producer=True)
+  with pytest.raises(ValueError, match="rows=1: expected true or false"):
+    MosaicAttentionConfig(rows=1)
+  # Queries and two ring tiles (72 KB each), both warpgroups' probabilities (4 KB each)
+  # and the meta buffer (slot lists, maxima, validity bits: 1 KB).
+  assert mosaic.smem_bytes(MosaicAttentionConfig(rows=True)) == 3 * 72 * 1024 + 9 * 1024
+
+
 def test_shared_memory_fits_an_h200_block():
   for config in CONFIGS:
     assert mosaic.smem_bytes(config) <= 227 * 1024

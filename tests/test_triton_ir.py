@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from ula_jax.bench import kernel_report
-from ula_jax.kernels.resolve.pallas import ResolveConfig
+from ula_jax.kernels.resolve.pallas import FUSED_CONFIG
 from ula_jax.kernels.sparse_attention.pallas import (AttentionConfig,
                                                      sparse_mla_attention_pallas)
 from ula_jax.kernels.triton_ir import (KernelReport, loop_summary, lowered_kernels,
@@ -95,11 +95,13 @@ def test_kernel_report_benchmark(tmp_path):
 def test_resolve_report_keeps_the_one_launch_resident():
   """The one-launch resolve's grid barriers need every program resident at once: its
   compiled registers and shared memory must allow the programs per SM that
-  ``ResolveConfig`` launches."""
-  (row,) = kernel_report.resolve_reports(2, 16, 1024, fuse=True, num_sms=4)
+  ``kernels.resolve=pallas_fused`` launches (``FUSED_CONFIG``: three, at most 168
+  registers per thread; 168 at this size, as at batch 64-128 over 1M slots)."""
+  (row,) = kernel_report.resolve_reports(16, 256, 8192, fuse=True, num_sms=4)
   assert row["kernel"] == "ula_resolve_fused" and row["num_warps"] == 4
-  assert row["config"] == "pool 1024 fused" and 0 < row["registers"] <= 255
-  assert row["programs_per_sm"] >= ResolveConfig().resident_per_sm()
+  assert row["config"] == "pool 8192 fused" and 0 < row["registers"] <= 168
+  assert FUSED_CONFIG.resident_per_sm() == 3
+  assert row["programs_per_sm"] >= FUSED_CONFIG.resident_per_sm()
 
 
 @pytest.mark.parametrize("warps, regs, smem, want", [

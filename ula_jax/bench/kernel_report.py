@@ -85,10 +85,10 @@ def resolve_reports(B: int, k: int, pool: int, fuse: bool,
   system), four launches or one (with the programs a GPU of ``num_sms`` SMs keeps
   resident)."""
   from ula_jax.bench.resolve import Setup, build_system
-  from ula_jax.kernels.resolve.pallas import ResolveConfig, resolve_group_pallas
+  from ula_jax.kernels.resolve.pallas import FUSED_CONFIG, ResolveConfig, resolve_group_pallas
 
   system = build_system(Setup(pool=pool, batch=B, k=k, buckets=4, steps_total=8), "pb_lru")
-  config = ResolveConfig(fuse=fuse)
+  config = FUSED_CONFIG if fuse else ResolveConfig()  # what kernels.resolve launches
   if fuse:
     config = dataclasses.replace(config, programs=num_sms * config.resident_per_sm())
   f = functools.partial(resolve_group_pallas, system, config=config, interpret=False)

@@ -134,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--pallas-programs", type=int, default=None,
                  help="programs of the fused launch (default: all that are surely "
                  "resident, two per SM with 4 warps)")
+  p.add_argument("--pallas-per-sm", type=int, default=None,
+                 help="programs of the fused launch resident per SM (default: 8 / warps; "
+                 "more only where the compiled registers allow it, see ResolveConfig)")
   p.add_argument("--interpret", choices=("auto", "on", "off"), default="auto",
                  help="Pallas interpret mode (auto: on everywhere but on GPU)")
   p.add_argument("--seed", type=int, default=0)
@@ -360,7 +363,8 @@ def _impls(names: list[str], args) -> list[tuple[str, str, ResolveConfig | None]
       label = f"pallas[{','.join(tags)}]" if tags else "pallas"
       out.append((label, "pallas", ResolveConfig(block_elems=e, block_place=p, num_warps=w,
                                                  fuse=f, relaxed_atomics=x,
-                                                 programs=args.pallas_programs)))
+                                                 programs=args.pallas_programs,
+                                                 per_sm=args.pallas_per_sm)))
   return out
 
 

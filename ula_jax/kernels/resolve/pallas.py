@@ -97,7 +97,7 @@ class ResolveConfig:
                programs run the four stages, with a grid barrier between stages (exact
                LRU's pick is XLA's ``top_k``, so its resolve is always four launches)
   programs:    persistent programs of the fused launch (None: as many as are surely
-               resident at once, ``resident_per_sm`` per SM; one in interpret mode).
+               resident at once, ``resident_per_sm()`` per SM; one in interpret mode).
                A grid barrier needs every program resident: more would deadlock, and
                so could two fused launches run side by side on one GPU (a decode step's
                resolves run one after another: each group's selection needs the layers
@@ -107,6 +107,12 @@ class ResolveConfig:
                stages); False: Pallas' acquire-release atomics
   poison:      testing aid: when set, every array the kernels create is first filled
                with this value, so an element a kernel fails to write shows up
+  per_sm:      programs of the fused launch resident per SM (None: 8 / num_warps, which
+               holds at any register count). More is only safe when the compiled kernel
+               allows it (64K registers per SM: 3 programs of 4 warps at <= 168 registers
+               per thread, which the fused launch compiles to with ``block_elems=128``;
+               ``ula-jax bench kernel_report`` shows both); a launch that is not all
+               resident never passes its first grid barrier
 
   The defaults are the fastest of sweeps on an H200 (1M-slot pool, batch 32 and 64, k
   2048; ``RESULTS.md``). The place launch is bound by the latency of each program's
@@ -114,11 +120,12 @@ class ResolveConfig:
   64, 6.6K entries to place: 256 per program 155 us, 32 per program 23 us, 16 per
   program 17 us); the mark launch took 111 us with 1024 elements per program and
   acquire-release atomics, 8.6 us with 256 and relaxed ones. Four launches are the
-  default: the fused launch's persistent programs (two per SM, so that all are resident)
-  hide less latency than the launches' own programs (at batch 64, per launch: one
-  launch 40-42 us, the four launches' kernels 32 us, in a device loop or straight-line
-  code of up to 8 resolves; the one launch 51-53 us in straight-line code of 16-32, and
-  49-52 us in every form from a cold cache, where the four launches take 32-36 us).
+  default: the fused launch's persistent programs hide less latency than the launches'
+  own programs (at batch 64 from a cold cache, per launch: the four launches' kernels
+  32-36 us, the one launch with these defaults -- two programs per SM, 250 registers --
+  50-52 us). ``kernels.resolve=pallas_fused`` launches ``FUSED_CONFIG`` instead: 128-entry
+  mark blocks (168 registers, three programs per SM) and 8-entry place blocks, 43.7-46.8
+  us from a cold cache and 40.2 us warm.
   """
 
   block_elems: int = 256
@@ -128,6 +135,7 @@ class ResolveConfig:
   programs: int | None = None
   relaxed_atomics: bool = True
   poison: int | None = None
+  per_sm: int | None = None
 
   def __post_init__(self):
     for name in ("block_elems", "block_place", "num_warps"):
@@ -139,6 +147,11 @@ class ResolveConfig:
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"ResolveConfig.{name}={getattr(self, name)!r}: expected true "
                          "or false")
+    if self.per_sm is not None and (isinstance(self.per_sm, bool)
+                                    or not isinstance(self.per_sm, int)
+                                    or not 1 <= self.per_sm <= 16):
+      raise ValueError(f"ResolveConfig.per_sm={self.per_sm!r}: expected None or an "
+                       "integer in [1, 16] (programs resident per SM)")
     if self.programs is not None and (isinstance(self.programs, bool)
                                       or not isinstance(self.programs, int)
                                       or self.programs < 1):
@@ -146,9 +159,10 @@ class ResolveConfig:
                        "integer or None (two programs per SM on GPU, one interpreted)")
 
   def resident_per_sm(self) -> int:
-    """Programs of ``num_warps`` warps that fit on one SM whatever their register use
-    (255 registers per thread at most, 64K per SM)."""
-    return max(1, 8 // self.num_warps)
+    """Programs of the fused launch resident on one SM at once: ``per_sm``, else those of
+    ``num_warps`` warps that fit whatever their register use (255 registers per thread
+    at most, 64K per SM)."""
+    return self.per_sm or max(1, 8 // self.num_warps)
 
   def fused_programs(self, interpret: bool) -> int:
     """Programs of the fused launch: ``programs``, else every SM's share of resident
@@ -174,6 +188,13 @@ class ResolveConfig:
                        f"device ({sms} SMs x {self.resident_per_sm()} programs of "
                        f"{self.num_warps} warps)")
     return self.programs or limit
+
+
+# The one launch as measured fastest on an H200 (RESULTS.md): 128-entry mark blocks
+# compile to 168 registers per thread instead of 250, so three programs of 4 warps fit
+# on an SM instead of two, and 8-entry place blocks spread the place stage over them
+# (batch 64, 1M slots, cold cache: 43.7-46.8 us per launch against 50.0-51.6).
+FUSED_CONFIG = ResolveConfig(fuse=True, block_elems=128, block_place=8, per_sm=3)
 
 
 def default_interpret() -> bool:
@@ -1145,6 +1166,6 @@ def resolve_group_pallas_fused(system: Any, meta: GroupMeta, sel_addr: jax.Array
                                interpret: bool | None = None):
   """``resolve_group_pallas`` with ``config.fuse`` set: PB-LRU's resolve in one launch
   (``kernels.resolve=pallas_fused``)."""
-  config = dataclasses.replace(config or ResolveConfig(), fuse=True)
+  config = dataclasses.replace(config or FUSED_CONFIG, fuse=True)
   return resolve_group_pallas(system, meta, sel_addr, sel_valid, new_addr, active,
                               config=config, interpret=interpret)

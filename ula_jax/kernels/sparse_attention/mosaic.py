@@ -8,23 +8,26 @@ into the tensor cores' swizzled layout, a tile of rows at a time, into a ring of
 shared-memory tiles next to the queries. Two warpgroups each compute a tile's scores
 for all 64 heads (``wgmma``, queries and rows in shared memory), the online softmax in
 float32 (base 2) and half of the 512 output columns (``wgmma`` with the probabilities in
-registers). Two launch forms (``MosaicAttentionConfig.producer``):
+registers). Three launch forms (``MosaicAttentionConfig``):
 
 - two warpgroups (the default): both issue their halves of the copies of tile
   ``t + stages - 1`` at the start of step ``t``, in a loop over rounds of the ring's
   ``stages`` tiles (64-row tiles in two stages, or 32-row tiles in four);
-- three: a producer warpgroup issues every copy and signals each tile when it landed;
-  the two consumers raise their registers with ``setmaxnreg`` to what the producer
-  gives up.
+- ``producer=True``: a producer warpgroup issues every copy and signals each tile when
+  it landed; the two consumers raise their registers with ``setmaxnreg`` to what the
+  producer gives up;
+- ``rows=True``: one TMA copy per row into row-major tiles, computed transposed with the
+  rows as ``wgmma``'s register operand (the section before ``_ldmatrix_frag`` says how).
 
-Measured on an H200 (``RESULTS.md``) both are exact and slower than the Triton kernel:
-the copies do not overlap the arithmetic. In the two-warpgroup form the time is the
-same whether or not a step waits for its copies to land, so issuing them is what stalls
-the warps that then compute; with a producer its single warpgroup issues them at half
-the rate, and the consumers compile to 168 registers with spills. The arithmetic alone
-takes twice the Triton kernel's for the same tensor-core instructions. Each program
-writes its split's normalised output and log-sum-exp; ``pallas.merge_splits_pallas``
-merges splits.
+Measured on an H200 (``RESULTS.md``) all are exact and slower than the Triton kernel.
+In the two-warpgroup form the time is the same whether or not a step waits for its
+copies to land, so issuing them is what stalls the warps that then compute; with a
+producer its single warpgroup issues them at half the rate, and the consumers compile to
+168 registers with spills. The TMA row copies leave every thread free (the gathers
+alone read at 0.58-0.60 of copy bandwidth inside the kernel, 1.0 in
+``scripts/gpu_row_gather.py``), but the arithmetic alone takes 2-2.2 times the Triton
+kernel's in every form (255 registers with spills). Each program writes its split's
+normalised output and log-sum-exp; ``pallas.merge_splits_pallas`` merges splits.
 
 GPU only (sm_90a): Mosaic GPU's interpret mode has no transposed shared-memory operand,
 register operand or layout cast, and the copies are inline Mosaic GPU code. On other
@@ -127,9 +130,8 @@ def smem_bytes(config: MosaicAttentionConfig | None = None) -> int:
   small buffers and, without a producer, the split's slot list (the output staging
   reuses the queries' and ring's memory)."""
   config = config or MosaicAttentionConfig()
-  if config.rows:  # + the probabilities of both warpgroups, two tiles' slot lists
-    return (HEADS + STAGES * BLOCK_K) * WIDTH * 2 + 2 * BLOCK_K * HALF * 2 + 2048 \
-        + 2 * BLOCK_K * 4
+  if config.rows:  # + both warpgroups' probabilities and the meta buffer (1 KB)
+    return (HEADS + STAGES * BLOCK_K) * WIDTH * 2 + 2 * BLOCK_K * HALF * 2 + 1024
   slot_list = 2 * BLOCK_K * 4 if config.producer else MAX_SPLIT_ROWS * 4
   return (HEADS + STAGES * BLOCK_K) * WIDTH * 2 + 2048 + slot_list
 
@@ -467,15 +469,19 @@ def _ldmatrix_frag(stage: int, block: int, trans: bool):
   from ring ``stage`` (the ring's memref, [2, 64, 9, 64] bf16, 1024-byte aligned).
 
   trans=False: rows x columns [64 block, 64 block + 64) of the tile (the scores' K);
-  trans=True: columns [64 block, 64 block + 64) x the 64 rows (the outputs' V^T)."""
+  trans=True: columns [64 block, 64 block + 64) x the 64 rows (the outputs' V^T).
+
+  Each ``ldmatrix`` address is the row-major address L with the swizzle applied to it,
+  L ^ ((L >> 3) & 0x70) (its 16-byte chunk bits XOR its 128-byte line's bits 7-9), from
+  a base that reads the meta buffer's zero word (a volatile load): the compiler cannot
+  hoist the 68 addresses of a tile out of the loop and keep them in registers."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm
-  from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jax.experimental.mosaic.gpu import utils as mu
   import numpy as np
 
-  def body(ctx, ring):
+  def body(ctx, ring, meta):
     del ctx
     i32 = ir.IntegerType.get_signless(32)
     c = lambda v: arith.constant(i32, v)
@@ -483,26 +489,30 @@ def _ldmatrix_frag(stage: int, block: int, trans: bool):
     warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
     q, idx = arith.divui(lane, c(8)), arith.remui(lane, c(8))  # matrix, its row
     qlo, qhi = arith.remui(q, c(2)), arith.divui(q, c(2))
-    base = llvm.ptrtoint(i32, mu.memref_ptr(ring))
-    base = arith.addi(base, c(stage * BLOCK_K * WIDTH * 2))
+    meta_ptr = llvm.ptrtoint(i32, mu.memref_ptr(meta))
+    zero = llvm.inline_asm(i32, [arith.addi(meta_ptr, c(4 * _ZERO))],
+                           "ld.volatile.shared.u32 $0, [$1];", "=r,r", has_side_effects=True)
+    base = arith.addi(arith.addi(llvm.ptrtoint(i32, mu.memref_ptr(ring)), zero),
+                      c(stage * BLOCK_K * WIDTH * 2))
+    row_bytes = WIDTH * 2
+    if trans:  # matrix q: columns 16 warp + 8 (q % 2) (+8), rows 16 kk + 8 (q // 2) + idx
+      thread = arith.addi(arith.muli(arith.addi(arith.muli(qhi, c(8)), idx), c(row_bytes)),
+                          arith.muli(arith.addi(arith.muli(warp, c(2)), qlo), c(16)))
+      step = lambda kk: 16 * kk * row_bytes + 128 * block
+    else:  # matrix q: rows 16 warp + 8 (q % 2) + idx, columns 64 block + 16 kk + 8 (q // 2)
+      thread = arith.addi(arith.muli(arith.addi(arith.muli(warp, c(16)),
+                                                arith.addi(arith.muli(qlo, c(8)), idx)),
+                                     c(row_bytes)), arith.muli(qhi, c(16)))
+      step = lambda kk: 128 * block + 32 * kk
+    start = arith.addi(base, thread)
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
     layout = fa.WGMMA_LAYOUT
     regs = np.empty(layout.registers_shape((64, 64)), dtype=object)
     struct = llvm.StructType.get_literal([i32] * 4)
     op = "ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "") + ".shared.b16"
     for kk in range(4):  # k16 steps
-      if trans:  # matrix q: columns 16 warp + 8 (q % 2) (+8), rows 16 kk + 8 (q // 2) + idx
-        row = arith.addi(c(16 * kk), arith.addi(arith.muli(qhi, c(8)), idx))
-        chunk = arith.addi(arith.muli(warp, c(2)), qlo)
-        line_c = block
-      else:  # matrix q: rows 16 warp + 8 (q % 2) + idx, columns 64 block + 16 kk + 8 (q // 2)
-        row = arith.addi(arith.muli(warp, c(16)), arith.addi(arith.muli(qlo, c(8)), idx))
-        chunk = arith.addi(c(2 * kk), qhi)
-        line_c = block
-      line = arith.addi(base, arith.muli(arith.addi(arith.muli(row, c(ROW_LINES)),
-                                                    c(line_c)), c(128)))
-      phase = arith.andi(arith.shrui(line, c(7)), c(7))
-      addr = arith.addi(line, arith.muli(arith.xori(chunk, phase), c(16)))
+      lin = arith.addi(start, c(step(kk)))
+      addr = arith.xori(lin, arith.andi(arith.shrui(lin, c(3)), c(0x70)))
       out = llvm.inline_asm(struct, [addr], op + " {$0, $1, $2, $3}, [$4];",
                             "=r,=r,=r,=r,r", has_side_effects=False)
       for m in range(4):  # matrix m -> register (column group 2 kk + m // 2, row half m % 2)
@@ -510,7 +520,6 @@ def _ldmatrix_frag(stage: int, block: int, trans: bool):
         regs[0, 2 * kk + m // 2, 0, 0, m % 2, 0, 0, 0, 0] = reg
     return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
-  del mgpu
   return body
 
 
@@ -537,8 +546,9 @@ def _store_transposed(col0: int):
 
 
 
-_MAX_KEYS = STAGES * BLOCK_K  # meta buffer: two slot lists, each warpgroup's running maxima
-_BITS = _MAX_KEYS + HEADS  # then the split's validity bits (a 128-byte multiple in)
+_MAX_KEYS = STAGES * BLOCK_K  # meta buffer: two slot lists, each warpgroup's running maxima,
+_ZERO = _MAX_KEYS + HEADS  # a word kept 0 (``_ldmatrix_frag``)
+_BITS = _ZERO + 32  # and the split's validity bits (a 128-byte multiple in)
 
 
 def _ordered(i32v):
@@ -623,7 +633,8 @@ def _running_max(w: int):
 
 
 def _init_max(w: int):
-  """Inline Mosaic GPU code: warpgroup ``w``'s running maxima set to -inf."""
+  """Inline Mosaic GPU code: warpgroup ``w``'s running maxima set to -inf (and the
+  zero word to 0)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, memref, scf
   from jax.experimental.mosaic.gpu import utils as mu
@@ -637,6 +648,7 @@ def _init_max(w: int):
       neg_inf = _ordered(arith.constant(i32, -8388608))  # 0xFF800000: -inf
       i = arith.addi(tid, arith.constant(i32, _MAX_KEYS + HALF * w))
       memref.store(neg_inf, meta, [arith.index_cast(index, i)])
+      memref.store(arith.constant(i32, 0), meta, [arith.constant(index, _ZERO)])
       scf.yield_([])
     mu.warpgroup_barrier()
     return None
@@ -707,8 +719,9 @@ def _rows_tile_step(q_smem, ring, pt_smem, meta_smem, s: int, t, w: int, scale2:
   (eight [64 columns, 32 heads] accumulators). -> the new (m, l)."""
   frag_t = plgpu.ShapeDtypeStruct((64, 64), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
   ref_t = plgpu.RefType((plgpu.SwizzleTransform(128),))
-  load = lambda block, trans: plgpu.inline_mgpu(arg_types=(ref_t,), return_type=frag_t)(
-      _ldmatrix_frag(s, block, trans))(ring)
+  load = lambda block, trans: plgpu.inline_mgpu(
+      arg_types=(ref_t, plgpu.RefType()), return_type=frag_t)(
+          _ldmatrix_frag(s, block, trans))(ring, meta_smem)
 
   def scores(acc_ref):
     for c in range(ROW_LINES):
@@ -742,6 +755,9 @@ def _rows_tile_step(q_smem, ring, pt_smem, meta_smem, s: int, t, w: int, scale2:
   for cb, acc_ref in enumerate(acc_refs):
     plgpu.wgmma(acc_ref, load(cb, True), pt_smem.at[w])
     plgpu.wgmma_wait(1)  # so that at most two register operands are live
+  # None in flight past the step: accumulators carried by the loop are copied at its
+  # back edge, and ptxas serialises every wgmma of a kernel that reads one in flight.
+  plgpu.wgmma_wait(0)
   return m_new, l
 
 
@@ -768,7 +784,7 @@ def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, r
       plgpu.copy_gmem_to_smem(pool_ref.at[slot], ring.at[s, r], full.at[s])
       return carry
 
-    jax.lax.fori_loop(0, BLOCK_K // 2, row, 0)
+    jax.lax.fori_loop(0, BLOCK_K // 2, row, 0)  # (unrolled, the step took 188 us, not 134)
 
   def meet():
     plgpu.barrier_arrive(step_bar)
@@ -934,8 +950,13 @@ def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
       grid=(splits, B), grid_names=("split", "b"),
       num_threads=3 if config.producer and not config.rows else 2,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                           approx_math=True),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True,
+          # The rows form orders its shared memory itself (a step's meet before its
+          # copies overwrite a ring stage, a wgmma wait before the probabilities are
+          # rewritten); Pallas' automatic barriers put a warpgroup barrier before
+          # every one of its 64 row copies per tile.
+          unsafe_no_auto_barriers=config.rows),
   )
   o, lse = kernel(q, pool, slots, bits)
   if not merge:
