@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
                  "list")
   p.add_argument("--pallas-programs", type=int, default=None,
                  help="programs of the fused launch (default: all that are surely "
-                 "resident, two per SM with 4 warps)")
+                 "resident: --pallas-per-sm or 8 / warps per SM)")
   p.add_argument("--pallas-per-sm", type=int, default=None,
                  help="programs of the fused launch resident per SM (default: 8 / warps; "
                  "more only where the compiled registers allow it, see ResolveConfig)")

@@ -41,6 +41,8 @@ one launch, ``ula_resolve_fused``: a grid of persistent programs, all resident a
 program ``v mod programs``) and meets at a grid barrier between stages: every program
 counts its arrival in a zeroed scratch word and polls it until all have arrived. The
 stages' code is the launches' code; only who runs which block differs.
+``kernels.resolve=pallas_fused`` launches ``FUSED_CONFIG`` (three programs per SM, which
+its 168 registers per thread allow).
 
 Triton arrays must have power-of-2 sizes: lanes are padded to the block, bitmaps are
 read as ``[32, 32]`` word tiles. Atomics are Triton's, relaxed
@@ -156,7 +158,8 @@ class ResolveConfig:
                                       or not isinstance(self.programs, int)
                                       or self.programs < 1):
       raise ValueError(f"ResolveConfig.programs={self.programs!r}: expected a positive "
-                       "integer or None (two programs per SM on GPU, one interpreted)")
+                       "integer or None (every SM's resident programs on GPU, one "
+                       "interpreted)")
 
   def resident_per_sm(self) -> int:
     """Programs of the fused launch resident on one SM at once: ``per_sm``, else those of

@@ -591,13 +591,31 @@ def _col_array(values):
   return fa.FragmentedArray(_registers=regs, _layout=fa.WGMMA_COL_LAYOUT, _is_signed=None)
 
 
+def _lanes_then_all(lane, write, read):
+  """Inline Mosaic GPU code: lanes 0-3 of every warp run ``write(j, v)`` for their
+  eight columns (8 j + 2 lane + v), the warpgroup meets, and every thread returns
+  ``read(j, v)`` as a [32] column-layout array."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, scf
+  from jax.experimental.mosaic.gpu import utils as mu
+  i32 = ir.IntegerType.get_signless(32)
+  if_op = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, lane, arith.constant(i32, 4)))
+  with ir.InsertionPoint(if_op.then_block):
+    for j in range(4):
+      for v in range(2):
+        write(j, v)
+    scf.yield_([])
+  mu.warpgroup_barrier()
+  return _col_array([[read(j, v) for v in range(2)] for j in range(4)])
+
+
 def _running_max(w: int):
   """Inline Mosaic GPU code: the running column maxima of warpgroup ``w``, raised by
   x [64, 32] (its scores over one tile): every warp's column maxima go into the
   warpgroup's 32 keys of the meta buffer by a shared-memory atomic max (keys only
   grow, so the running maxima need no reset), and every thread reads them back."""
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, llvm, memref, scf
+  from jax._src.lib.mlir.dialects import arith, llvm, memref
   from jax.experimental.mosaic.gpu import utils as mu
 
   def body(ctx, x, meta):
@@ -608,26 +626,18 @@ def _running_max(w: int):
     col = arith.muli(arith.remui(lane, c(4)), c(2))
     vals = _warp_col_reduce(x, arith.maximumf)
     base = arith.addi(llvm.ptrtoint(i32, mu.memref_ptr(meta)), c(4 * (_MAX_KEYS + HALF * w)))
-    first = arith.cmpi(arith.CmpIPredicate.ult, lane, c(4))
-    if_op = scf.IfOp(first)
-    with ir.InsertionPoint(if_op.then_block):
-      for j in range(4):
-        for v in range(2):
-          key = _ordered(arith.bitcast(i32, vals[j][v]))
-          addr = arith.addi(base, arith.muli(arith.addi(col, c(8 * j + v)), c(4)))
-          llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr, key],
-                          "red.shared.max.s32 [$0], $1;", "r,r", has_side_effects=True)
-      scf.yield_([])
-    mu.warpgroup_barrier()
-    out = []
-    for j in range(4):
-      pair = []
-      for v in range(2):
-        i = arith.addi(col, c(_MAX_KEYS + HALF * w + 8 * j + v))
-        key = memref.load(meta, [arith.index_cast(index, i)])
-        pair.append(arith.bitcast(f32, _ordered(key)))
-      out.append(pair)
-    return _col_array(out)
+
+    def write(j, v):
+      key = _ordered(arith.bitcast(i32, vals[j][v]))
+      addr = arith.addi(base, arith.muli(arith.addi(col, c(8 * j + v)), c(4)))
+      llvm.inline_asm(ir.Type.parse("!llvm.void"), [addr, key],
+                      "red.shared.max.s32 [$0], $1;", "r,r", has_side_effects=True)
+
+    def read(j, v):
+      i = arith.addi(col, c(_MAX_KEYS + HALF * w + 8 * j + v))
+      return arith.bitcast(f32, _ordered(memref.load(meta, [arith.index_cast(index, i)])))
+
+    return _lanes_then_all(lane, write, read)
 
   return body
 
@@ -672,7 +682,7 @@ def _final_sums(w: int):
   """Inline Mosaic GPU code: the four warps' column sums (``_warp_sums``, accumulated)
   added, through warpgroup ``w``'s 512 bytes of ``scratch`` (memory no longer read)."""
   from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, llvm, scf, vector
+  from jax._src.lib.mlir.dialects import arith, llvm, vector
   from jax.experimental.mosaic.gpu import utils as mu
 
   def body(ctx, x, scratch):
@@ -689,24 +699,14 @@ def _final_sums(w: int):
                          c(4))))
     vals = [[vector.extract(x.registers[j, 0, 0], dynamic_position=[], static_position=[v])
              for v in range(2)] for j in range(4)]
-    if_op = scf.IfOp(arith.cmpi(arith.CmpIPredicate.ult, lane, c(4)))
-    with ir.InsertionPoint(if_op.then_block):
-      for j in range(4):
-        for v in range(2):
-          llvm.store(vals[j][v], addr(warp, j, v))
-      scf.yield_([])
-    mu.warpgroup_barrier()
-    out = []
-    for j in range(4):
-      pair = []
-      for v in range(2):
-        total = None
-        for wp in range(4):
-          val = llvm.load(f32, addr(c(wp), j, v))
-          total = val if total is None else arith.addf(total, val)
-        pair.append(total)
-      out.append(pair)
-    return _col_array(out)
+
+    def read(j, v):
+      total = llvm.load(f32, addr(c(0), j, v))
+      for wp in range(1, 4):
+        total = arith.addf(total, llvm.load(f32, addr(c(wp), j, v)))
+      return total
+
+    return _lanes_then_all(lane, lambda j, v: llvm.store(vals[j][v], addr(warp, j, v)), read)
 
   return body
 
