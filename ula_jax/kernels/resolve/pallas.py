@@ -1009,7 +1009,7 @@ def _i32_1(x) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("g", "interpret"))
 def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geometry,
              interpret: bool):
-  B, k, M = g.B, g.k, g.M
+  B, M = g.B, g.M
   i32 = lambda shape: jax.ShapeDtypeStruct(shape, _I32)
   pb_lru = g.policy == "pb_lru"
   pst = meta.policy
