@@ -1,5 +1,5 @@
-"""Test setup: 8 simulated CPU devices, a compilation cache for the session, and random
-keys whose seed is printed."""
+"""Test setup: 8 simulated CPU devices, a compilation cache for the session, unoptimised
+CPU code generation, and random keys whose seed is printed."""
 
 import atexit
 import os
@@ -32,6 +32,24 @@ def _session_compilation_cache() -> None:
 
 
 _session_compilation_cache()
+
+
+def _unoptimised_cpu_code() -> None:
+  """Most of the suite's time is XLA compiling programs that then run for a few
+  milliseconds: a test's engine or system is a program no other test compiles (its own
+  memory system, layout, kernels or sizes), and LLVM's optimisation of the generated CPU
+  code is about half of each compile. ``jax_disable_most_optimizations`` (LLVM -O0, no
+  expensive LLVM passes) skips that; XLA's HLO passes, the programs and their results are
+  unchanged, only the machine code is slower. CPU sessions only (a GPU run keeps its
+  optimised kernels), and a setting the environment already gives is left as it is. The
+  environment variable also reaches the processes that ``ula-jax launch`` starts."""
+  if os.environ["JAX_PLATFORMS"] != "cpu" or "JAX_DISABLE_MOST_OPTIMIZATIONS" in os.environ:
+    return
+  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # the xdist workers and launched runs
+  jax.config.update("jax_disable_most_optimizations", True)
+
+
+_unoptimised_cpu_code()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
