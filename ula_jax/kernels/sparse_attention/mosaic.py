@@ -127,8 +127,9 @@ class MosaicAttentionConfig:
 
 def smem_bytes(config: MosaicAttentionConfig | None = None) -> int:
   """Shared memory of one program at most: queries, the ring (144 KB in every form),
-  small buffers and, without a producer, the split's slot list (the output staging
-  reuses the queries' and ring's memory)."""
+  small buffers and, in the two-warpgroup form, the split's slot list (the output
+  staging reuses the queries' and ring's memory); the rows form holds both warpgroups'
+  probabilities and one 1-KB buffer of slot lists, maxima and validity bits instead."""
   config = config or MosaicAttentionConfig()
   if config.rows:  # + both warpgroups' probabilities and the meta buffer (1 KB)
     return (HEADS + STAGES * BLOCK_K) * WIDTH * 2 + 2 * BLOCK_K * HALF * 2 + 1024
