@@ -35,14 +35,16 @@ _session_compilation_cache()
 
 
 def _unoptimised_cpu_code() -> None:
-  """Most of the suite's time is XLA compiling programs that then run for a few
-  milliseconds: a test's engine or system is a program no other test compiles (its own
-  memory system, layout, kernels or sizes), and LLVM's optimisation of the generated CPU
+  """Most of the suite's time is XLA compiling programs that then run for milliseconds:
+  nearly every engine or system a test builds is a program no other test compiles (its
+  own memory system, layout, kernels or sizes), and LLVM optimising the generated CPU
   code is about half of each compile. ``jax_disable_most_optimizations`` (LLVM -O0, no
-  expensive LLVM passes) skips that; XLA's HLO passes, the programs and their results are
-  unchanged, only the machine code is slower. CPU sessions only (a GPU run keeps its
-  optimised kernels), and a setting the environment already gives is left as it is. The
-  environment variable also reaches the processes that ``ula-jax launch`` starts."""
+  expensive LLVM passes) skips that part. XLA's HLO passes still run (the optimised HLO is
+  the same); only the machine code is slower, and its float results may differ from an
+  optimised build's in the last bits, as with any compiler setting (every comparison here
+  is between programs of one session). CPU sessions only: a GPU run keeps its optimised
+  kernels. A setting the environment already gives is left as it is; the environment
+  variable also reaches the processes ``ula-jax launch`` starts."""
   if os.environ["JAX_PLATFORMS"] != "cpu" or "JAX_DISABLE_MOST_OPTIMIZATIONS" in os.environ:
     return
   os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # the xdist workers and launched runs

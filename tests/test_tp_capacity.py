@@ -8,21 +8,23 @@ import functools
 
 from tests.engine_util import make_requests, run_engine
 
-DEVICE = 1728  # memory.device_pool: tokens per device, the same for both systems
+DEVICE = 960  # memory.device_pool: tokens per device, the same for both systems
 ROWS = 24  # decode rows: more than either system admits
-TOP_K = 8  # the tiny preset's top-k
-BUFFER = ROWS * (TOP_K + 1)  # ula's default local buffer: 216 tokens per device
+# model.index_topk, the entries a decode step selects: 4, not the tiny preset's 8, so that
+# the buffers, and with them the requests whose counts make the ratio, are shorter.
+TOP_K = 4
+BUFFER = ROWS * (TOP_K + 1)  # ula's default local buffer: 120 tokens per device
 PAGE = 64
-# Every request needs 560-571 prompt + 2-3 output tokens: 9 pages = 576 tokens.
-NEED = 576
-COMMON = ["mesh.dp=1", "mesh.tp=8", "model.num_heads=8", f"engine.max_batch={ROWS}",
-          f"engine.page_size={PAGE}", "engine.prefill_chunk=1024", f"engine.max_context={NEED}",
-          f"memory.device_pool={DEVICE}"]
+# Every request needs 304-315 prompt + 2-3 output tokens: 5 pages = 320 tokens.
+NEED = 320
+COMMON = ["mesh.dp=1", "mesh.tp=8", "model.num_heads=8", f"model.index_topk={TOP_K}",
+          f"engine.max_batch={ROWS}", f"engine.page_size={PAGE}", "engine.prefill_chunk=1024",
+          f"engine.max_context={NEED}", f"memory.device_pool={DEVICE}"]
 
 
 @functools.lru_cache(maxsize=None)
 def _requests():
-  return make_requests(num=22, seed=3, prompt=(560, 572), output=(2, 4))
+  return make_requests(num=22, seed=3, prompt=(304, 316), output=(2, 4))
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,11 +39,11 @@ def _peak(system: str):
 def test_ula_tp8_mod_admits_about_8x_resident():
   resident, r_res = _peak("resident")
   ula, u_res = _peak("ula")
-  # resident: 1728 tokens per device, a full copy on each: 3 requests of 576 tokens.
+  # resident: 960 tokens per device, a full copy on each: 3 requests of 320 tokens.
   assert r_res.summary["capacity_tokens_per_rank"] == DEVICE
   assert resident == 3
-  # ula: 1728 - 216 = 1512 pool tokens per device, x 8 ranks = 12096 = 189 pages of 64:
-  # 21 requests of 9 pages. 8 x 3 = 24 less what the buffers take: 8 x 216 tokens.
+  # ula: 960 - 120 = 840 pool tokens per device, x 8 ranks = 6720 = 105 pages of 64:
+  # 21 requests of 5 pages. 8 x 3 = 24 less what the buffers take: 8 x 120 tokens.
   assert u_res.summary["capacity_tokens_per_rank"] == 8 * (DEVICE - BUFFER)
   assert ula == 21
   assert 7 * resident <= ula < 8 * resident
