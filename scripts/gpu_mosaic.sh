@@ -6,17 +6,18 @@
 # Steps: tests (tests/test_sparse_attention_mosaic.py -m gpu: every launch form against
 # the reference), ptxas (registers and spills of each launch form at batch 64, k 2048, from
 # MOSAIC_GPU_DUMP_PTXAS), bench (ula_jax.bench.attention at batch 64 and 128: the Triton
-# kernel and the Mosaic launch forms MOSAIC_CONFIGS, default auto,k32,p1,t1, with
-# --ablations compute,gather). Results under $OUT: bench_mosaic.json and the logs; the
+# kernel and the Mosaic launch forms MOSAIC_CONFIGS, default auto,k32,p1,t1,t1p1r240, with
+# --ablations compute,gather); MOSAIC_TESTS: a pytest -k expression choosing the tests
+# (default: all). Results under $OUT: bench_mosaic.json and the logs; the
 # last lines printed are the steps' table and the benchmark's rows.
 set -u
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/gpu_steps.sh
 source scripts/gpu_steps.sh
 gpu_setup gpu_mosaic 540
-CONFIGS=${MOSAIC_CONFIGS:-auto,k32,p1,t1}
+CONFIGS=${MOSAIC_CONFIGS:-auto,k32,p1,t1,t1p1r240}
 step tests 150 "$PY" -m pytest -m gpu tests/test_sparse_attention_mosaic.py -q \
-  -p no:cacheprovider -W ignore::DeprecationWarning
+  -p no:cacheprovider -W ignore::DeprecationWarning -o addopts="" ${MOSAIC_TESTS:+-k "$MOSAIC_TESTS"}
 MOSAIC_GPU_DUMP_PTXAS=1 step ptxas 120 "$PY" -c "
 import sys, jax, jax.numpy as jnp
 from ula_jax.bench.attention import parse_mosaic_config

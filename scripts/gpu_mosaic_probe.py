@@ -12,9 +12,18 @@ away:
   outputs_only   softmax and output matmul over constant scores, no score matmul
   scores_nosoft  the score matmul alone
 
+For the TMA row form (tokens with ``t1``) the same variants replace its tile step
+(``mosaic._rows_tile_step``).
+
 Suffixes: ``+c`` the benchmark's 'compute' ablation (the first tiles gathered once and
 reused: no copies in flight), ``+nw`` no step waits for its copies to land (the
-results are then wrong; the time says whether waiting, or issuing, is what costs).
+results are then wrong; the time says whether waiting, or issuing, is what costs;
+``cp.async`` forms only), ``+fN`` the row form with N ``wgmma`` calls left in flight
+before the next register operand is loaded (``mosaic._IN_FLIGHT``; N + 1 live),
+``+k16`` its register operands 16 columns wide (``mosaic._FRAG_K``: one ``ldmatrix``
+and one ``wgmma`` instruction each, instead of four), ``+nz``
+the row form's ``ldmatrix`` addresses without the zero word (``mosaic._VOLATILE_BASE``
+off: the compiler may hoist them).
 
     PYTHONPATH=. python scripts/gpu_mosaic_probe.py --configs auto,k32 \\
         --variants full,full+nw,full+c,scores_only+c --out probe.json
@@ -39,6 +48,8 @@ from ula_jax.kernels.sparse_attention import mosaic as M
 TIMING = dict(min_iters=20, max_iters=20, target_s=0.0, warmup=1)  # 20 calls
 VARIANTS = ("full", "scores_only", "no_softmax", "outputs_only", "scores_nosoft")
 _TILE_STEP, _WAIT_GROUPS = M._tile_step, M._wait_groups
+_ROWS_TILE_STEP, _IN_FLIGHT, _VOLATILE = M._rows_tile_step, M._IN_FLIGHT, M._VOLATILE_BASE
+_FRAG_K = M._FRAG_K
 
 
 def _tile_step(variant: str):
@@ -63,12 +74,43 @@ def _tile_step(variant: str):
   return step
 
 
-def _parse_variant(token: str) -> tuple[str, bool, bool]:
+def _rows_tile_step(variant: str):
+  """A replacement of ``mosaic._rows_tile_step`` that does only part of a step."""
+
+  def step(q_smem, ring, pt_smem, meta_smem, s, t, w, scale2, m, l, acc_refs):
+    if variant == "full":
+      return _ROWS_TILE_STEP(q_smem, ring, pt_smem, meta_smem, s, t, w, scale2, m, l,
+                             acc_refs)
+    if variant == "outputs_only":
+      sc = plgpu.layout_cast(jnp.full((M.BLOCK_K, M.HALF), 0.5, jnp.float32),
+                             plgpu.Layout.WGMMA)
+    else:
+      sc = M._rows_scores(q_smem, ring, meta_smem, s, w)
+    alpha = None
+    if variant in ("no_softmax", "outputs_only", "scores_nosoft"):
+      p, l = sc, l + M._rows_warp_sums(sc)
+    else:
+      p, m, l, alpha = M._rows_softmax(sc, meta_smem, t, w, scale2, m, l)
+    if variant not in ("scores_only", "scores_nosoft"):
+      M._rows_outputs(p, ring, pt_smem, meta_smem, s, w, acc_refs, alpha)
+    return m, l
+
+  return step
+
+
+def _parse_variant(token: str) -> tuple[str, bool, bool, int | None, bool, bool]:
+  """-> (variant, compute ablation, no copy waits, wgmma calls in flight or None,
+  no zero word, 16-column operands)."""
   name, *flags = token.split("+")
-  if name not in VARIANTS or any(f not in ("c", "nw") for f in flags):
+  flight = [f for f in flags if f[:1] == "f" and f[1:].isdigit() and int(f[1:]) >= 1]
+  if (name not in VARIANTS or len(flight) > 1
+      or any(f not in ("c", "nw", "nz", "k16", *flight) for f in flags)):
     raise ValueError(f"--variants: {token!r}: expected one of {list(VARIANTS)} with "
-                     "optional suffixes +c (compute ablation) and +nw (no copy waits)")
-  return name, "c" in flags, "nw" in flags
+                     "optional suffixes +c (compute ablation), +nw (no copy waits), "
+                     "+fN (N wgmma calls in flight), +nz (no zero word) and +k16 "
+                     "(16-column register operands)")
+  return (name, "c" in flags, "nw" in flags, int(flight[0][1:]) if flight else None,
+          "nz" in flags, "k16" in flags)
 
 
 def main(argv=None) -> int:
@@ -91,20 +133,29 @@ def main(argv=None) -> int:
   rows = []
   try:
     for token, config in configs:
-      for name, compute, nowait in variants:
-        M._tile_step = _tile_step(name)
+      for name, compute, nowait, flight, nozero, k16 in variants:
+        M._tile_step, M._rows_tile_step = _tile_step(name), _rows_tile_step(name)
+        M._IN_FLIGHT = flight or _IN_FLIGHT
+        M._VOLATILE_BASE = _VOLATILE and not nozero
+        M._FRAG_K = 16 if k16 else _FRAG_K
         M._wait_groups = (lambda pending: (lambda ctx: None)) if nowait else _WAIT_GROUPS
         f = jax.jit(lambda *a: M.sparse_mla_attention_mosaic(
             *a, scale=0.1, config=config, merge=False,
             ablation="compute" if compute else None)[0]).lower(*inputs).compile()
         best, median = best_and_median(
             [time_calls(lambda _: f(*inputs), None, **TIMING)[0] * 1e6 for _ in range(5)])
-        label = f"{token}:{name}" + ("+c" if compute else "") + ("+nw" if nowait else "")
+        label = (f"{token}:{name}" + ("+c" if compute else "") + ("+nw" if nowait else "")
+                 + (f"+f{flight}" if flight else "") + ("+nz" if nozero else "")
+                 + ("+k16" if k16 else ""))
         rows.append({"config": token, "variant": name, "compute_ablation": compute,
-                     "no_copy_waits": nowait, "us": best, "median_us": median})
+                     "no_copy_waits": nowait, "in_flight": M._IN_FLIGHT,
+                     "zero_word": M._VOLATILE_BASE, "operand_k": M._FRAG_K, "us": best,
+                     "median_us": median})
         print(f"{label:28s} {best:8.1f} us  median {median:8.1f}", flush=True)
   finally:
     M._tile_step, M._wait_groups = _TILE_STEP, _WAIT_GROUPS
+    M._rows_tile_step, M._IN_FLIGHT, M._VOLATILE_BASE = _ROWS_TILE_STEP, _IN_FLIGHT, _VOLATILE
+    M._FRAG_K = _FRAG_K
   if args.out:
     with open(args.out, "w") as fh:
       json.dump({"benchmark": "mosaic_probe", "environment": environment(), "batch": B,

@@ -25,7 +25,10 @@ CONFIGS = [MosaicAttentionConfig(producer=True),
            MosaicAttentionConfig(num_splits=3, producer=True), MosaicAttentionConfig(),
            MosaicAttentionConfig(num_splits=3), MosaicAttentionConfig(block_k=32),
            MosaicAttentionConfig(num_splits=1, block_k=32), MosaicAttentionConfig(rows=True),
-           MosaicAttentionConfig(num_splits=3, rows=True)]
+           MosaicAttentionConfig(num_splits=3, rows=True),
+           MosaicAttentionConfig(rows=True, producer=True),
+           MosaicAttentionConfig(num_splits=3, rows=True, producer=True,
+                                 consumer_registers=240)]
 config_id = lambda c: (f"s{c.num_splits}{'' if c.producer else '-two'}-k{c.block_k}"
                        f"{'-rows' if c.rows else ''}")
 
@@ -42,14 +45,15 @@ def test_config_errors(value):
     MosaicAttentionConfig(num_splits=value)
 
 
-@pytest.mark.parametrize("value", [160, 236, 200.0, 201])
+@pytest.mark.parametrize("value", [160, 236, 248, 200.0, 201])
 def test_register_split_errors(value):
   with pytest.raises(ValueError, match="consumer_registers=.*: expected a multiple of 8 "
-                     "in \\[168, 232\\]"):
+                     "in \\[168, 240\\]"):
     MosaicAttentionConfig(consumer_registers=value)
 
 
-@pytest.mark.parametrize("consumer, producer", [(232, 40), (208, 88), (168, 168)])
+@pytest.mark.parametrize("consumer, producer",
+                         [(240, 24), (232, 40), (208, 88), (168, 168)])
 def test_register_split_never_asks_for_more_than_the_launch_gives(consumer, producer):
   # 384 threads launch with 168 registers each; a setmaxnreg increase waits for free
   # registers, so the consumers' increase must be covered by the producer's decrease
@@ -68,12 +72,10 @@ def test_block_k_needs_no_producer_for_32_rows():
   assert not MosaicAttentionConfig().producer  # the faster form on an H200
 
 
-def test_rows_form_takes_64_row_tiles_and_no_producer():
-  with pytest.raises(ValueError, match=r"rows=True takes block_k=64 and producer=False "
-                     r"\(got block_k=32, producer=False\)"):
+def test_rows_form_takes_64_row_tiles():
+  with pytest.raises(ValueError, match=r"rows=True takes block_k=64 \(got block_k=32\)"):
     MosaicAttentionConfig(rows=True, block_k=32)
-  with pytest.raises(ValueError, match=r"rows=True takes .*producer=True\)"):
-    MosaicAttentionConfig(rows=True, producer=True)
+  assert MosaicAttentionConfig(rows=True, producer=True).producer_registers() == 40
   with pytest.raises(ValueError, match="rows=1: expected true or false"):
     MosaicAttentionConfig(rows=1)
   # Queries and two ring tiles (72 KB each), both warpgroups' probabilities (4 KB each)
@@ -130,12 +132,20 @@ def test_gpu_diagnostic_scripts_lower_for_cuda():
   and variants are checked."""
   import jax
   probe = _script("gpu_mosaic_probe")
+  rows = MosaicAttentionConfig(rows=True, producer=True)
   try:
     for variant in probe.VARIANTS:
       mosaic._tile_step = probe._tile_step(variant)
+      mosaic._rows_tile_step = probe._rows_tile_step(variant)
       assert "mosaic_gpu" in mosaic.lower_for_cuda(config=MosaicAttentionConfig())
+      assert "mosaic_gpu" in mosaic.lower_for_cuda(config=rows)
+    mosaic._IN_FLIGHT, mosaic._VOLATILE_BASE = 2, False
+    assert "mosaic_gpu" in mosaic.lower_for_cuda(config=rows)
   finally:
-    mosaic._tile_step = probe._TILE_STEP
+    mosaic._tile_step, mosaic._rows_tile_step = probe._TILE_STEP, probe._ROWS_TILE_STEP
+    mosaic._IN_FLIGHT, mosaic._VOLATILE_BASE = probe._IN_FLIGHT, probe._VOLATILE
+  assert probe._parse_variant("scores_only+c+f3+nz+k16") == ("scores_only", True, False, 3,
+                                                             True, True)
   with pytest.raises(ValueError, match="'full\\+x': expected one of"):
     probe._parse_variant("full+x")
   gather = _script("gpu_row_gather")
@@ -155,3 +165,31 @@ def test_gpu_diagnostic_scripts_lower_for_cuda():
   with pytest.raises(ValueError, match="k=192: expected a multiple of 256"):
     gather.tma_gather(jnp.zeros((8, 576), jnp.bfloat16), jnp.zeros((1, 192), jnp.int32),
                       mode="row", splits=2)
+
+
+def test_ncu_summary_reads_both_pages(tmp_path, capsys):
+  """The Nsight Compute summary of a report's two CSV pages: headline metrics, stall
+  shares, opcodes and shared-memory wavefronts."""
+  details = tmp_path / "details.csv"
+  details.write_text('"ID","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+                     '"0","GPU Speed Of Light Throughput","Duration","us","105.82"\n'
+                     '"0","Occupancy","Theoretical Occupancy","%","18.75"\n')
+  sass = tmp_path / "sass.csv"
+  head = ["Address", "Source", "Instructions Executed", "L1 Wavefronts Shared",
+          "L1 Wavefronts Shared Ideal", "stall_short_sb", "stall_wait",
+          "stall_wait (Not Issued)"]
+  lines = ['"Kernel Name","k"', ",".join(f'"{h}"' for h in head),
+           '"0x10","LDSM.16.M88.4 R4, [R2]","300","1,200","1,200","1","3","9"',
+           '"0x20","@!P0 HGMMA.64x32x16.F32.BF16 R24, R76","100","200","200","6","0","9"']
+  sass.write_text("\n".join(lines) + "\n")
+  summary = _script("ncu_summary")
+  assert summary.main([str(details), str(sass)]) == 0
+  out = capsys.readouterr().out
+  assert "Duration" in out and "105.82" in out and "Theoretical Occupancy" not in out
+  assert "short_sb" in out and "70.0%" in out and "wait" in out and "30.0%" in out
+  assert "LDSM" in out and "75.0%" in out  # of executed instructions
+  assert "HGMMA.64x32x16.F32.BF16" in out and "1200" in out
+  with pytest.raises(SystemExit):
+    summary.main([])
+  with pytest.raises(SystemExit):
+    _script("gpu_mosaic_ncu").main(["t1"])

@@ -17,17 +17,22 @@ registers). Three launch forms (``MosaicAttentionConfig``):
   it landed; the two consumers raise their registers with ``setmaxnreg`` to what the
   producer gives up;
 - ``rows=True``: one TMA copy per row into row-major tiles, computed transposed with the
-  rows as ``wgmma``'s register operand (the section before ``_ldmatrix_frag`` says how).
+  rows as ``wgmma``'s register operand (the section before ``_ldmatrix_frag`` says how);
+  with ``producer=True`` a third warpgroup issues the row copies.
 
-Measured on an H200 (``RESULTS.md``) all are exact and slower than the Triton kernel.
-In the two-warpgroup form the time is the same whether or not a step waits for its
-copies to land, so issuing them is what stalls the warps that then compute; with a
-producer its single warpgroup issues them at half the rate, and the consumers compile to
-168 registers with spills. The TMA row copies leave every thread free (the gathers
-alone read at 0.58-0.60 of copy bandwidth inside the kernel, 1.0 in
-``scripts/gpu_row_gather.py``), but the arithmetic alone takes 2-2.2 times the Triton
-kernel's in every form (255 registers with spills). Each program writes its split's
-normalised output and log-sum-exp; ``pallas.merge_splits_pallas`` merges splits.
+Measured on an H200 (``RESULTS.md``) all are exact; the row form with a producer is the
+fastest, as fast as the Triton kernel at batch 64 and slightly faster at 128, and none
+reaches half the copy bandwidth. In the two-warpgroup form the time is the same whether
+or not a step waits for its copies to land, so issuing them is what stalls the warps
+that then compute; with a ``cp.async`` producer its single warpgroup issues them at half
+the rate, and the consumers compile to 168 registers with spills. TMA row copies read
+at 0.58-0.78 of copy bandwidth inside the kernel (1.0 in ``scripts/gpu_row_gather.py``),
+and issuing them takes a thread about as long as the copy engine takes to move them: in
+the row form without a producer that held each warpgroup 35 us per call at batch 64.
+What is left is arithmetic: 2-2.4 times the Triton kernel's in every form (with spills;
+in the row form its register-operand ``wgmma`` calls run at about 100 cycles each).
+Each program writes its split's normalised output and log-sum-exp;
+``pallas.merge_splits_pallas`` merges splits.
 
 GPU only (sm_90a): Mosaic GPU's interpret mode has no transposed shared-memory operand,
 register operand or layout cast, and the copies are inline Mosaic GPU code. On other
@@ -64,20 +69,21 @@ class MosaicAttentionConfig:
   num_splits: programs per request along k (None: 2 below 128 requests, else 1 -- an
               H200 has 132 SMs and a program takes one)
   consumer_registers: with a producer, registers per thread of each consumer
-              warpgroup after its ``setmaxnreg`` (a multiple of 8, 168-232); the
+              warpgroup after its ``setmaxnreg`` (a multiple of 8, 168-240); the
               producer lowers its own to what is left of the launch's
-              (``producer_registers``)
+              (``producer_registers``: 40 at 232, 24 at 240)
   producer:   False (default): two warpgroups (255 registers each) that issue the
               copies themselves, ``stages - 1`` tiles ahead, at the start of each step;
-              True: a third, producer warpgroup gathers the tiles (the faster form on
-              an H200 is the default: ``RESULTS.md``)
+              True: a third, producer warpgroup gathers the tiles (of the ``cp.async``
+              forms the faster on an H200 is the default; with ``rows`` the producer
+              is the faster: ``RESULTS.md``)
   block_k:    rows per ring tile: 64 (two stages, the 128-byte swizzle) or, without a
               producer, 32 (four stages, the 64-byte swizzle: the output matmul's K of
               32 is a multiple of its 32 columns)
   rows:       gather each selected row with one TMA copy into a ring of row-major tiles
               and compute transposed from them (two warpgroups, 32 heads each; 64-row
-              tiles, no producer); False: the 16-byte ``cp.async`` copies into the
-              tensor cores' layout
+              tiles; the copies issued by the two, or by a producer); False: the
+              16-byte ``cp.async`` copies into the tensor cores' layout
   """
 
   num_splits: int | None = None
@@ -97,17 +103,16 @@ class MosaicAttentionConfig:
                        "or false")
     if not isinstance(self.rows, bool):
       raise ValueError(f"MosaicAttentionConfig.rows={self.rows!r}: expected true or false")
-    if self.rows and (self.producer or self.block_k != 64):
-      raise ValueError(f"MosaicAttentionConfig.rows=True takes block_k=64 and "
-                       f"producer=False (got block_k={self.block_k!r}, "
-                       f"producer={self.producer!r})")
+    if self.rows and self.block_k != 64:
+      raise ValueError(f"MosaicAttentionConfig.rows=True takes block_k=64 (got "
+                       f"block_k={self.block_k!r})")
     if self.block_k not in (32, 64) or (self.block_k == 32 and self.producer):
       raise ValueError(f"MosaicAttentionConfig.block_k={self.block_k!r}: expected 64, or "
                        "32 without a producer (producer=False)")
     r = self.consumer_registers
-    if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 168 <= r <= 232:
+    if isinstance(r, bool) or not isinstance(r, int) or r % 8 or not 168 <= r <= 240:
       raise ValueError(f"MosaicAttentionConfig.consumer_registers={r!r}: expected a "
-                       "multiple of 8 in [168, 232] (the producer keeps at least 40)")
+                       "multiple of 8 in [168, 240] (the producer keeps at least 24)")
 
   def producer_registers(self) -> int:
     """What the consumers leave of the registers the launch gives the program: its 384
@@ -463,14 +468,23 @@ def _kernel_two(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slo
 
 ROW_LINES = WIDTH // 64  # 128-byte lines per row
 HALF = HEADS // 2  # heads per warpgroup
+# How the row form feeds its register operands (read when a kernel is traced; the values
+# are the fastest measured on an H200, ``scripts/gpu_mosaic_probe.py`` times the others:
+# RESULTS.md):
+_IN_FLIGHT = 1  # wgmma calls left in flight before the next operand is loaded (1: two live)
+_VOLATILE_BASE = True  # ldmatrix addresses from the zero word (False: plain, hoistable)
+_FRAG_K = 64  # columns (K) of each register operand: 64 (four ldmatrix) or 16 (one)
 
 
-def _ldmatrix_frag(stage: int, block: int, trans: bool):
-  """Inline Mosaic GPU code: a [64, 64] bf16 ``wgmma`` register operand (WGMMA layout)
-  from ring ``stage`` (the ring's memref, [2, 64, 9, 64] bf16, 1024-byte aligned).
+def _ldmatrix_frag(stage: int, block: int, trans: bool, steps: tuple[int, ...] = (0, 1, 2, 3)):
+  """Inline Mosaic GPU code: a [64, 16 len(steps)] bf16 ``wgmma`` register operand
+  (WGMMA layout) from ring ``stage`` (the ring's memref, [2, 64, 9, 64] bf16, 1024-byte
+  aligned), one ``ldmatrix`` per k16 step in ``steps``.
 
-  trans=False: rows x columns [64 block, 64 block + 64) of the tile (the scores' K);
-  trans=True: columns [64 block, 64 block + 64) x the 64 rows (the outputs' V^T).
+  trans=False: rows x columns [64 block + 16 s, 64 block + 16 s + 16) of the tile, for s
+  in ``steps`` (the scores' K);
+  trans=True: columns [64 block, 64 block + 64) x rows [16 s, 16 s + 16) (the outputs'
+  V^T).
 
   Each ``ldmatrix`` address is the row-major address L with the swizzle applied to it,
   L ^ ((L >> 3) & 0x70) (its 16-byte chunk bits XOR its 128-byte line's bits 7-9), from
@@ -491,8 +505,9 @@ def _ldmatrix_frag(stage: int, block: int, trans: bool):
     q, idx = arith.divui(lane, c(8)), arith.remui(lane, c(8))  # matrix, its row
     qlo, qhi = arith.remui(q, c(2)), arith.divui(q, c(2))
     meta_ptr = llvm.ptrtoint(i32, mu.memref_ptr(meta))
-    zero = llvm.inline_asm(i32, [arith.addi(meta_ptr, c(4 * _ZERO))],
-                           "ld.volatile.shared.u32 $0, [$1];", "=r,r", has_side_effects=True)
+    zero = (llvm.inline_asm(i32, [arith.addi(meta_ptr, c(4 * _ZERO))],
+                            "ld.volatile.shared.u32 $0, [$1];", "=r,r", has_side_effects=True)
+            if _VOLATILE_BASE else c(0))
     base = arith.addi(arith.addi(llvm.ptrtoint(i32, mu.memref_ptr(ring)), zero),
                       c(stage * BLOCK_K * WIDTH * 2))
     row_bytes = WIDTH * 2
@@ -508,17 +523,17 @@ def _ldmatrix_frag(stage: int, block: int, trans: bool):
     start = arith.addi(base, thread)
     bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
     layout = fa.WGMMA_LAYOUT
-    regs = np.empty(layout.registers_shape((64, 64)), dtype=object)
+    regs = np.empty(layout.registers_shape((64, 16 * len(steps))), dtype=object)
     struct = llvm.StructType.get_literal([i32] * 4)
     op = "ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "") + ".shared.b16"
-    for kk in range(4):  # k16 steps
+    for i, kk in enumerate(steps):  # k16 steps
       lin = arith.addi(start, c(step(kk)))
       addr = arith.xori(lin, arith.andi(arith.shrui(lin, c(3)), c(0x70)))
       out = llvm.inline_asm(struct, [addr], op + " {$0, $1, $2, $3}, [$4];",
                             "=r,=r,=r,=r,r", has_side_effects=False)
-      for m in range(4):  # matrix m -> register (column group 2 kk + m // 2, row half m % 2)
+      for m in range(4):  # matrix m -> register (column group 2 i + m // 2, row half m % 2)
         reg = mu.bitcast(llvm.extractvalue(i32, out, [m]), bf16x2)
-        regs[0, 2 * kk + m // 2, 0, 0, m % 2, 0, 0, 0, 0] = reg
+        regs[0, 2 * i + m // 2, 0, 0, m % 2, 0, 0, 0, 0] = reg
     return fa.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
   return body
@@ -679,9 +694,10 @@ def _warp_sums():
   return body
 
 
-def _final_sums(w: int):
+def _final_sums(offset: int):
   """Inline Mosaic GPU code: the four warps' column sums (``_warp_sums``, accumulated)
-  added, through warpgroup ``w``'s 512 bytes of ``scratch`` (memory no longer read)."""
+  added, through the 512 bytes of ``scratch`` ``offset`` bytes in (this warpgroup's,
+  and no longer read by anyone)."""
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, vector
   from jax.experimental.mosaic.gpu import utils as mu
@@ -693,7 +709,7 @@ def _final_sums(w: int):
     tid = arith.remui(mu.thread_idx(), c(_WG))
     warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
     col = arith.muli(arith.remui(lane, c(4)), c(2))
-    base = arith.addi(llvm.ptrtoint(i32, mu.memref_ptr(scratch)), c(512 * w))
+    base = arith.addi(llvm.ptrtoint(i32, mu.memref_ptr(scratch)), c(offset))
     ptr_t = llvm.PointerType.get(address_space=3)
     addr = lambda wp, j, v: llvm.inttoptr(ptr_t, arith.addi(
         base, arith.muli(arith.addi(arith.muli(wp, c(HALF)), arith.addi(col, c(8 * j + v))),
@@ -712,26 +728,50 @@ def _final_sums(w: int):
   return body
 
 
-def _rows_tile_step(q_smem, ring, pt_smem, meta_smem, s: int, t, w: int, scale2: float,
-                    m, l, acc_refs):
-  """Warpgroup ``w``'s work on tile ``t`` in ring stage ``s``: the transposed scores of
-  heads [32 w, 32 w + 32), masked by the tile's validity bits, the online softmax over
-  the rows and the 512 output columns of those heads, accumulated in ``acc_refs``
-  (eight [64 columns, 32 heads] accumulators). -> the new (m, l)."""
-  frag_t = plgpu.ShapeDtypeStruct((64, 64), jnp.bfloat16, layout=plgpu.Layout.WGMMA)
+def _rows_load(ring, meta_smem, s: int, block: int, trans: bool,
+               steps: tuple[int, ...] = (0, 1, 2, 3)):
+  """A [64, 16 len(steps)] register operand from ring stage ``s`` (``_ldmatrix_frag``)."""
+  frag_t = plgpu.ShapeDtypeStruct((64, 16 * len(steps)), jnp.bfloat16,
+                                  layout=plgpu.Layout.WGMMA)
   ref_t = plgpu.RefType((plgpu.SwizzleTransform(128),))
-  load = lambda block, trans: plgpu.inline_mgpu(
-      arg_types=(ref_t, plgpu.RefType()), return_type=frag_t)(
-          _ldmatrix_frag(s, block, trans))(ring, meta_smem)
+  return plgpu.inline_mgpu(arg_types=(ref_t, plgpu.RefType()), return_type=frag_t)(
+      _ldmatrix_frag(s, block, trans, steps))(ring, meta_smem)
+
+
+def _pt_transforms():
+  """The probabilities' shared-memory tiles ([64 rows, 32 heads] per warpgroup, the
+  output matmul's B operand): a K group of its swizzle is at most a register operand's
+  K (``_FRAG_K``): the 64-byte swizzle over 32 heads, or the 32-byte one over 16."""
+  return ((plgpu.TilingTransform((8, HALF)), plgpu.SwizzleTransform(64)) if _FRAG_K == 64
+          else (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))
+
+
+def _frag_steps():
+  """The k16 steps of each register operand: all four of a 64-column block in one
+  operand (``_FRAG_K`` 64), or one per operand (16)."""
+  return [(0, 1, 2, 3)] if _FRAG_K == 64 else [(kk,) for kk in range(4)]
+
+
+def _rows_scores(q_smem, ring, meta_smem, s: int, w: int):
+  """The transposed scores S^T = K Q_w^T of heads [32 w, 32 w + 32) over the rows in
+  ring stage ``s``: [64 rows, 32 heads] float32, unscaled."""
 
   def scores(acc_ref):
     for c in range(ROW_LINES):
-      qt = plgpu.transpose_ref(q_smem.at[pl.ds(HALF * w, HALF), pl.ds(64 * c, 64)], (1, 0))
-      plgpu.wgmma(acc_ref, load(c, False), qt)
-      plgpu.wgmma_wait(1)  # so that at most two register operands are live
+      for steps in _frag_steps():
+        cols = pl.ds(64 * c + 16 * steps[0], 16 * len(steps))
+        qt = plgpu.transpose_ref(q_smem.at[pl.ds(HALF * w, HALF), cols], (1, 0))
+        plgpu.wgmma(acc_ref, _rows_load(ring, meta_smem, s, c, False, steps), qt)
+        plgpu.wgmma_wait(_IN_FLIGHT)  # so that at most _IN_FLIGHT + 1 operands are live
     return acc_ref[...]
 
-  sc = pl.run_scoped(scores, plgpu.ACC((BLOCK_K, HALF), jnp.float32))
+  return pl.run_scoped(scores, plgpu.ACC((BLOCK_K, HALF), jnp.float32))
+
+
+def _rows_softmax(sc, meta_smem, t, w: int, scale2: float, m, l):
+  """The online softmax (base 2) of warpgroup ``w``'s scores over tile ``t`` (masked by
+  its validity bits): -> (the probabilities [64 rows, 32 heads], the new running
+  maxima, the new running sums of this warp's rows, the accumulators' factor)."""
   row = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, HALF), 0, layout=plgpu.Layout.WGMMA)
   bits = _BITS + 2 * t  # the tile's two validity words in the meta buffer
   word = jnp.where(row < 32, meta_smem[bits], meta_smem[bits + 1])
@@ -747,45 +787,81 @@ def _rows_tile_step(q_smem, ring, pt_smem, meta_smem, s: int, t, w: int, scale2:
   alpha = jnp.exp2(m - m_safe)
   p = jnp.exp2(sc - jax.lax.broadcast_in_dim(m_safe, sc.shape, [1]))
   # l: this warp's rows only, the warps' sums added at the end (``_final_sums``).
-  l = l * alpha + plgpu.inline_mgpu(arg_types=(grid_t,), return_type=col_t)(_warp_sums())(p)
-  scale = jax.lax.broadcast_in_dim(alpha, (64, HALF), [1])
-  for acc_ref in acc_refs:  # (reading one waits for the last tile's output matmuls)
-    acc_ref[...] = acc_ref[...] * scale
+  l = l * alpha + _rows_warp_sums(p)
+  return p, m_new, l, alpha
+
+
+def _rows_warp_sums(x):
+  """This warp's column sums of x [64, 32] (``_warp_sums``)."""
+  col_t = plgpu.ShapeDtypeStruct((HALF,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(0))
+  return plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=col_t)(
+      _warp_sums())(x)
+
+
+def _rows_outputs(p, ring, pt_smem, meta_smem, s: int, w: int, acc_refs, alpha=None):
+  """``acc_refs`` (eight [64 columns, 32 heads]) times ``alpha`` (per head; None: 1)
+  plus V^T P^T over the rows in ring stage ``s``, with ``p`` through this warpgroup's
+  probabilities buffer; no ``wgmma`` in flight after."""
+  if alpha is not None:
+    scale = jax.lax.broadcast_in_dim(alpha, (64, HALF), [1])
+    for acc_ref in acc_refs:  # (reading one waits for the last tile's output matmuls)
+      acc_ref[...] = acc_ref[...] * scale
   pt_smem.at[w][...] = p.astype(jnp.bfloat16)
   plgpu.commit_smem()  # visible to the tensor cores (and every thread has written)
-  for cb, acc_ref in enumerate(acc_refs):
-    plgpu.wgmma(acc_ref, load(cb, True), pt_smem.at[w])
-    plgpu.wgmma_wait(1)  # so that at most two register operands are live
+  for steps in _frag_steps():
+    rows = pl.ds(16 * steps[0], 16 * len(steps))
+    for cb, acc_ref in enumerate(acc_refs):
+      plgpu.wgmma(acc_ref, _rows_load(ring, meta_smem, s, cb, True, steps),
+                  pt_smem.at[w, rows])
+      plgpu.wgmma_wait(_IN_FLIGHT)
   # None in flight past the step: accumulators carried by the loop are copied at its
   # back edge, and ptxas serialises every wgmma of a kernel that reads one in flight.
   plgpu.wgmma_wait(0)
-  return m_new, l
+
+
+def _rows_tile_step(q_smem, ring, pt_smem, meta_smem, s: int, t, w: int, scale2: float,
+                    m, l, acc_refs):
+  """Warpgroup ``w``'s work on tile ``t`` in ring stage ``s``: the transposed scores of
+  heads [32 w, 32 w + 32), masked by the tile's validity bits, the online softmax over
+  the rows and the 512 output columns of those heads, accumulated in ``acc_refs``
+  (eight [64 columns, 32 heads] accumulators). -> the new (m, l)."""
+  sc = _rows_scores(q_smem, ring, meta_smem, s, w)
+  p, m, l, alpha = _rows_softmax(sc, meta_smem, t, w, scale2, m, l)
+  _rows_outputs(p, ring, pt_smem, meta_smem, s, w, acc_refs, alpha)
+  return m, l
 
 
 def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, ring,
                  pt_smem, meta_smem, in_bar, slot_bar, full, step_bar, *, tiles: int,
-                 scale2: float, ablation: str | None):
-  # A loop over pairs of tiles, tile t in ring stage t % 2. Step t: wait for tile t,
-  # compute it, meet (both warpgroups are done reading stage t % 2), issue tile t + 2's
-  # row copies into it (each warpgroup half the rows, from one thread) and copy tile
-  # t + 3's slot list in. Slot lists are double-buffered like the ring: ``meta_smem``
-  # holds them (64 words each) and then the split's validity bits.
+                 scale2: float, ablation: str | None,
+                 registers: tuple[int, int] | None = None):
+  # A loop over pairs of tiles, tile t in ring stage t % 2. Slot lists are
+  # double-buffered like the ring: ``meta_smem`` holds them (64 words each) and then the
+  # split's validity bits.
+  # Without a producer (``registers`` None), step t: wait for tile t, compute it, meet
+  # (both warpgroups are done reading stage t % 2), issue tile t + 2's row copies into it
+  # (each warpgroup half the rows, from one thread) and copy tile t + 3's slot list in.
+  # With a producer (warpgroup 2; ``registers``: the consumers' and its own after
+  # ``setmaxnreg``) it issues every copy: tile t + 2's once both consumers released
+  # stage t % 2 (``step_bar`` is then that stage's barrier of two arrivals), so the
+  # consumers never stop for the copies and never wait for each other.
   b, sp, wg = (jax.lax.axis_index(n) for n in ("b", "split", "wg"))
+  producer = registers is not None
 
   def slots_in(t, s: int):
     plgpu.copy_gmem_to_smem(slots_ref.at[b, sp, t],
                             meta_smem.at[pl.ds(BLOCK_K * s, BLOCK_K)], slot_bar.at[s])
 
-  def rows_in(t, s: int, w: int):  # this warpgroup's half of tile t's rows
+  def rows_in(t, s: int, first: int, count: int):  # rows [first, first + count) of tile t
     plgpu.barrier_wait(slot_bar.at[s])
 
     def row(i, carry):
-      r = HALF * w + i
+      r = first + i
       slot = meta_smem[BLOCK_K * s + r]
       plgpu.copy_gmem_to_smem(pool_ref.at[slot], ring.at[s, r], full.at[s])
       return carry
 
-    jax.lax.fori_loop(0, BLOCK_K // 2, row, 0)  # (unrolled, the step took 188 us, not 134)
+    jax.lax.fori_loop(0, count, row, 0)  # (unrolled, the step took 188 us, not 134)
 
   def meet():
     plgpu.barrier_arrive(step_bar)
@@ -797,18 +873,48 @@ def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, r
     return (plgpu.layout_cast(jnp.full((HALF,), -jnp.inf, f32), cols),
             plgpu.layout_cast(jnp.zeros((HALF,), f32), cols))
 
+  def inputs_in():  # validity bits, queries and the first two slot lists
+    plgpu.copy_gmem_to_smem(bits_ref.at[b, sp],
+                            meta_smem.at[pl.ds(_BITS, bits_ref.shape[-1])], in_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, in_bar)
+    slots_in(0, 0)
+    slots_in(1, 1)
+
+  def producer_body():
+    plgpu.set_max_registers(registers[1], action="decrease")
+    inputs_in()
+
+    def tile_in(t, s: int):
+      rows_in(t, s, 0, BLOCK_K)
+      plgpu.commit_smem()  # every thread has read slot list s before it is rewritten
+      if ablation != "compute":
+        pl.when(t + 2 < tiles)(lambda: slots_in(t + 2, s))
+
+    tile_in(0, 0)
+    tile_in(1, 1)
+    if ablation == "compute":  # the first two tiles only, reused by every step
+      return
+
+    def pair(jj, carry):
+      for s in range(2):
+        t = 2 * jj + s
+        plgpu.barrier_wait(step_bar.at[s])  # both consumers are done with tile t - 2
+        tile_in(t, s)
+      return carry
+
+    jax.lax.fori_loop(1, tiles // 2, pair, 0)
+
   def body(w: int):
-    if w == 0:
-      plgpu.copy_gmem_to_smem(bits_ref.at[b, sp],
-                              meta_smem.at[pl.ds(_BITS, bits_ref.shape[-1])], in_bar)
-      plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, in_bar)
-      slots_in(0, 0)
-      slots_in(1, 1)
-    rows_in(0, 0, w)
-    rows_in(1, 1, w)
-    meet()  # both read slot lists 0 and 1
-    if w == 0 and tiles > 2 and ablation != "compute":
-      slots_in(2, 0)
+    if producer:
+      plgpu.set_max_registers(registers[0], action="increase")
+    else:
+      if w == 0:
+        inputs_in()
+      rows_in(0, 0, HALF * w, HALF)
+      rows_in(1, 1, HALF * w, HALF)
+      meet()  # both read slot lists 0 and 1
+      if w == 0 and tiles > 2 and ablation != "compute":
+        slots_in(2, 0)
     plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_init_max(w))(meta_smem)
     plgpu.barrier_wait(in_bar)
 
@@ -823,9 +929,12 @@ def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, r
         if ablation != "gather":
           m, l = _rows_tile_step(q_smem, ring, pt_smem, meta_smem, s, t, w, scale2, m, l,
                                  acc_refs)
+        if producer:
+          plgpu.barrier_arrive(step_bar.at[s])  # stage s is free
+          continue
         meet()
         if ablation != "compute":  # (which reuses the first two tiles)
-          pl.when(t + 2 < tiles)(lambda: rows_in(t + 2, s, w))
+          pl.when(t + 2 < tiles)(lambda: rows_in(t + 2, s, HALF * w, HALF))
           if w == 0:
             pl.when(t + 3 < tiles)(lambda: slots_in(t + 3, 1 - s))
       return m, l
@@ -835,12 +944,20 @@ def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, r
       return m, l, tuple(r[...] for r in acc_refs)
 
     m, l, accs = pl.run_scoped(run, *[plgpu.ACC((64, HALF), jnp.float32)] * (LATENT // 64))
-    # Every tile computed and met after: the ring is free to add the warps' sums in.
+    # The warps' sums added through memory no longer read: with a producer this
+    # warpgroup's probabilities (its last output matmuls have finished), else the ring
+    # (every tile computed and met after).
+    sums_col = plgpu.Layout.WGMMA.reduce(0)
+    if producer:
+      scratch, offset = pt_smem, w * BLOCK_K * HALF * 2
+      scratch_t = plgpu.RefType(_pt_transforms())
+    else:
+      scratch, offset = ring, 512 * w
+      scratch_t = plgpu.RefType((plgpu.SwizzleTransform(128),))
     l = plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA.reduce(0), plgpu.RefType((plgpu.SwizzleTransform(128),))),
-        return_type=plgpu.ShapeDtypeStruct((HALF,), jnp.float32,
-                                           layout=plgpu.Layout.WGMMA.reduce(0)))(
-        _final_sums(w))(l, ring)
+        arg_types=(sums_col, scratch_t),
+        return_type=plgpu.ShapeDtypeStruct((HALF,), jnp.float32, layout=sums_col))(
+        _final_sums(offset))(l, scratch)
     l_ok = l > 0
     l_safe = jnp.where(l_ok, l, 1.0)
     inv = jax.lax.broadcast_in_dim(1.0 / l_safe, (64, HALF), [1])
@@ -854,6 +971,8 @@ def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, r
 
   pl.when(wg == 0)(lambda: body(0))
   pl.when(wg == 1)(lambda: body(1))
+  if producer:
+    pl.when(wg == 2)(producer_body)
 
 
 def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
@@ -915,20 +1034,25 @@ def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
            plgpu.Barrier(num_arrivals=2)]  # bits and queries copied in
   static = dict(tiles=tiles, scale2=float(scale) * _LOG2E, ablation=ablation)
   if config.rows:
-    body = lambda *refs: _kernel_rows(*refs, **static)
+    registers = ((config.consumer_registers, config.producer_registers())
+                 if config.producer else None)
+    body = lambda *refs: _kernel_rows(*refs, **static, registers=registers)
     pool = pool.reshape(S, ROW_LINES, 64)  # a row is one (9, 64) box
     union = None
-    scratch = [plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=tiled),
+    # The queries in tiles as wide as a register operand's K (16 columns: the 32-byte
+    # swizzle), so that each wgmma's slice of them is whole tiles.
+    q_swizzle = 2 * _FRAG_K
+    q_tiled = (plgpu.TilingTransform((8, _FRAG_K)), plgpu.SwizzleTransform(q_swizzle))
+    scratch = [plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=q_tiled),
                plgpu.SMEM((STAGES, BLOCK_K, ROW_LINES, 64), jnp.bfloat16,
                           transforms=(plgpu.SwizzleTransform(128),)),
-               plgpu.SMEM((2, BLOCK_K, HALF), jnp.bfloat16,
-                          transforms=(plgpu.TilingTransform((8, HALF)),
-                                      plgpu.SwizzleTransform(64))),
+               plgpu.SMEM((2, BLOCK_K, HALF), jnp.bfloat16, transforms=_pt_transforms()),
                plgpu.SMEM((_BITS + wpad,), jnp.int32),  # slot lists, maxima, bits
                small[2],  # bits and queries copied in
                plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # a slot list copied in
                plgpu.Barrier(num_arrivals=BLOCK_K, num_barriers=STAGES),  # rows landed
-               plgpu.Barrier(num_arrivals=2)]  # the end of a step
+               # the end of a step; with a producer, per stage: both consumers done
+               plgpu.Barrier(num_arrivals=2, num_barriers=STAGES if config.producer else 1)]
   elif config.producer:
     body = lambda *refs: _kernel(*refs, **static, registers=(
         config.consumer_registers, config.producer_registers()))
@@ -949,7 +1073,7 @@ def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
                 jax.ShapeDtypeStruct((B, splits, HEADS), jnp.float32)),
       scratch_types=scratch,
       grid=(splits, B), grid_names=("split", "b"),
-      num_threads=3 if config.producer and not config.rows else 2,
+      num_threads=3 if config.producer else 2,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Lane, approx_math=True,
