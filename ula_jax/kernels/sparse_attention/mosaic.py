@@ -30,7 +30,8 @@ at 0.58-0.78 of copy bandwidth inside the kernel (1.0 in ``scripts/gpu_row_gathe
 and issuing them takes a thread about as long as the copy engine takes to move them: in
 the row form without a producer that held each warpgroup 35 us per call at batch 64.
 What is left is arithmetic: 2-2.4 times the Triton kernel's in every form (with spills;
-in the row form its register-operand ``wgmma`` calls run at about 100 cycles each).
+in the row form its register-operand ``wgmma`` calls take about 62 cycles each, four
+times the tensor cores' peak rate).
 Each program writes its split's normalised output and log-sum-exp;
 ``pallas.merge_splits_pallas`` merges splits.
 
