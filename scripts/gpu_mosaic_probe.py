@@ -21,7 +21,9 @@ results are then wrong; the time says whether waiting, or issuing, is what costs
 ``cp.async`` forms only), ``+fN`` the row form with N ``wgmma`` calls left in flight
 before the next register operand is loaded (``mosaic._IN_FLIGHT``; N + 1 live),
 ``+k16`` its register operands 16 columns wide (``mosaic._FRAG_K``: one ``ldmatrix``
-and one ``wgmma`` instruction each, instead of four), ``+nz``
+and one ``wgmma`` instruction each, instead of four), ``+dd`` / ``+sd`` its shared-memory
+operands at offsets read from the zero word or at static ones
+(``mosaic._DYNAMIC_DESCRIPTORS`` on / off), ``+nz``
 the row form's ``ldmatrix`` addresses without the zero word (``mosaic._VOLATILE_BASE``
 off: the compiler may hoist them).
 
@@ -49,7 +51,7 @@ TIMING = dict(min_iters=20, max_iters=20, target_s=0.0, warmup=1)  # 20 calls
 VARIANTS = ("full", "scores_only", "no_softmax", "outputs_only", "scores_nosoft")
 _TILE_STEP, _WAIT_GROUPS = M._tile_step, M._wait_groups
 _ROWS_TILE_STEP, _IN_FLIGHT, _VOLATILE = M._rows_tile_step, M._IN_FLIGHT, M._VOLATILE_BASE
-_FRAG_K = M._FRAG_K
+_FRAG_K, _DYNAMIC = M._FRAG_K, M._DYNAMIC_DESCRIPTORS
 
 
 def _tile_step(variant: str):
@@ -98,19 +100,23 @@ def _rows_tile_step(variant: str):
   return step
 
 
-def _parse_variant(token: str) -> tuple[str, bool, bool, int | None, bool, bool]:
+def _parse_variant(token: str) -> tuple[str, bool, bool, int | None, bool, bool,
+                                        bool | None]:
   """-> (variant, compute ablation, no copy waits, wgmma calls in flight or None,
-  no zero word, 16-column operands)."""
+  no zero word, 16-column operands, dynamic descriptors or None: the kernel's)."""
   name, *flags = token.split("+")
   flight = [f for f in flags if f[:1] == "f" and f[1:].isdigit() and int(f[1:]) >= 1]
   if (name not in VARIANTS or len(flight) > 1
-      or any(f not in ("c", "nw", "nz", "k16", *flight) for f in flags)):
+      or ("dd" in flags and "sd" in flags)
+      or any(f not in ("c", "nw", "nz", "k16", "dd", "sd", *flight) for f in flags)):
     raise ValueError(f"--variants: {token!r}: expected one of {list(VARIANTS)} with "
                      "optional suffixes +c (compute ablation), +nw (no copy waits), "
-                     "+fN (N wgmma calls in flight), +nz (no zero word) and +k16 "
-                     "(16-column register operands)")
+                     "+fN (N wgmma calls in flight), +nz (no zero word), +k16 "
+                     "(16-column register operands) and one of +dd / +sd (dynamic / "
+                     "static descriptors)")
+  dyn = True if "dd" in flags else False if "sd" in flags else None
   return (name, "c" in flags, "nw" in flags, int(flight[0][1:]) if flight else None,
-          "nz" in flags, "k16" in flags)
+          "nz" in flags, "k16" in flags, dyn)
 
 
 def main(argv=None) -> int:
@@ -133,11 +139,12 @@ def main(argv=None) -> int:
   rows = []
   try:
     for token, config in configs:
-      for name, compute, nowait, flight, nozero, k16 in variants:
+      for name, compute, nowait, flight, nozero, k16, dyn in variants:
         M._tile_step, M._rows_tile_step = _tile_step(name), _rows_tile_step(name)
         M._IN_FLIGHT = flight or _IN_FLIGHT
         M._VOLATILE_BASE = _VOLATILE and not nozero
         M._FRAG_K = 16 if k16 else _FRAG_K
+        M._DYNAMIC_DESCRIPTORS = _DYNAMIC if dyn is None else dyn
         M._wait_groups = (lambda pending: (lambda ctx: None)) if nowait else _WAIT_GROUPS
         f = jax.jit(lambda *a: M.sparse_mla_attention_mosaic(
             *a, scale=0.1, config=config, merge=False,
@@ -146,16 +153,18 @@ def main(argv=None) -> int:
             [time_calls(lambda _: f(*inputs), None, **TIMING)[0] * 1e6 for _ in range(5)])
         label = (f"{token}:{name}" + ("+c" if compute else "") + ("+nw" if nowait else "")
                  + (f"+f{flight}" if flight else "") + ("+nz" if nozero else "")
-                 + ("+k16" if k16 else ""))
+                 + ("+k16" if k16 else "")
+                 + ("" if dyn is None else "+dd" if dyn else "+sd"))
         rows.append({"config": token, "variant": name, "compute_ablation": compute,
                      "no_copy_waits": nowait, "in_flight": M._IN_FLIGHT,
-                     "zero_word": M._VOLATILE_BASE, "operand_k": M._FRAG_K, "us": best,
+                     "zero_word": M._VOLATILE_BASE, "operand_k": M._FRAG_K,
+                     "dynamic_descriptors": M._DYNAMIC_DESCRIPTORS, "us": best,
                      "median_us": median})
         print(f"{label:28s} {best:8.1f} us  median {median:8.1f}", flush=True)
   finally:
     M._tile_step, M._wait_groups = _TILE_STEP, _WAIT_GROUPS
     M._rows_tile_step, M._IN_FLIGHT, M._VOLATILE_BASE = _ROWS_TILE_STEP, _IN_FLIGHT, _VOLATILE
-    M._FRAG_K = _FRAG_K
+    M._FRAG_K, M._DYNAMIC_DESCRIPTORS = _FRAG_K, _DYNAMIC
   if args.out:
     with open(args.out, "w") as fh:
       json.dump({"benchmark": "mosaic_probe", "environment": environment(), "batch": B,

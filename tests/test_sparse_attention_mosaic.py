@@ -139,13 +139,25 @@ def test_gpu_diagnostic_scripts_lower_for_cuda():
       mosaic._rows_tile_step = probe._rows_tile_step(variant)
       assert "mosaic_gpu" in mosaic.lower_for_cuda(config=MosaicAttentionConfig())
       assert "mosaic_gpu" in mosaic.lower_for_cuda(config=rows)
-    mosaic._IN_FLIGHT, mosaic._VOLATILE_BASE = 2, False
+    mosaic._IN_FLIGHT, mosaic._VOLATILE_BASE, mosaic._DYNAMIC_DESCRIPTORS = 2, False, False
     assert "mosaic_gpu" in mosaic.lower_for_cuda(config=rows)
   finally:
     mosaic._tile_step, mosaic._rows_tile_step = probe._TILE_STEP, probe._ROWS_TILE_STEP
     mosaic._IN_FLIGHT, mosaic._VOLATILE_BASE = probe._IN_FLIGHT, probe._VOLATILE
-  assert probe._parse_variant("scores_only+c+f3+nz+k16") == ("scores_only", True, False, 3,
-                                                             True, True)
+    mosaic._DYNAMIC_DESCRIPTORS = probe._DYNAMIC
+  assert probe._parse_variant("scores_only+c+f3+nz+k16+dd") == (
+      "scores_only", True, False, 3, True, True, True)
+  assert probe._parse_variant("full+sd")[-1] is False
+  assert probe._parse_variant("full")[-1] is None
+  with pytest.raises(ValueError, match="expected one of"):
+    probe._parse_variant("full+dd+sd")
+  rate = _script("gpu_wgmma_rate")
+  for source in ("rs", "ss"):
+    f = jax.jit(rate.rate_kernel(source, 64, 2, calls=8, in_flight=1))
+    text = f.trace(jax.ShapeDtypeStruct((64, 64), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)).lower(
+                       lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
   with pytest.raises(ValueError, match="'full\\+x': expected one of"):
     probe._parse_variant("full+x")
   gather = _script("gpu_row_gather")

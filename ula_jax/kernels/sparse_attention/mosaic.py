@@ -21,17 +21,18 @@ registers). Three launch forms (``MosaicAttentionConfig``):
   with ``producer=True`` a third warpgroup issues the row copies.
 
 Measured on an H200 (``RESULTS.md``) all are exact; the row form with a producer is the
-fastest, as fast as the Triton kernel at batch 64 and slightly faster at 128, and none
-reaches half the copy bandwidth. In the two-warpgroup form the time is the same whether
+fastest (0.41 / 0.48 of copy bandwidth at batch 64 / 128, 1.2 times the Triton
+kernel's speed), and none reaches half the copy bandwidth. In the two-warpgroup form the time is the same whether
 or not a step waits for its copies to land, so issuing them is what stalls the warps
 that then compute; with a ``cp.async`` producer its single warpgroup issues them at half
 the rate, and the consumers compile to 168 registers with spills. TMA row copies read
 at 0.58-0.78 of copy bandwidth inside the kernel (1.0 in ``scripts/gpu_row_gather.py``),
 and issuing them takes a thread about as long as the copy engine takes to move them: in
 the row form without a producer that held each warpgroup 35 us per call at batch 64.
-What is left is arithmetic: 2-2.4 times the Triton kernel's in every form (with spills;
-in the row form its register-operand ``wgmma`` calls take about 62 cycles each, four
-times the tensor cores' peak rate).
+What is left is arithmetic: 2-2.4 times the Triton kernel's in the ``cp.async`` forms
+(with spills), 1.9 times in the row form, whose register-operand ``wgmma`` calls wait for
+each operand's ``ldmatrix`` (about 62 cycles per instruction where the instruction alone
+takes 20: ``scripts/gpu_wgmma_rate.py``).
 Each program writes its split's normalised output and log-sum-exp;
 ``pallas.merge_splits_pallas`` merges splits.
 
@@ -475,6 +476,10 @@ HALF = HEADS // 2  # heads per warpgroup
 _IN_FLIGHT = 1  # wgmma calls left in flight before the next operand is loaded (1: two live)
 _VOLATILE_BASE = True  # ldmatrix addresses from the zero word (False: plain, hoistable)
 _FRAG_K = 64  # columns (K) of each register operand: 64 (four ldmatrix) or 16 (one)
+# The shared-memory operands' slices at offsets read from the zero word (a dynamic 0), so
+# that their wgmma descriptors are computed where they are used, not hoisted out of the
+# loop into registers (False: 704-840 B of spills, and slower: RESULTS.md).
+_DYNAMIC_DESCRIPTORS = True
 
 
 def _ldmatrix_frag(stage: int, block: int, trans: bool, steps: tuple[int, ...] = (0, 1, 2, 3)):
@@ -761,7 +766,10 @@ def _rows_scores(q_smem, ring, meta_smem, s: int, w: int):
     for c in range(ROW_LINES):
       for steps in _frag_steps():
         cols = pl.ds(64 * c + 16 * steps[0], 16 * len(steps))
-        qt = plgpu.transpose_ref(q_smem.at[pl.ds(HALF * w, HALF), cols], (1, 0))
+        head0 = HALF * w
+        if _DYNAMIC_DESCRIPTORS:
+          head0 = pl.multiple_of(meta_smem[_ZERO] * 8 + head0, 8)
+        qt = plgpu.transpose_ref(q_smem.at[pl.ds(head0, HALF), cols], (1, 0))
         plgpu.wgmma(acc_ref, _rows_load(ring, meta_smem, s, c, False, steps), qt)
         plgpu.wgmma_wait(_IN_FLIGHT)  # so that at most _IN_FLIGHT + 1 operands are live
     return acc_ref[...]
@@ -810,7 +818,10 @@ def _rows_outputs(p, ring, pt_smem, meta_smem, s: int, w: int, acc_refs, alpha=N
   pt_smem.at[w][...] = p.astype(jnp.bfloat16)
   plgpu.commit_smem()  # visible to the tensor cores (and every thread has written)
   for steps in _frag_steps():
-    rows = pl.ds(16 * steps[0], 16 * len(steps))
+    row0 = 16 * steps[0]
+    if _DYNAMIC_DESCRIPTORS:
+      row0 = pl.multiple_of(meta_smem[_ZERO] * 8 + row0, 8)
+    rows = pl.ds(row0, 16 * len(steps))
     for cb, acc_ref in enumerate(acc_refs):
       plgpu.wgmma(acc_ref, _rows_load(ring, meta_smem, s, cb, True, steps),
                   pt_smem.at[w, rows])
