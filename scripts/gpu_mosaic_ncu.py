@@ -16,7 +16,6 @@ import pathlib
 import sys
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpu_mosaic_probe as probe  # noqa: E402
@@ -31,12 +30,7 @@ def main(argv: list[str]) -> int:
   ablation = argv[2] if len(argv) == 3 else None
   name = probe._parse_variant(variant)[0]
   M._tile_step, M._rows_tile_step = probe._tile_step(name), probe._rows_tile_step(name)
-  B, k, S = 64, 2048, 262144
-  ks = jax.random.split(jax.random.PRNGKey(0), 4)
-  inputs = (jax.random.normal(ks[0], (B, M.HEADS, M.LATENT), jnp.bfloat16),
-            jax.random.normal(ks[1], (B, M.HEADS, M.ROPE), jnp.bfloat16),
-            jax.random.normal(ks[2], (S, M.WIDTH), jnp.bfloat16),
-            jax.random.randint(ks[3], (B, k), 0, S, jnp.int32), jnp.ones((B, k), bool))
+  inputs = probe.make_inputs(64, 2048, 262144)
   config = parse_mosaic_config(token)
   f = jax.jit(lambda *a: M.sparse_mla_attention_mosaic(
       *a, scale=0.1, config=config, merge=False, ablation=ablation)[0])

@@ -119,6 +119,15 @@ def _parse_variant(token: str) -> tuple[str, bool, bool, int | None, bool, bool,
           "nz" in flags, "k16" in flags, dyn)
 
 
+def make_inputs(B: int, k: int, S: int):
+  """The kernel's arguments (queries, pool, slots, validity) at random, every entry valid."""
+  ks = jax.random.split(jax.random.PRNGKey(0), 4)
+  return (jax.random.normal(ks[0], (B, M.HEADS, M.LATENT), jnp.bfloat16),
+          jax.random.normal(ks[1], (B, M.HEADS, M.ROPE), jnp.bfloat16),
+          jax.random.normal(ks[2], (S, M.WIDTH), jnp.bfloat16),
+          jax.random.randint(ks[3], (B, k), 0, S, jnp.int32), jnp.ones((B, k), bool))
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--configs", default="auto", help="Mosaic launch tokens, comma list")
@@ -131,11 +140,7 @@ def main(argv=None) -> int:
   configs = [(t, parse_mosaic_config(t)) for t in args.configs.split(",") if t]
   variants = [_parse_variant(t) for t in args.variants.split(",") if t]
   B, k, S = args.batch, args.k, args.pool_rows
-  ks = jax.random.split(jax.random.PRNGKey(0), 4)
-  inputs = (jax.random.normal(ks[0], (B, M.HEADS, M.LATENT), jnp.bfloat16),
-            jax.random.normal(ks[1], (B, M.HEADS, M.ROPE), jnp.bfloat16),
-            jax.random.normal(ks[2], (S, M.WIDTH), jnp.bfloat16),
-            jax.random.randint(ks[3], (B, k), 0, S, jnp.int32), jnp.ones((B, k), bool))
+  inputs = make_inputs(B, k, S)
   rows = []
   try:
     for token, config in configs:

@@ -81,6 +81,9 @@ def test_rows_form_takes_64_row_tiles():
   # Queries and two ring tiles (72 KB each), both warpgroups' probabilities (4 KB each)
   # and the meta buffer (slot lists, maxima, validity bits: 1 KB).
   assert mosaic.smem_bytes(MosaicAttentionConfig(rows=True)) == 3 * 72 * 1024 + 9 * 1024
+  # A producer leaves a split its whole k (batch 128, k 2048: 64 more words of bits).
+  rows = MosaicAttentionConfig(rows=True, producer=True)
+  assert mosaic.smem_bytes(rows, split_rows=2048) == 3 * 72 * 1024 + 9 * 1024 + 128
 
 
 def test_shared_memory_fits_an_h200_block():

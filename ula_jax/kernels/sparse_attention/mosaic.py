@@ -132,14 +132,23 @@ class MosaicAttentionConfig:
     return self.num_splits or (2 if B < 128 else 1)
 
 
-def smem_bytes(config: MosaicAttentionConfig | None = None) -> int:
+def _bit_words(split_rows: int) -> int:
+  """int32 words of a split's validity bits in shared memory (copies move multiples of
+  128 bytes)."""
+  return -(-(split_rows // 32) // 32) * 32
+
+
+def smem_bytes(config: MosaicAttentionConfig | None = None,
+               split_rows: int = MAX_SPLIT_ROWS) -> int:
   """Shared memory of one program at most: queries, the ring (144 KB in every form),
   small buffers and, in the two-warpgroup form, the split's slot list (the output
   staging reuses the queries' and ring's memory); the rows form holds both warpgroups'
-  probabilities and one 1-KB buffer of slot lists, maxima and validity bits instead."""
+  probabilities and one buffer of slot lists, maxima and the validity bits of a split
+  of ``split_rows`` rows (1 KB at 1024 rows, the most without a producer) instead."""
   config = config or MosaicAttentionConfig()
-  if config.rows:  # + both warpgroups' probabilities and the meta buffer (1 KB)
-    return (HEADS + STAGES * BLOCK_K) * WIDTH * 2 + 2 * BLOCK_K * HALF * 2 + 1024
+  if config.rows:  # + both warpgroups' probabilities and the meta buffer
+    return ((HEADS + STAGES * BLOCK_K) * WIDTH * 2 + 2 * BLOCK_K * HALF * 2
+            + (_BITS + _bit_words(split_rows)) * 4)
   slot_list = 2 * BLOCK_K * 4 if config.producer else MAX_SPLIT_ROWS * 4
   return (HEADS + STAGES * BLOCK_K) * WIDTH * 2 + 2048 + slot_list
 
@@ -758,6 +767,15 @@ def _frag_steps():
   return [(0, 1, 2, 3)] if _FRAG_K == 64 else [(kk,) for kk in range(4)]
 
 
+def _zero_based(meta_smem, start: int):
+  """``start`` (a multiple of 8), plus 8 times the zero word when
+  ``_DYNAMIC_DESCRIPTORS``: a slice starting there has its descriptor computed where it
+  is used."""
+  if not _DYNAMIC_DESCRIPTORS:
+    return start
+  return pl.multiple_of(meta_smem[_ZERO] * 8 + start, 8)
+
+
 def _rows_scores(q_smem, ring, meta_smem, s: int, w: int):
   """The transposed scores S^T = K Q_w^T of heads [32 w, 32 w + 32) over the rows in
   ring stage ``s``: [64 rows, 32 heads] float32, unscaled."""
@@ -766,15 +784,17 @@ def _rows_scores(q_smem, ring, meta_smem, s: int, w: int):
     for c in range(ROW_LINES):
       for steps in _frag_steps():
         cols = pl.ds(64 * c + 16 * steps[0], 16 * len(steps))
-        head0 = HALF * w
-        if _DYNAMIC_DESCRIPTORS:
-          head0 = pl.multiple_of(meta_smem[_ZERO] * 8 + head0, 8)
-        qt = plgpu.transpose_ref(q_smem.at[pl.ds(head0, HALF), cols], (1, 0))
+        heads = pl.ds(_zero_based(meta_smem, HALF * w), HALF)
+        qt = plgpu.transpose_ref(q_smem.at[heads, cols], (1, 0))
         plgpu.wgmma(acc_ref, _rows_load(ring, meta_smem, s, c, False, steps), qt)
         plgpu.wgmma_wait(_IN_FLIGHT)  # so that at most _IN_FLIGHT + 1 operands are live
     return acc_ref[...]
 
   return pl.run_scoped(scores, plgpu.ACC((BLOCK_K, HALF), jnp.float32))
+
+
+_COL = plgpu.Layout.WGMMA.reduce(0)  # a warpgroup's per-head values ([32], by column)
+_COL_T = plgpu.ShapeDtypeStruct((HALF,), jnp.float32, layout=_COL)
 
 
 def _rows_softmax(sc, meta_smem, t, w: int, scale2: float, m, l):
@@ -788,10 +808,8 @@ def _rows_softmax(sc, meta_smem, t, w: int, scale2: float, m, l):
   sc = jnp.where(ok, sc * scale2, -jnp.inf)
   # Column reductions are inline: Pallas' cross-warp reductions share one scratch
   # buffer between warpgroups.
-  grid_t, col_t = plgpu.Layout.WGMMA, plgpu.ShapeDtypeStruct(
-      (HALF,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(0))
-  m_new = plgpu.inline_mgpu(arg_types=(grid_t, plgpu.RefType()), return_type=col_t)(
-      _running_max(w))(sc, meta_smem)
+  m_new = plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                            return_type=_COL_T)(_running_max(w))(sc, meta_smem)
   m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing valid yet: exp2() gives 0
   alpha = jnp.exp2(m - m_safe)
   p = jnp.exp2(sc - jax.lax.broadcast_in_dim(m_safe, sc.shape, [1]))
@@ -802,8 +820,7 @@ def _rows_softmax(sc, meta_smem, t, w: int, scale2: float, m, l):
 
 def _rows_warp_sums(x):
   """This warp's column sums of x [64, 32] (``_warp_sums``)."""
-  col_t = plgpu.ShapeDtypeStruct((HALF,), jnp.float32, layout=plgpu.Layout.WGMMA.reduce(0))
-  return plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=col_t)(
+  return plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=_COL_T)(
       _warp_sums())(x)
 
 
@@ -818,10 +835,7 @@ def _rows_outputs(p, ring, pt_smem, meta_smem, s: int, w: int, acc_refs, alpha=N
   pt_smem.at[w][...] = p.astype(jnp.bfloat16)
   plgpu.commit_smem()  # visible to the tensor cores (and every thread has written)
   for steps in _frag_steps():
-    row0 = 16 * steps[0]
-    if _DYNAMIC_DESCRIPTORS:
-      row0 = pl.multiple_of(meta_smem[_ZERO] * 8 + row0, 8)
-    rows = pl.ds(row0, 16 * len(steps))
+    rows = pl.ds(_zero_based(meta_smem, 16 * steps[0]), 16 * len(steps))
     for cb, acc_ref in enumerate(acc_refs):
       plgpu.wgmma(acc_ref, _rows_load(ring, meta_smem, s, cb, True, steps),
                   pt_smem.at[w, rows])
@@ -880,10 +894,8 @@ def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, r
     plgpu.barrier_wait(step_bar)
 
   def init():
-    f32 = jnp.float32
-    cols = plgpu.Layout.WGMMA.reduce(0)
-    return (plgpu.layout_cast(jnp.full((HALF,), -jnp.inf, f32), cols),
-            plgpu.layout_cast(jnp.zeros((HALF,), f32), cols))
+    return (plgpu.layout_cast(jnp.full((HALF,), -jnp.inf, jnp.float32), _COL),
+            plgpu.layout_cast(jnp.zeros((HALF,), jnp.float32), _COL))
 
   def inputs_in():  # validity bits, queries and the first two slot lists
     plgpu.copy_gmem_to_smem(bits_ref.at[b, sp],
@@ -959,16 +971,13 @@ def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, r
     # The warps' sums added through memory no longer read: with a producer this
     # warpgroup's probabilities (its last output matmuls have finished), else the ring
     # (every tile computed and met after).
-    sums_col = plgpu.Layout.WGMMA.reduce(0)
     if producer:
       scratch, offset = pt_smem, w * BLOCK_K * HALF * 2
       scratch_t = plgpu.RefType(_pt_transforms())
     else:
       scratch, offset = ring, 512 * w
       scratch_t = plgpu.RefType((plgpu.SwizzleTransform(128),))
-    l = plgpu.inline_mgpu(
-        arg_types=(sums_col, scratch_t),
-        return_type=plgpu.ShapeDtypeStruct((HALF,), jnp.float32, layout=sums_col))(
+    l = plgpu.inline_mgpu(arg_types=(_COL, scratch_t), return_type=_COL_T)(
         _final_sums(offset))(l, scratch)
     l_ok = l > 0
     l_safe = jnp.where(l_ok, l, 1.0)
@@ -978,7 +987,7 @@ def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, r
     for cb, acc in enumerate(accs):
       plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
           _store_transposed(HALF * w))(acc * inv, o.at[:, pl.ds(64 * cb, 64)])
-    plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA.reduce(0), plgpu.RefType()))(
+    plgpu.inline_mgpu(arg_types=(_COL, plgpu.RefType()))(
         _store_transposed(HALF * w))(lse, lse_ref.at[b, sp])
 
   pl.when(wg == 0)(lambda: body(0))
@@ -1030,7 +1039,7 @@ def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   bits = jnp.sum(jnp.where(valid.reshape(B, kp // 32, 32), shifts, jnp.uint32(0)),
                  axis=-1, dtype=jnp.uint32)
   words = kp // 32 // splits
-  wpad = -(-words // 32) * 32  # copies move multiples of 128 bytes
+  wpad = _bit_words(kp // splits)
   bits = jax.lax.bitcast_convert_type(bits, jnp.int32).reshape(B, splits, words)
   bits = jnp.pad(bits, ((0, 0), (0, 0), (0, wpad - words)))
   slots = slots.reshape(B, splits, tiles, bk)
