@@ -27,11 +27,16 @@ operands at offsets read from the zero word or at static ones
 the row form's ``ldmatrix`` addresses without the zero word (``mosaic._VOLATILE_BASE``
 off: the compiler may hoist them).
 
+``--parts`` times, for each launch form and batch, what one call is made of instead: the
+whole call (merge included), the inputs' preparation alone (``mosaic._prepare``), the
+kernel alone on prepared inputs (``mosaic._launch``), the splits' merge alone, and the
+kernel over two tiles per split (what a program costs besides its tiles).
+
     PYTHONPATH=. python scripts/gpu_mosaic_probe.py --configs auto,k32 \\
         --variants full,full+nw,full+c,scores_only+c --out probe.json
 
-Prints one line per run (fastest and median of 5 x 20 calls, microseconds) and writes
-them with the environment to ``--out``.
+Prints one line per run (fastest and median of 5 runs of 5 jitted loops of 16 calls,
+microseconds per call) and writes them with the environment to ``--out``.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from ula_jax.bench.attention import parse_mosaic_config
 from ula_jax.bench.common import best_and_median, environment, time_calls
 from ula_jax.kernels.sparse_attention import mosaic as M
 
-TIMING = dict(min_iters=20, max_iters=20, target_s=0.0, warmup=1)  # 20 calls
+TIMING = dict(min_iters=5, max_iters=5, target_s=0.0, warmup=1)  # 5 loops
+LOOP = 16  # calls per jitted loop (one dispatch per loop: the GPU's time, not the host's)
 VARIANTS = ("full", "scores_only", "no_softmax", "outputs_only", "scores_nosoft")
 _TILE_STEP, _WAIT_GROUPS = M._tile_step, M._wait_groups
 _ROWS_TILE_STEP, _IN_FLIGHT, _VOLATILE = M._rows_tile_step, M._IN_FLIGHT, M._VOLATILE_BASE
@@ -128,6 +134,57 @@ def make_inputs(B: int, k: int, S: int):
           jax.random.randint(ks[3], (B, k), 0, S, jnp.int32), jnp.ones((B, k), bool))
 
 
+def looped(f, steps: int = LOOP):
+  """``steps`` calls of ``f(x, *rest)`` in one jitted loop, each call's ``x`` carrying a
+  zero taken from the previous result (so that XLA can neither hoist nor merge them)."""
+
+  def run(x, *rest):
+    def body(_, carry):
+      out = f(carry, *rest)
+      leaf = jax.tree.leaves(out)[0]
+      zero = (leaf.reshape(-1)[0] * 0).astype(carry.dtype)
+      return carry.at[(0,) * carry.ndim].add(zero)
+
+    return jax.lax.fori_loop(0, steps - 1, body, x), f(x, *rest)
+
+  return jax.jit(run)
+
+
+def _time(f, *args) -> tuple[float, float]:
+  """(fastest, median) microseconds per call of f(*args), over 5 x 5 loops of ``LOOP``
+  calls (``looped``)."""
+  g = looped(f)
+  return best_and_median(
+      [time_calls(lambda _: g(*args), None, **TIMING)[0] * 1e6 / LOOP for _ in range(5)])
+
+
+def parts(token: str, config, B: int, k: int, S: int) -> list[dict]:
+  """What one call of launch ``config`` at batch B is made of (``--parts``)."""
+  from ula_jax.kernels.sparse_attention.pallas import merge_splits_pallas
+  q_lat, q_rope, pool, slots, valid = make_inputs(B, k, S)
+  call = lambda *a: M.sparse_mla_attention_mosaic(*a, scale=0.1, config=config)
+  prep = lambda ql, qr, sl, va: M._prepare(ql, qr, S, sl, va, config)
+  launch = lambda *a: M._launch(*a, scale=0.1, config=config, ablation=None)
+  merge = lambda o, lse: merge_splits_pallas(o, lse, interpret=False)
+  q, sl, bits = jax.block_until_ready(jax.jit(prep)(q_lat, q_rope, slots, valid))
+  o, lse = jax.block_until_ready(jax.jit(launch)(q, pool, sl, bits))
+  two = 2 * M.BLOCK_K * sl.shape[1]  # two tiles per split
+  tiles2 = jax.block_until_ready(jax.jit(prep)(q_lat, q_rope, slots[:, :two], valid[:, :two]))
+  timed = [("call", call, (q_lat, q_rope, pool, slots, valid)),
+           ("prepare", prep, (q_lat, q_rope, slots, valid)),
+           ("kernel", launch, (q, pool, sl, bits)),
+           ("kernel, two tiles per split", launch, (tiles2[0], pool, *tiles2[1:]))]
+  if o.shape[1] > 1:
+    timed.append(("merge", merge, (o, lse)))
+  rows = []
+  for part, f, args in timed:
+    best, median = _time(f, *args)
+    rows.append({"config": token, "batch": B, "part": part, "splits": int(o.shape[1]),
+                 "us": best, "median_us": median})
+    print(f"{token}:b{B}:{part:30s} {best:8.1f} us  median {median:8.1f}", flush=True)
+  return rows
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--configs", default="auto", help="Mosaic launch tokens, comma list")
@@ -135,13 +192,20 @@ def main(argv=None) -> int:
   p.add_argument("--batch", type=int, default=64)
   p.add_argument("--k", type=int, default=2048)
   p.add_argument("--pool-rows", type=int, default=262144)
+  p.add_argument("--parts", default=None,
+                  help="batches (comma list): time the parts of a call instead")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   configs = [(t, parse_mosaic_config(t)) for t in args.configs.split(",") if t]
   variants = [_parse_variant(t) for t in args.variants.split(",") if t]
   B, k, S = args.batch, args.k, args.pool_rows
-  inputs = make_inputs(B, k, S)
   rows = []
+  if args.parts:
+    for token, config in configs:
+      for b in [int(x) for x in args.parts.split(",") if x]:
+        rows += parts(token, config, b, k, S)
+    variants = []
+  inputs = make_inputs(B, k, S) if variants else None
   try:
     for token, config in configs:
       for name, compute, nowait, flight, nozero, k16, dyn in variants:
@@ -151,11 +215,10 @@ def main(argv=None) -> int:
         M._FRAG_K = 16 if k16 else _FRAG_K
         M._DYNAMIC_DESCRIPTORS = _DYNAMIC if dyn is None else dyn
         M._wait_groups = (lambda pending: (lambda ctx: None)) if nowait else _WAIT_GROUPS
-        f = jax.jit(lambda *a: M.sparse_mla_attention_mosaic(
+        f = lambda *a: M.sparse_mla_attention_mosaic(
             *a, scale=0.1, config=config, merge=False,
-            ablation="compute" if compute else None)[0]).lower(*inputs).compile()
-        best, median = best_and_median(
-            [time_calls(lambda _: f(*inputs), None, **TIMING)[0] * 1e6 for _ in range(5)])
+            ablation="compute" if compute else None)[0]
+        best, median = _time(f, *inputs)
         label = (f"{token}:{name}" + ("+c" if compute else "") + ("+nw" if nowait else "")
                  + (f"+f{flight}" if flight else "") + ("+nz" if nozero else "")
                  + ("+k16" if k16 else "")

@@ -92,6 +92,35 @@ def test_shared_memory_fits_an_h200_block():
   assert MosaicAttentionConfig().splits(64) == 2 and MosaicAttentionConfig().splits(128) == 1
 
 
+@pytest.mark.parametrize("config", [MosaicAttentionConfig(rows=True, producer=True),
+                                    MosaicAttentionConfig(num_splits=3)], ids=config_id)
+def test_prepared_inputs(rng, config):
+  """The kernel's inputs: slot lists clamped, 0 where not valid and padded to whole
+  rounds of the ring per split; bit i of word w the validity of entry 32 w + i."""
+  B, k, S = 2, 200, 50
+  slots = rng.integers(-10, 2 * S, (B, k)).astype(np.int32)
+  valid = rng.random((B, k)) < 0.7
+  q, sl, bits = mosaic._prepare(jnp.ones((B, H, DL)), jnp.zeros((B, H, DR)), S,
+                                jnp.asarray(slots), jnp.asarray(valid), config)
+  splits, (bk, stages, _) = config.splits(B), config.ring()
+  tiles = stages * -(-k // (stages * bk * splits))
+  assert q.dtype == jnp.bfloat16 and q.shape == (B, H, DL + DR)
+  assert not np.asarray(q[..., DL:]).any() and np.asarray(q[..., :DL] == 1).all()
+  assert sl.shape == (B, splits, tiles, bk)
+  kp = splits * tiles * bk
+  want = np.zeros((B, kp), np.int32)
+  want[:, :k] = np.where(valid, np.clip(slots, 0, S - 1), 0)
+  np.testing.assert_array_equal(np.asarray(sl).reshape(B, kp), want)
+  words = np.asarray(bits).view(np.uint32)
+  assert words.shape == (B, splits, mosaic._bit_words(kp // splits))
+  padded = np.zeros((B, kp), bool)
+  padded[:, :k] = valid
+  per_split = padded.reshape(B, splits, kp // splits)
+  for i in range(kp // splits):
+    got = (words[:, :, i // 32] >> (i % 32)) & 1
+    np.testing.assert_array_equal(got.astype(bool), per_split[:, :, i])
+
+
 def test_shapes_are_checked():
   q = jnp.zeros((1, 32, DL), jnp.bfloat16)
   with pytest.raises(ValueError, match="takes 64 heads of 512 \\+ 64 columns"):

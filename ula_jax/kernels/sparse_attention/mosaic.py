@@ -996,36 +996,12 @@ def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, r
     pl.when(wg == 2)(producer_body)
 
 
-def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
-                                slots: jax.Array, valid: jax.Array, *, scale: float,
-                                config: MosaicAttentionConfig | None = None,
-                                merge: bool = True, ablation: str | None = None):
-  """Attention of every head over the selected pool rows (Mosaic GPU, sm_90a).
-
-  q_lat: [B, 64, 512], q_rope: [B, 64, 64] queries (cast to bf16); pool: [S, 576] bf16;
-  slots: [B, k] int32 (ignored where not valid; clamped into [0, S)); valid: [B, k]
-  bool; scale: softmax scale. returns o_lat: [B, 64, 512] float32; ``merge=False``:
-  the splits' normalised outputs [B, NS, 64, 512] and log-sum-exps [B, NS, 64].
-  ablation: for benchmarks only, as in ``sparse_mla_attention_pallas`` (the output is
-  not attention): 'compute' gathers each split's first round of the ring only (two tiles,
-  four with ``block_k=32``) and computes on them at every step, 'gather' gathers every
-  tile and computes nothing (zeros).
-  """
-  from ula_jax.kernels.sparse_attention.pallas import ABLATIONS, merge_splits_pallas
-
-  config = config or MosaicAttentionConfig()
-  if ablation not in (None, *ABLATIONS):
-    raise ValueError(f"ablation={ablation!r}: expected None or one of {list(ABLATIONS)}")
-  B, H, Dl = q_lat.shape
-  Dr = q_rope.shape[-1]
-  if (H, Dl, Dr) != (HEADS, LATENT, ROPE) or pool.shape[-1] != WIDTH:
-    raise ValueError(f"q_lat {tuple(q_lat.shape)}, q_rope {tuple(q_rope.shape)}, pool "
-                     f"{tuple(pool.shape)}: the Mosaic kernel takes {HEADS} heads of "
-                     f"{LATENT} + {ROPE} columns (use the Pallas Triton kernel otherwise)")
-  if pool.dtype != jnp.bfloat16:
-    raise ValueError(f"pool.dtype={pool.dtype}: the Mosaic kernel takes bfloat16 pools")
-  S, k = pool.shape[0], slots.shape[1]
-  bk, stages, swizzle = config.ring()
+def _prepare(q_lat, q_rope, S: int, slots, valid, config: MosaicAttentionConfig):
+  """The kernel's inputs: the queries [B, 64, 576] bf16, the slot lists [B, splits,
+  tiles, rows per tile] int32 (clamped, 0 where not valid, padded to whole rounds of
+  the ring) and the validity bits [B, splits, words] int32 (``_bit_words``)."""
+  B, k = slots.shape
+  bk, stages, _ = config.ring()
   splits = config.splits(B)
   if not config.producer:  # the split's whole slot list sits in shared memory
     splits = max(splits, -(-k // MAX_SPLIT_ROWS))
@@ -1045,6 +1021,15 @@ def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   slots = slots.reshape(B, splits, tiles, bk)
   q = jnp.concatenate([q_lat, q_rope], axis=-1).astype(jnp.bfloat16)
 
+  return q, slots, bits
+
+
+def _launch(q, pool, slots, bits, *, scale: float, config: MosaicAttentionConfig,
+            ablation: str | None):
+  """The kernel on ``_prepare``'s inputs -> each split's (normalised output, log-sum-exp)."""
+  B, splits, tiles, bk = slots.shape
+  S, wpad = pool.shape[0], bits.shape[-1]
+  stages, swizzle = config.ring()[1:]
   tiled = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
   out_tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
   union = plgpu.RefUnion(
@@ -1104,10 +1089,42 @@ def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
           # every one of its 64 row copies per tile.
           unsafe_no_auto_barriers=config.rows),
   )
-  o, lse = kernel(q, pool, slots, bits)
+  return kernel(q, pool, slots, bits)
+
+
+def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
+                                slots: jax.Array, valid: jax.Array, *, scale: float,
+                                config: MosaicAttentionConfig | None = None,
+                                merge: bool = True, ablation: str | None = None):
+  """Attention of every head over the selected pool rows (Mosaic GPU, sm_90a).
+
+  q_lat: [B, 64, 512], q_rope: [B, 64, 64] queries (cast to bf16); pool: [S, 576] bf16;
+  slots: [B, k] int32 (ignored where not valid; clamped into [0, S)); valid: [B, k]
+  bool; scale: softmax scale. returns o_lat: [B, 64, 512] float32; ``merge=False``:
+  the splits' normalised outputs [B, NS, 64, 512] and log-sum-exps [B, NS, 64].
+  ablation: for benchmarks only, as in ``sparse_mla_attention_pallas`` (the output is
+  not attention): 'compute' gathers each split's first round of the ring only (two tiles,
+  four with ``block_k=32``) and computes on them at every step, 'gather' gathers every
+  tile and computes nothing (zeros).
+  """
+  from ula_jax.kernels.sparse_attention.pallas import ABLATIONS, merge_splits_pallas
+
+  config = config or MosaicAttentionConfig()
+  if ablation not in (None, *ABLATIONS):
+    raise ValueError(f"ablation={ablation!r}: expected None or one of {list(ABLATIONS)}")
+  B, H, Dl = q_lat.shape
+  Dr = q_rope.shape[-1]
+  if (H, Dl, Dr) != (HEADS, LATENT, ROPE) or pool.shape[-1] != WIDTH:
+    raise ValueError(f"q_lat {tuple(q_lat.shape)}, q_rope {tuple(q_rope.shape)}, pool "
+                     f"{tuple(pool.shape)}: the Mosaic kernel takes {HEADS} heads of "
+                     f"{LATENT} + {ROPE} columns (use the Pallas Triton kernel otherwise)")
+  if pool.dtype != jnp.bfloat16:
+    raise ValueError(f"pool.dtype={pool.dtype}: the Mosaic kernel takes bfloat16 pools")
+  q, slots, bits = _prepare(q_lat, q_rope, pool.shape[0], slots, valid, config)
+  o, lse = _launch(q, pool, slots, bits, scale=scale, config=config, ablation=ablation)
   if not merge:
     return o, lse
-  if splits == 1:
+  if o.shape[1] == 1:
     return o[:, 0]
   return merge_splits_pallas(o, lse, interpret=False)
 
