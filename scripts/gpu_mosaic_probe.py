@@ -25,12 +25,17 @@ and one ``wgmma`` instruction each, instead of four), ``+dd`` / ``+sd`` its shar
 operands at offsets read from the zero word or at static ones
 (``mosaic._DYNAMIC_DESCRIPTORS`` on / off), ``+nz``
 the row form's ``ldmatrix`` addresses without the zero word (``mosaic._VOLATILE_BASE``
-off: the compiler may hoist them).
+off: the compiler may hoist them), ``+ig`` the row forms' inputs as given
+(``mosaic._INPUTS_AS_GIVEN``: the queries in two parts, the slot lists clamped in the
+kernel). Every variant's time includes the inputs' preparation, not the splits' merge.
 
 ``--parts`` times, for each launch form and batch, what one call is made of instead: the
 whole call (merge included), the inputs' preparation alone (``mosaic._prepare``), the
 kernel alone on prepared inputs (``mosaic._launch``), the splits' merge alone, and the
-kernel over two tiles per split (what a program costs besides its tiles).
+kernel over two tiles per split (what a program costs besides its tiles); ``--given``
+with ``mosaic._INPUTS_AS_GIVEN``. Each part's loop carries its first input from call to
+call (``looped``), which XLA may copy each time: the call's and the kernel's times are
+the ones to compare (the preparation and merge alone include such copies).
 
     PYTHONPATH=. python scripts/gpu_mosaic_probe.py --configs auto,k32 \\
         --variants full,full+nw,full+c,scores_only+c --out probe.json
@@ -57,7 +62,7 @@ LOOP = 16  # calls per jitted loop (one dispatch per loop: the GPU's time, not t
 VARIANTS = ("full", "scores_only", "no_softmax", "outputs_only", "scores_nosoft")
 _TILE_STEP, _WAIT_GROUPS = M._tile_step, M._wait_groups
 _ROWS_TILE_STEP, _IN_FLIGHT, _VOLATILE = M._rows_tile_step, M._IN_FLIGHT, M._VOLATILE_BASE
-_FRAG_K, _DYNAMIC = M._FRAG_K, M._DYNAMIC_DESCRIPTORS
+_FRAG_K, _DYNAMIC, _GIVEN = M._FRAG_K, M._DYNAMIC_DESCRIPTORS, M._INPUTS_AS_GIVEN
 
 
 def _tile_step(variant: str):
@@ -114,15 +119,20 @@ def _parse_variant(token: str) -> tuple[str, bool, bool, int | None, bool, bool,
   flight = [f for f in flags if f[:1] == "f" and f[1:].isdigit() and int(f[1:]) >= 1]
   if (name not in VARIANTS or len(flight) > 1
       or ("dd" in flags and "sd" in flags)
-      or any(f not in ("c", "nw", "nz", "k16", "dd", "sd", *flight) for f in flags)):
+      or any(f not in ("c", "nw", "nz", "k16", "dd", "sd", "ig", *flight) for f in flags)):
     raise ValueError(f"--variants: {token!r}: expected one of {list(VARIANTS)} with "
                      "optional suffixes +c (compute ablation), +nw (no copy waits), "
                      "+fN (N wgmma calls in flight), +nz (no zero word), +k16 "
-                     "(16-column register operands) and one of +dd / +sd (dynamic / "
-                     "static descriptors)")
+                     "(16-column register operands), +ig (inputs as given) and one of "
+                     "+dd / +sd (dynamic / static descriptors)")
   dyn = True if "dd" in flags else False if "sd" in flags else None
   return (name, "c" in flags, "nw" in flags, int(flight[0][1:]) if flight else None,
           "nz" in flags, "k16" in flags, dyn)
+
+
+def _given(token: str) -> bool:
+  """Whether variant ``token`` takes the row forms' inputs as given (``+ig``)."""
+  return "ig" in token.split("+")[1:]
 
 
 def make_inputs(B: int, k: int, S: int):
@@ -164,16 +174,21 @@ def parts(token: str, config, B: int, k: int, S: int) -> list[dict]:
   q_lat, q_rope, pool, slots, valid = make_inputs(B, k, S)
   call = lambda *a: M.sparse_mla_attention_mosaic(*a, scale=0.1, config=config)
   prep = lambda ql, qr, sl, va: M._prepare(ql, qr, S, sl, va, config)
-  launch = lambda *a: M._launch(*a, scale=0.1, config=config, ablation=None)
   merge = lambda o, lse: merge_splits_pallas(o, lse, interpret=False)
   q, sl, bits = jax.block_until_ready(jax.jit(prep)(q_lat, q_rope, slots, valid))
-  o, lse = jax.block_until_ready(jax.jit(launch)(q, pool, sl, bits))
+  # (queries prepared as a pair, ``mosaic._INPUTS_AS_GIVEN``, are flattened here: looped's
+  # carry is one array)
+  n_q = len(q) if isinstance(q, tuple) else 1
+  launch = lambda *a: M._launch(a[:n_q] if n_q > 1 else a[0], *a[n_q:], scale=0.1,
+                                config=config, ablation=None)
+  flat = lambda q: tuple(q) if n_q > 1 else (q,)
+  o, lse = jax.block_until_ready(jax.jit(launch)(*flat(q), pool, sl, bits))
   two = 2 * M.BLOCK_K * sl.shape[1]  # two tiles per split
   tiles2 = jax.block_until_ready(jax.jit(prep)(q_lat, q_rope, slots[:, :two], valid[:, :two]))
   timed = [("call", call, (q_lat, q_rope, pool, slots, valid)),
            ("prepare", prep, (q_lat, q_rope, slots, valid)),
-           ("kernel", launch, (q, pool, sl, bits)),
-           ("kernel, two tiles per split", launch, (tiles2[0], pool, *tiles2[1:]))]
+           ("kernel", launch, (*flat(q), pool, sl, bits)),
+           ("kernel, two tiles per split", launch, (*flat(tiles2[0]), pool, *tiles2[1:]))]
   if o.shape[1] > 1:
     timed.append(("merge", merge, (o, lse)))
   rows = []
@@ -194,26 +209,34 @@ def main(argv=None) -> int:
   p.add_argument("--pool-rows", type=int, default=262144)
   p.add_argument("--parts", default=None,
                   help="batches (comma list): time the parts of a call instead")
+  p.add_argument("--given", action="store_true",
+                  help="--parts with the row forms' inputs as given (mosaic._INPUTS_AS_GIVEN)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   configs = [(t, parse_mosaic_config(t)) for t in args.configs.split(",") if t]
-  variants = [_parse_variant(t) for t in args.variants.split(",") if t]
+  tokens = [t for t in args.variants.split(",") if t]
+  variants = [(*_parse_variant(t), _given(t)) for t in tokens]
   B, k, S = args.batch, args.k, args.pool_rows
   rows = []
   if args.parts:
-    for token, config in configs:
-      for b in [int(x) for x in args.parts.split(",") if x]:
-        rows += parts(token, config, b, k, S)
+    M._INPUTS_AS_GIVEN = args.given or _GIVEN
+    try:
+      for token, config in configs:
+        for b in [int(x) for x in args.parts.split(",") if x]:
+          rows += parts(token, config, b, k, S)
+    finally:
+      M._INPUTS_AS_GIVEN = _GIVEN
     variants = []
   inputs = make_inputs(B, k, S) if variants else None
   try:
     for token, config in configs:
-      for name, compute, nowait, flight, nozero, k16, dyn in variants:
+      for name, compute, nowait, flight, nozero, k16, dyn, given in variants:
         M._tile_step, M._rows_tile_step = _tile_step(name), _rows_tile_step(name)
         M._IN_FLIGHT = flight or _IN_FLIGHT
         M._VOLATILE_BASE = _VOLATILE and not nozero
         M._FRAG_K = 16 if k16 else _FRAG_K
         M._DYNAMIC_DESCRIPTORS = _DYNAMIC if dyn is None else dyn
+        M._INPUTS_AS_GIVEN = given or _GIVEN
         M._wait_groups = (lambda pending: (lambda ctx: None)) if nowait else _WAIT_GROUPS
         f = lambda *a: M.sparse_mla_attention_mosaic(
             *a, scale=0.1, config=config, merge=False,
@@ -222,17 +245,19 @@ def main(argv=None) -> int:
         label = (f"{token}:{name}" + ("+c" if compute else "") + ("+nw" if nowait else "")
                  + (f"+f{flight}" if flight else "") + ("+nz" if nozero else "")
                  + ("+k16" if k16 else "")
-                 + ("" if dyn is None else "+dd" if dyn else "+sd"))
+                 + ("" if dyn is None else "+dd" if dyn else "+sd")
+                 + ("+ig" if given else ""))
         rows.append({"config": token, "variant": name, "compute_ablation": compute,
                      "no_copy_waits": nowait, "in_flight": M._IN_FLIGHT,
                      "zero_word": M._VOLATILE_BASE, "operand_k": M._FRAG_K,
-                     "dynamic_descriptors": M._DYNAMIC_DESCRIPTORS, "us": best,
+                     "dynamic_descriptors": M._DYNAMIC_DESCRIPTORS,
+                     "inputs_as_given": M._INPUTS_AS_GIVEN, "us": best,
                      "median_us": median})
         print(f"{label:28s} {best:8.1f} us  median {median:8.1f}", flush=True)
   finally:
     M._tile_step, M._wait_groups = _TILE_STEP, _WAIT_GROUPS
     M._rows_tile_step, M._IN_FLIGHT, M._VOLATILE_BASE = _ROWS_TILE_STEP, _IN_FLIGHT, _VOLATILE
-    M._FRAG_K, M._DYNAMIC_DESCRIPTORS = _FRAG_K, _DYNAMIC
+    M._FRAG_K, M._DYNAMIC_DESCRIPTORS, M._INPUTS_AS_GIVEN = _FRAG_K, _DYNAMIC, _GIVEN
   if args.out:
     with open(args.out, "w") as fh:
       json.dump({"benchmark": "mosaic_probe", "environment": environment(), "batch": B,

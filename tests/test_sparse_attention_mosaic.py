@@ -94,9 +94,13 @@ def test_shared_memory_fits_an_h200_block():
 
 @pytest.mark.parametrize("config", [MosaicAttentionConfig(rows=True, producer=True),
                                     MosaicAttentionConfig(num_splits=3)], ids=config_id)
-def test_prepared_inputs(rng, config):
+@pytest.mark.parametrize("given", [False, True], ids=["prepared", "as-given"])
+def test_prepared_inputs(rng, monkeypatch, config, given):
   """The kernel's inputs: slot lists clamped, 0 where not valid and padded to whole
-  rounds of the ring per split; bit i of word w the validity of entry 32 w + i."""
+  rounds of the ring per split (with ``_INPUTS_AS_GIVEN`` the rows forms' only padded,
+  and their queries in two parts); bit i of word w the validity of entry 32 w + i."""
+  monkeypatch.setattr(mosaic, "_INPUTS_AS_GIVEN", given)
+  given = given and config.rows
   B, k, S = 2, 200, 50
   slots = rng.integers(-10, 2 * S, (B, k)).astype(np.int32)
   valid = rng.random((B, k)) < 0.7
@@ -104,12 +108,17 @@ def test_prepared_inputs(rng, config):
                                 jnp.asarray(slots), jnp.asarray(valid), config)
   splits, (bk, stages, _) = config.splits(B), config.ring()
   tiles = stages * -(-k // (stages * bk * splits))
+  if given:  # the latent and rope parts as they are, the slots unclamped
+    q_lat, q_rope = q
+    assert q_lat.dtype == q_rope.dtype == jnp.bfloat16
+    assert q_lat.shape == (B, H, DL) and q_rope.shape == (B, H, DR)
+    q = jnp.concatenate([q_lat, q_rope], axis=-1)
   assert q.dtype == jnp.bfloat16 and q.shape == (B, H, DL + DR)
   assert not np.asarray(q[..., DL:]).any() and np.asarray(q[..., :DL] == 1).all()
   assert sl.shape == (B, splits, tiles, bk)
   kp = splits * tiles * bk
   want = np.zeros((B, kp), np.int32)
-  want[:, :k] = np.where(valid, np.clip(slots, 0, S - 1), 0)
+  want[:, :k] = slots if given else np.where(valid, np.clip(slots, 0, S - 1), 0)
   np.testing.assert_array_equal(np.asarray(sl).reshape(B, kp), want)
   words = np.asarray(bits).view(np.uint32)
   assert words.shape == (B, splits, mosaic._bit_words(kp // splits))
@@ -173,7 +182,11 @@ def test_gpu_diagnostic_scripts_lower_for_cuda():
       assert "mosaic_gpu" in mosaic.lower_for_cuda(config=rows)
     mosaic._IN_FLIGHT, mosaic._VOLATILE_BASE, mosaic._DYNAMIC_DESCRIPTORS = 2, False, False
     assert "mosaic_gpu" in mosaic.lower_for_cuda(config=rows)
+    mosaic._INPUTS_AS_GIVEN = True
+    for config in (rows, MosaicAttentionConfig(rows=True)):
+      assert "mosaic_gpu" in mosaic.lower_for_cuda(config=config)
   finally:
+    mosaic._INPUTS_AS_GIVEN = probe._GIVEN
     mosaic._tile_step, mosaic._rows_tile_step = probe._TILE_STEP, probe._ROWS_TILE_STEP
     mosaic._IN_FLIGHT, mosaic._VOLATILE_BASE = probe._IN_FLIGHT, probe._VOLATILE
     mosaic._DYNAMIC_DESCRIPTORS = probe._DYNAMIC
@@ -181,6 +194,7 @@ def test_gpu_diagnostic_scripts_lower_for_cuda():
       "scores_only", True, False, 3, True, True, True)
   assert probe._parse_variant("full+sd")[-1] is False
   assert probe._parse_variant("full")[-1] is None
+  assert probe._parse_variant("full+ig")[0] == "full" and probe._given("full+ig")
   with pytest.raises(ValueError, match="expected one of"):
     probe._parse_variant("full+dd+sd")
   rate = _script("gpu_wgmma_rate")

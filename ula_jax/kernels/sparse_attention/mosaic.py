@@ -489,6 +489,11 @@ _FRAG_K = 64  # columns (K) of each register operand: 64 (four ldmatrix) or 16 (
 # that their wgmma descriptors are computed where they are used, not hoisted out of the
 # loop into registers (False: 704-840 B of spills, and slower: RESULTS.md).
 _DYNAMIC_DESCRIPTORS = True
+# The rows forms take the queries' latent and rope parts as given (two copies into two
+# buffers: no concatenation before the launch) and clamp the slot lists in the kernel
+# (True), or take them concatenated and clamped before the launch, as the other forms do
+# (False; faster as measured, RESULTS.md).
+_INPUTS_AS_GIVEN = False
 
 
 def _ldmatrix_frag(stage: int, block: int, trans: bool, steps: tuple[int, ...] = (0, 1, 2, 3)):
@@ -778,14 +783,18 @@ def _zero_based(meta_smem, start: int):
 
 def _rows_scores(q_smem, ring, meta_smem, s: int, w: int):
   """The transposed scores S^T = K Q_w^T of heads [32 w, 32 w + 32) over the rows in
-  ring stage ``s``: [64 rows, 32 heads] float32, unscaled."""
+  ring stage ``s``: [64 rows, 32 heads] float32, unscaled (q_smem: the queries, one
+  [64, 576] buffer or the pair [64, 512], [64, 64]: ``_INPUTS_AS_GIVEN``)."""
 
   def scores(acc_ref):
     for c in range(ROW_LINES):
       for steps in _frag_steps():
-        cols = pl.ds(64 * c + 16 * steps[0], 16 * len(steps))
+        # (q_smem: the queries' [64, 576] buffer, or their latent and rope parts')
+        q, c0 = ((q_smem[0], 64 * c) if len(q_smem) == 1 or c < LATENT // 64
+                 else (q_smem[1], 64 * c - LATENT))
+        cols = pl.ds(c0 + 16 * steps[0], 16 * len(steps))
         heads = pl.ds(_zero_based(meta_smem, HALF * w), HALF)
-        qt = plgpu.transpose_ref(q_smem.at[heads, cols], (1, 0))
+        qt = plgpu.transpose_ref(q.at[heads, cols], (1, 0))
         plgpu.wgmma(acc_ref, _rows_load(ring, meta_smem, s, c, False, steps), qt)
         plgpu.wgmma_wait(_IN_FLIGHT)  # so that at most _IN_FLIGHT + 1 operands are live
     return acc_ref[...]
@@ -857,7 +866,7 @@ def _rows_tile_step(q_smem, ring, pt_smem, meta_smem, s: int, t, w: int, scale2:
   return m, l
 
 
-def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, ring,
+def _kernel_rows(q_refs, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, ring,
                  pt_smem, meta_smem, in_bar, slot_bar, full, step_bar, *, tiles: int,
                  scale2: float, ablation: str | None,
                  registers: tuple[int, int] | None = None):
@@ -871,8 +880,11 @@ def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, r
   # ``setmaxnreg``) it issues every copy: tile t + 2's once both consumers released
   # stage t % 2 (``step_bar`` is then that stage's barrier of two arrivals), so the
   # consumers never stop for the copies and never wait for each other.
+  # q_refs, q_smem: the queries' one part or two (``_INPUTS_AS_GIVEN``: then the slot
+  # lists come unclamped and are clamped here).
   b, sp, wg = (jax.lax.axis_index(n) for n in ("b", "split", "wg"))
   producer = registers is not None
+  rows_total = pool_ref.shape[0]
 
   def slots_in(t, s: int):
     plgpu.copy_gmem_to_smem(slots_ref.at[b, sp, t],
@@ -884,6 +896,8 @@ def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, r
     def row(i, carry):
       r = first + i
       slot = meta_smem[BLOCK_K * s + r]
+      if len(q_refs) > 1:  # the inputs as given: clamped here
+        slot = jnp.clip(slot, 0, rows_total - 1)
       plgpu.copy_gmem_to_smem(pool_ref.at[slot], ring.at[s, r], full.at[s])
       return carry
 
@@ -900,7 +914,8 @@ def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, r
   def inputs_in():  # validity bits, queries and the first two slot lists
     plgpu.copy_gmem_to_smem(bits_ref.at[b, sp],
                             meta_smem.at[pl.ds(_BITS, bits_ref.shape[-1])], in_bar)
-    plgpu.copy_gmem_to_smem(q_ref.at[b], q_smem, in_bar)
+    for q_ref, q_buf in zip(q_refs, q_smem):
+      plgpu.copy_gmem_to_smem(q_ref.at[b], q_buf, in_bar)
     slots_in(0, 0)
     slots_in(1, 1)
 
@@ -997,9 +1012,12 @@ def _kernel_rows(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, r
 
 
 def _prepare(q_lat, q_rope, S: int, slots, valid, config: MosaicAttentionConfig):
-  """The kernel's inputs: the queries [B, 64, 576] bf16, the slot lists [B, splits,
-  tiles, rows per tile] int32 (clamped, 0 where not valid, padded to whole rounds of
-  the ring) and the validity bits [B, splits, words] int32 (``_bit_words``)."""
+  """The kernel's inputs: the queries (bf16; [B, 64, 576], or with ``rows`` the pair
+  ([B, 64, 512], [B, 64, 64]) as given), the slot lists [B, splits, tiles, rows per tile]
+  int32 (padded with 0 to whole rounds of the ring; clamped and 0 where not valid, or
+  with ``rows`` as given: the kernel clamps them) and the validity bits [B, splits,
+  words] int32 (``_bit_words``). With ``rows``, bf16 queries and int32 slots that fill
+  whole rounds, only the bits are computed: nothing else runs before the launch."""
   B, k = slots.shape
   bk, stages, _ = config.ring()
   splits = config.splits(B)
@@ -1008,7 +1026,10 @@ def _prepare(q_lat, q_rope, S: int, slots, valid, config: MosaicAttentionConfig)
   tiles = stages * -(-k // (stages * bk * splits))  # per split, whole rounds of the ring
   kp = tiles * bk * splits
   pad = ((0, 0), (0, kp - k))
-  slots = jnp.pad(jnp.where(valid, jnp.clip(slots, 0, S - 1), 0).astype(jnp.int32), pad)
+  given = config.rows and _INPUTS_AS_GIVEN
+  if not given:
+    slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
+  slots = jnp.pad(slots.astype(jnp.int32), pad)
   valid = jnp.pad(valid, pad)
   # Validity as bits, 32 entries per int32 word (bit i of word w: entry 32 w + i).
   shifts = jnp.left_shift(jnp.uint32(1), jnp.arange(32, dtype=jnp.uint32))
@@ -1019,7 +1040,10 @@ def _prepare(q_lat, q_rope, S: int, slots, valid, config: MosaicAttentionConfig)
   bits = jax.lax.bitcast_convert_type(bits, jnp.int32).reshape(B, splits, words)
   bits = jnp.pad(bits, ((0, 0), (0, 0), (0, wpad - words)))
   slots = slots.reshape(B, splits, tiles, bk)
-  q = jnp.concatenate([q_lat, q_rope], axis=-1).astype(jnp.bfloat16)
+  if given:
+    q = (q_lat.astype(jnp.bfloat16), q_rope.astype(jnp.bfloat16))
+  else:
+    q = jnp.concatenate([q_lat, q_rope], axis=-1).astype(jnp.bfloat16)
 
   return q, slots, bits
 
@@ -1042,19 +1066,25 @@ def _launch(q, pool, slots, bits, *, scale: float, config: MosaicAttentionConfig
   if config.rows:
     registers = ((config.consumer_registers, config.producer_registers())
                  if config.producer else None)
-    body = lambda *refs: _kernel_rows(*refs, **static, registers=registers)
     pool = pool.reshape(S, ROW_LINES, 64)  # a row is one (9, 64) box
     union = None
     # The queries in tiles as wide as a register operand's K (16 columns: the 32-byte
     # swizzle), so that each wgmma's slice of them is whole tiles.
     q_swizzle = 2 * _FRAG_K
     q_tiled = (plgpu.TilingTransform((8, _FRAG_K)), plgpu.SwizzleTransform(q_swizzle))
-    scratch = [plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=q_tiled),
+    q_parts = ([plgpu.SMEM((HEADS, LATENT), jnp.bfloat16, transforms=q_tiled),
+                plgpu.SMEM((HEADS, ROPE), jnp.bfloat16, transforms=q_tiled)]
+               if isinstance(q, tuple) else
+               [plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=q_tiled)])
+    n = len(q_parts)  # the kernel's refs: queries, 5 more inputs and outputs, queries' buffers
+    body = lambda *refs: _kernel_rows(refs[:n], *refs[n:n + 5], refs[n + 5:2 * n + 5],
+                                      *refs[2 * n + 5:], **static, registers=registers)
+    scratch = [*q_parts,
                plgpu.SMEM((STAGES, BLOCK_K, ROW_LINES, 64), jnp.bfloat16,
                           transforms=(plgpu.SwizzleTransform(128),)),
                plgpu.SMEM((2, BLOCK_K, HALF), jnp.bfloat16, transforms=_pt_transforms()),
                plgpu.SMEM((_BITS + wpad,), jnp.int32),  # slot lists, maxima, bits
-               small[2],  # bits and queries copied in
+               plgpu.Barrier(num_arrivals=1 + n),  # the bits and the queries copied in
                plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # a slot list copied in
                plgpu.Barrier(num_arrivals=BLOCK_K, num_barriers=STAGES),  # rows landed
                # the end of a step; with a producer, per stage: both consumers done
@@ -1089,7 +1119,7 @@ def _launch(q, pool, slots, bits, *, scale: float, config: MosaicAttentionConfig
           # every one of its 64 row copies per tile.
           unsafe_no_auto_barriers=config.rows),
   )
-  return kernel(q, pool, slots, bits)
+  return kernel(*(q if isinstance(q, tuple) else (q,)), pool, slots, bits)
 
 
 def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
