@@ -789,7 +789,6 @@ def _rows_scores(q_smem, ring, meta_smem, s: int, w: int):
   def scores(acc_ref):
     for c in range(ROW_LINES):
       for steps in _frag_steps():
-        # (q_smem: the queries' [64, 576] buffer, or their latent and rope parts')
         q, c0 = ((q_smem[0], 64 * c) if len(q_smem) == 1 or c < LATENT // 64
                  else (q_smem[1], 64 * c - LATENT))
         cols = pl.ds(c0 + 16 * steps[0], 16 * len(steps))
@@ -1012,12 +1011,13 @@ def _kernel_rows(q_refs, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, 
 
 
 def _prepare(q_lat, q_rope, S: int, slots, valid, config: MosaicAttentionConfig):
-  """The kernel's inputs: the queries (bf16; [B, 64, 576], or with ``rows`` the pair
-  ([B, 64, 512], [B, 64, 64]) as given), the slot lists [B, splits, tiles, rows per tile]
-  int32 (padded with 0 to whole rounds of the ring; clamped and 0 where not valid, or
-  with ``rows`` as given: the kernel clamps them) and the validity bits [B, splits,
-  words] int32 (``_bit_words``). With ``rows``, bf16 queries and int32 slots that fill
-  whole rounds, only the bits are computed: nothing else runs before the launch."""
+  """The kernel's inputs: the queries (bf16; [B, 64, 576], or for the rows forms with
+  ``_INPUTS_AS_GIVEN`` the pair [B, 64, 512], [B, 64, 64] as given), the slot lists
+  [B, splits, tiles, rows per tile] int32 (padded with 0 to whole rounds of the ring;
+  clamped and 0 where not valid, or with ``_INPUTS_AS_GIVEN`` as given: the kernel
+  clamps them) and the validity bits [B, splits, words] int32 (``_bit_words``). Inputs
+  as given, bf16 queries and int32 slots that fill whole rounds leave only the bits to
+  compute before the launch."""
   B, k = slots.shape
   bk, stages, _ = config.ring()
   splits = config.splits(B)
@@ -1044,7 +1044,6 @@ def _prepare(q_lat, q_rope, S: int, slots, valid, config: MosaicAttentionConfig)
     q = (q_lat.astype(jnp.bfloat16), q_rope.astype(jnp.bfloat16))
   else:
     q = jnp.concatenate([q_lat, q_rope], axis=-1).astype(jnp.bfloat16)
-
   return q, slots, bits
 
 
