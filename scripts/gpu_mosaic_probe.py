@@ -112,9 +112,10 @@ def _rows_tile_step(variant: str):
 
 
 def _parse_variant(token: str) -> tuple[str, bool, bool, int | None, bool, bool,
-                                        bool | None]:
+                                        bool | None, bool]:
   """-> (variant, compute ablation, no copy waits, wgmma calls in flight or None,
-  no zero word, 16-column operands, dynamic descriptors or None: the kernel's)."""
+  no zero word, 16-column operands, dynamic descriptors or None: the kernel's, the row
+  forms' inputs as given)."""
   name, *flags = token.split("+")
   flight = [f for f in flags if f[:1] == "f" and f[1:].isdigit() and int(f[1:]) >= 1]
   if (name not in VARIANTS or len(flight) > 1
@@ -127,12 +128,7 @@ def _parse_variant(token: str) -> tuple[str, bool, bool, int | None, bool, bool,
                      "+dd / +sd (dynamic / static descriptors)")
   dyn = True if "dd" in flags else False if "sd" in flags else None
   return (name, "c" in flags, "nw" in flags, int(flight[0][1:]) if flight else None,
-          "nz" in flags, "k16" in flags, dyn)
-
-
-def _given(token: str) -> bool:
-  """Whether variant ``token`` takes the row forms' inputs as given (``+ig``)."""
-  return "ig" in token.split("+")[1:]
+          "nz" in flags, "k16" in flags, dyn, "ig" in flags)
 
 
 def make_inputs(B: int, k: int, S: int):
@@ -214,8 +210,7 @@ def main(argv=None) -> int:
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   configs = [(t, parse_mosaic_config(t)) for t in args.configs.split(",") if t]
-  tokens = [t for t in args.variants.split(",") if t]
-  variants = [(*_parse_variant(t), _given(t)) for t in tokens]
+  variants = [_parse_variant(t) for t in args.variants.split(",") if t]
   B, k, S = args.batch, args.k, args.pool_rows
   rows = []
   if args.parts:

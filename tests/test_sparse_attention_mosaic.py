@@ -191,10 +191,11 @@ def test_gpu_diagnostic_scripts_lower_for_cuda():
     mosaic._IN_FLIGHT, mosaic._VOLATILE_BASE = probe._IN_FLIGHT, probe._VOLATILE
     mosaic._DYNAMIC_DESCRIPTORS = probe._DYNAMIC
   assert probe._parse_variant("scores_only+c+f3+nz+k16+dd") == (
-      "scores_only", True, False, 3, True, True, True)
-  assert probe._parse_variant("full+sd")[-1] is False
-  assert probe._parse_variant("full")[-1] is None
-  assert probe._parse_variant("full+ig")[0] == "full" and probe._given("full+ig")
+      "scores_only", True, False, 3, True, True, True, False)
+  assert probe._parse_variant("full+sd")[6] is False
+  assert probe._parse_variant("full")[6] is None
+  assert probe._parse_variant("full+ig") == ("full", False, False, None, False, False, None,
+                                             True)
   with pytest.raises(ValueError, match="expected one of"):
     probe._parse_variant("full+dd+sd")
   rate = _script("gpu_wgmma_rate")
