@@ -25,15 +25,15 @@ and one ``wgmma`` instruction each, instead of four), ``+dd`` / ``+sd`` its shar
 operands at offsets read from the zero word or at static ones
 (``mosaic._DYNAMIC_DESCRIPTORS`` on / off), ``+nz``
 the row form's ``ldmatrix`` addresses without the zero word (``mosaic._VOLATILE_BASE``
-off: the compiler may hoist them), ``+ig`` the row forms' inputs as given
-(``mosaic._INPUTS_AS_GIVEN``: the queries in two parts, the slot lists clamped in the
-kernel). Every variant's time includes the inputs' preparation, not the splits' merge.
+off: the compiler may hoist them), ``+qc`` the row forms' queries concatenated before
+the launch (``mosaic._QUERY_PARTS`` off: one buffer instead of the latent and rope parts
+as given). Every variant's time includes the inputs' preparation, not the splits' merge.
 
 ``--parts`` times, for each launch form and batch, what one call is made of instead: the
 whole call (merge included), the inputs' preparation alone (``mosaic._prepare``), the
 kernel alone on prepared inputs (``mosaic._launch``), the splits' merge alone, and the
-kernel over two tiles per split (what a program costs besides its tiles); ``--given``
-with ``mosaic._INPUTS_AS_GIVEN``. Each part's loop carries its first input from call to
+kernel over two tiles per split (what a program costs besides its tiles); ``--concat``
+with the queries concatenated (``mosaic._QUERY_PARTS`` off). Each part's loop carries its first input from call to
 call (``looped``), which XLA may copy each time: the call's and the kernel's times are
 the ones to compare (the preparation and merge alone include such copies).
 
@@ -62,7 +62,9 @@ LOOP = 16  # calls per jitted loop (one dispatch per loop: the GPU's time, not t
 VARIANTS = ("full", "scores_only", "no_softmax", "outputs_only", "scores_nosoft")
 _TILE_STEP, _WAIT_GROUPS = M._tile_step, M._wait_groups
 _ROWS_TILE_STEP, _IN_FLIGHT, _VOLATILE = M._rows_tile_step, M._IN_FLIGHT, M._VOLATILE_BASE
-_FRAG_K, _DYNAMIC, _GIVEN = M._FRAG_K, M._DYNAMIC_DESCRIPTORS, M._INPUTS_AS_GIVEN
+_FRAG_K, _DYNAMIC, _PARTS = M._FRAG_K, M._DYNAMIC_DESCRIPTORS, M._QUERY_PARTS
+INPUT_PATHS = {"parts": True, "concatenated": False}  # the queries: mosaic._QUERY_PARTS
+_ISSUERS = M._ISSUERS
 
 
 def _tile_step(variant: str):
@@ -115,20 +117,20 @@ def _parse_variant(token: str) -> tuple[str, bool, bool, int | None, bool, bool,
                                         bool | None, bool]:
   """-> (variant, compute ablation, no copy waits, wgmma calls in flight or None,
   no zero word, 16-column operands, dynamic descriptors or None: the kernel's, the row
-  forms' inputs as given)."""
+  forms' queries concatenated)."""
   name, *flags = token.split("+")
   flight = [f for f in flags if f[:1] == "f" and f[1:].isdigit() and int(f[1:]) >= 1]
   if (name not in VARIANTS or len(flight) > 1
       or ("dd" in flags and "sd" in flags)
-      or any(f not in ("c", "nw", "nz", "k16", "dd", "sd", "ig", *flight) for f in flags)):
+      or any(f not in ("c", "nw", "nz", "k16", "dd", "sd", "qc", *flight) for f in flags)):
     raise ValueError(f"--variants: {token!r}: expected one of {list(VARIANTS)} with "
                      "optional suffixes +c (compute ablation), +nw (no copy waits), "
                      "+fN (N wgmma calls in flight), +nz (no zero word), +k16 "
-                     "(16-column register operands), +ig (inputs as given) and one of "
+                     "(16-column register operands), +qc (queries concatenated) and one of "
                      "+dd / +sd (dynamic / static descriptors)")
   dyn = True if "dd" in flags else False if "sd" in flags else None
   return (name, "c" in flags, "nw" in flags, int(flight[0][1:]) if flight else None,
-          "nz" in flags, "k16" in flags, dyn, "ig" in flags)
+          "nz" in flags, "k16" in flags, dyn, "qc" in flags)
 
 
 def make_inputs(B: int, k: int, S: int):
@@ -172,7 +174,7 @@ def parts(token: str, config, B: int, k: int, S: int) -> list[dict]:
   prep = lambda ql, qr, sl, va: M._prepare(ql, qr, S, sl, va, config)
   merge = lambda o, lse: merge_splits_pallas(o, lse, interpret=False)
   q, sl, bits = jax.block_until_ready(jax.jit(prep)(q_lat, q_rope, slots, valid))
-  # (queries prepared as a pair, ``mosaic._INPUTS_AS_GIVEN``, are flattened here: looped's
+  # (queries prepared as a pair, ``mosaic._QUERY_PARTS``, are flattened here: looped's
   # carry is one array)
   n_q = len(q) if isinstance(q, tuple) else 1
   launch = lambda *a: M._launch(a[:n_q] if n_q > 1 else a[0], *a[n_q:], scale=0.1,
@@ -196,6 +198,122 @@ def parts(token: str, config, B: int, k: int, S: int) -> list[dict]:
   return rows
 
 
+def _input_path(name: str) -> None:
+  M._QUERY_PARTS = INPUT_PATHS[name]
+
+
+def _restore() -> None:
+  M._QUERY_PARTS, M._PROFILE, M._ISSUERS = _PARTS, None, _ISSUERS
+
+
+def gpu_kernels(f, *args, iterations: int = 10) -> list[tuple[str, float, float]]:
+  """(kernel name, fastest, median microseconds) of every kernel one call of ``f``
+  launches, from CUPTI (the GPU's own durations: no launch gaps, no host)."""
+  import numpy as np
+  from jax.experimental.mosaic.gpu import profiler
+  _, timings = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
+  names = [n for n, _ in timings[0]]
+  us = np.asarray([[t for _, t in it] for it in timings]) * 1e3
+  return [(n, float(us[:, i].min()), float(np.median(us[:, i])))
+          for i, n in enumerate(names)]
+
+
+def cupti(token: str, config, B: int, ks: list[int], S: int, paths: list[str],
+          issuers: list[int]) -> list[dict]:
+  """Every kernel of one call (each input path and count of issuing warps), of the
+  kernel alone at each k, and of a device copy of the call's bytes (read and written),
+  timed by CUPTI (``--cupti``)."""
+  rows = []
+
+  def record(what, k, path, kernels):
+    total = sum(t for _, t, _ in kernels)
+    for name, best, median in kernels:
+      rows.append({"config": token, "batch": B, "k": k, "what": what, "path": path,
+                   "kernel": name, "us": best, "median_us": median})
+      print(f"{token}:b{B}:k{k}:{what}:{path}  {name[:48]:48s} {best:8.1f} us  "
+            f"median {median:8.1f}", flush=True)
+    print(f"{token}:b{B}:k{k}:{what}:{path}  {'(sum of fastest)':48s} {total:8.1f} us",
+          flush=True)
+
+  q_lat, q_rope, pool, slots, valid = make_inputs(B, max(ks), S)
+  for path in paths:
+    for n in issuers:
+      _input_path(path)
+      M._ISSUERS = n
+      try:
+        call = lambda *a: M.sparse_mla_attention_mosaic(*a, scale=0.1, config=config)
+        k = 2048 if 2048 in ks else ks[0]
+        record("call", k, f"{path},{n} issuers", gpu_kernels(
+            call, q_lat, q_rope, pool, slots[:, :k], valid[:, :k]))
+      finally:
+        _restore()
+  for k in ks:
+    prep = jax.jit(lambda ql, qr, sl, va: M._prepare(ql, qr, S, sl, va, config))
+    q, sl, bits = jax.block_until_ready(prep(q_lat, q_rope, slots[:, :k], valid[:, :k]))
+    launch = lambda q, *a: M._launch(q, *a, scale=0.1, config=config, ablation=None)
+    record("kernel", k, "prepared", gpu_kernels(launch, q, pool, sl, bits))
+  nbytes = B * 2048 * M.WIDTH * 2
+  buf = jnp.zeros((nbytes // 4,), jnp.uint32)
+  record("copy", 2048, "-", gpu_kernels(lambda b: b ^ jnp.uint32(1), buf))
+  return rows
+
+
+def timeline(token: str, config, B: int, k: int, S: int, folder: str) -> list[dict]:
+  """One call with the kernel's named scopes recorded per warpgroup (``--timeline``):
+  each scope's cycles (fastest, median, slowest over programs and iterations) and when
+  the programs started."""
+  import glob
+  import os
+  os.makedirs(folder, exist_ok=True)
+  tiles = -(-k // (M.BLOCK_K * config.splits(B)))
+  M._PROFILE = (tiles + 8, folder)
+  try:
+    f = jax.jit(lambda *a: M.sparse_mla_attention_mosaic(*a, scale=0.1, config=config,
+                                                         merge=False))
+    jax.block_until_ready(f(*make_inputs(B, k, S)))
+    jax.effects_barrier()
+  finally:
+    _restore()
+  path = max(glob.glob(os.path.join(folder, "*-trace.json")), key=os.path.getmtime)
+  with open(path) as fh:
+    return trace_rows(token, B, k, json.load(fh)["traceEvents"])
+
+
+def trace_rows(token: str, B: int, k: int, events: list[dict]) -> list[dict]:
+  """``--timeline``'s summary of one Mosaic GPU profiler trace: how far apart the
+  warpgroups started, and per named scope its cycles per occurrence (fastest, median,
+  slowest) and per warpgroup (summed over the occurrences)."""
+  import numpy as np
+  spans, starts, open_ = {}, {}, {}
+  for e in events:  # ts: the program's start (ns) plus cycles since, over 1000
+    key = (e["tid"], e["name"])
+    starts.setdefault(e["tid"], e["ts"])
+    if e["ph"] == "B":
+      open_[key] = e["ts"]
+    else:
+      spans.setdefault(e["name"], []).append((e["tid"], (e["ts"] - open_.pop(key)) * 1e3))
+  first = np.asarray(sorted(starts.values())) * 1e3  # ns (global timer)
+  print(f"{token}:b{B}: {len(starts)} warpgroups started over "
+        f"{(first[-1] - first[0]) / 1e3:.2f} us", flush=True)
+  rows = [{"config": token, "batch": B, "k": k, "scope": "(start spread)",
+           "ns": float(first[-1] - first[0])}]
+  for name, recorded in sorted(spans.items()):
+    c = np.asarray([v for _, v in recorded])
+    totals = {}
+    for tid, v in recorded:
+      totals[tid] = totals.get(tid, 0.0) + v
+    per = np.asarray(list(totals.values()))  # per warpgroup, summed over iterations
+    rows.append({"config": token, "batch": B, "k": k, "scope": name, "count": len(c),
+                 "cycles_min": float(c.min()), "cycles_median": float(np.median(c)),
+                 "cycles_max": float(c.max()),
+                 "cycles_per_warpgroup_median": float(np.median(per)),
+                 "cycles_per_warpgroup_max": float(per.max())})
+    print(f"{token}:b{B}: {name:12s} x{len(c):6d}  cycles min {c.min():9.0f}  median "
+          f"{np.median(c):9.0f}  max {c.max():9.0f}  per warpgroup median "
+          f"{np.median(per):9.0f} max {per.max():9.0f}", flush=True)
+  return rows
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--configs", default="auto", help="Mosaic launch tokens, comma list")
@@ -205,33 +323,61 @@ def main(argv=None) -> int:
   p.add_argument("--pool-rows", type=int, default=262144)
   p.add_argument("--parts", default=None,
                   help="batches (comma list): time the parts of a call instead")
-  p.add_argument("--given", action="store_true",
-                  help="--parts with the row forms' inputs as given (mosaic._INPUTS_AS_GIVEN)")
+  p.add_argument("--concat", action="store_true",
+                  help="--parts with the row forms' queries concatenated (mosaic._QUERY_PARTS "
+                       "off)")
+  p.add_argument("--cupti", default=None,
+                 help="batches (comma list): every kernel of a call timed by CUPTI instead "
+                      "(input paths --paths, the kernel alone at each of --ks, a copy)")
+  p.add_argument("--paths", default="parts,concatenated",
+                 help=f"--cupti: input paths, comma list of {list(INPUT_PATHS)}")
+  p.add_argument("--ks", default="2048", help="--cupti: selected entries, comma list")
+  p.add_argument("--issuers", default=str(_ISSUERS),
+                 help="--cupti: the producer's warps that issue row copies, comma list "
+                      "(mosaic._ISSUERS: 1, 2 or 4)")
+  p.add_argument("--timeline", default=None,
+                 help="batches (comma list): the kernel's named scopes per warpgroup "
+                      "(Mosaic GPU's profiler; traces under --trace-dir)")
+  p.add_argument("--trace-dir", default="mosaic_traces")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   configs = [(t, parse_mosaic_config(t)) for t in args.configs.split(",") if t]
   variants = [_parse_variant(t) for t in args.variants.split(",") if t]
   B, k, S = args.batch, args.k, args.pool_rows
   rows = []
+  paths = [t for t in args.paths.split(",") if t]
+  if any(t not in INPUT_PATHS for t in paths):
+    raise ValueError(f"--paths={args.paths!r}: expected a comma list of {list(INPUT_PATHS)}")
+  ks = [int(x) for x in args.ks.split(",") if x]
+  issuers = [int(x) for x in args.issuers.split(",") if x]
+  if any(n not in (1, 2, 4) for n in issuers):
+    raise ValueError(f"--issuers={args.issuers!r}: expected a comma list of 1, 2, 4")
+  for flag, value in (("cupti", args.cupti), ("timeline", args.timeline)):
+    for token, config in (configs if value else []):
+      for b in [int(x) for x in value.split(",") if x]:
+        rows += (cupti(token, config, b, ks, S, paths, issuers) if flag == "cupti" else
+                 timeline(token, config, b, k, S, args.trace_dir))
+  if args.cupti or args.timeline:
+    variants = []
   if args.parts:
-    M._INPUTS_AS_GIVEN = args.given or _GIVEN
+    M._QUERY_PARTS = _PARTS and not args.concat
     try:
       for token, config in configs:
         for b in [int(x) for x in args.parts.split(",") if x]:
           rows += parts(token, config, b, k, S)
     finally:
-      M._INPUTS_AS_GIVEN = _GIVEN
+      M._QUERY_PARTS = _PARTS
     variants = []
   inputs = make_inputs(B, k, S) if variants else None
   try:
     for token, config in configs:
-      for name, compute, nowait, flight, nozero, k16, dyn, given in variants:
+      for name, compute, nowait, flight, nozero, k16, dyn, concat in variants:
         M._tile_step, M._rows_tile_step = _tile_step(name), _rows_tile_step(name)
         M._IN_FLIGHT = flight or _IN_FLIGHT
         M._VOLATILE_BASE = _VOLATILE and not nozero
         M._FRAG_K = 16 if k16 else _FRAG_K
         M._DYNAMIC_DESCRIPTORS = _DYNAMIC if dyn is None else dyn
-        M._INPUTS_AS_GIVEN = given or _GIVEN
+        M._QUERY_PARTS = _PARTS and not concat
         M._wait_groups = (lambda pending: (lambda ctx: None)) if nowait else _WAIT_GROUPS
         f = lambda *a: M.sparse_mla_attention_mosaic(
             *a, scale=0.1, config=config, merge=False,
@@ -241,18 +387,18 @@ def main(argv=None) -> int:
                  + (f"+f{flight}" if flight else "") + ("+nz" if nozero else "")
                  + ("+k16" if k16 else "")
                  + ("" if dyn is None else "+dd" if dyn else "+sd")
-                 + ("+ig" if given else ""))
+                 + ("+qc" if concat else ""))
         rows.append({"config": token, "variant": name, "compute_ablation": compute,
                      "no_copy_waits": nowait, "in_flight": M._IN_FLIGHT,
                      "zero_word": M._VOLATILE_BASE, "operand_k": M._FRAG_K,
                      "dynamic_descriptors": M._DYNAMIC_DESCRIPTORS,
-                     "inputs_as_given": M._INPUTS_AS_GIVEN, "us": best,
+                     "query_parts": M._QUERY_PARTS, "us": best,
                      "median_us": median})
         print(f"{label:28s} {best:8.1f} us  median {median:8.1f}", flush=True)
   finally:
     M._tile_step, M._wait_groups = _TILE_STEP, _WAIT_GROUPS
     M._rows_tile_step, M._IN_FLIGHT, M._VOLATILE_BASE = _ROWS_TILE_STEP, _IN_FLIGHT, _VOLATILE
-    M._FRAG_K, M._DYNAMIC_DESCRIPTORS, M._INPUTS_AS_GIVEN = _FRAG_K, _DYNAMIC, _GIVEN
+    M._FRAG_K, M._DYNAMIC_DESCRIPTORS, M._QUERY_PARTS = _FRAG_K, _DYNAMIC, _PARTS
   if args.out:
     with open(args.out, "w") as fh:
       json.dump({"benchmark": "mosaic_probe", "environment": environment(), "batch": B,

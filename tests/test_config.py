@@ -191,6 +191,24 @@ def test_every_problem_is_listed_in_one_message():
   assert any("kernels.attention='cuda'" in p for p in e.value.problems)
 
 
+def test_mosaic_attention_takes_its_geometry_on_a_gpu():
+  """kernels.attention=mosaic: 64 heads per device of 512 + 64 bf16 columns (glm5 at tp 1,
+  dsv32 at tp 2), on a GPU only."""
+  with pytest.raises(ConfigError, match=r"kernels.attention='mosaic' takes 64 heads per "
+                     r"device of 512 \+ 64 bf16 entry columns; got model.num_heads / "
+                     r"mesh.tp = 4, model.kv_lora_rank=32"):
+    cfg_of(kernels={"attention": "mosaic"})
+  wide = {"preset": "glm5", "max_position": 1 << 20}
+  cfg = cfg_of(model=wide, kernels={"attention": "mosaic"})
+  cfg_of(model={**wide, "preset": "dsv32"}, mesh={"tp": 2}, kernels={"attention": "mosaic"})
+  with pytest.raises(ConfigError, match=r"model.num_heads / mesh.tp = 32"):
+    cfg_of(model=wide, mesh={"tp": 2}, kernels={"attention": "mosaic"})
+  with pytest.raises(ConfigError, match=r"kernels.attention=mosaic on cpu: the Mosaic GPU "
+                     r"kernel runs on Hopper GPUs only"):
+    check_kernels(cfg, "cpu")
+  check_kernels(cfg, "gpu")
+
+
 @pytest.mark.parametrize("sections,match", [
     ({"engine": {"max_context": 100}},
      r"engine.max_context=100 is not a multiple of engine.page_size=64; use 128"),

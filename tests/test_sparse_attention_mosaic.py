@@ -94,13 +94,13 @@ def test_shared_memory_fits_an_h200_block():
 
 @pytest.mark.parametrize("config", [MosaicAttentionConfig(rows=True, producer=True),
                                     MosaicAttentionConfig(num_splits=3)], ids=config_id)
-@pytest.mark.parametrize("given", [False, True], ids=["prepared", "as-given"])
-def test_prepared_inputs(rng, monkeypatch, config, given):
+@pytest.mark.parametrize("parts", [False, True], ids=["concatenated", "parts"])
+def test_prepared_inputs(rng, monkeypatch, config, parts):
   """The kernel's inputs: slot lists clamped, 0 where not valid and padded to whole
-  rounds of the ring per split (with ``_INPUTS_AS_GIVEN`` the rows forms' only padded,
-  and their queries in two parts); bit i of word w the validity of entry 32 w + i."""
-  monkeypatch.setattr(mosaic, "_INPUTS_AS_GIVEN", given)
-  given = given and config.rows
+  rounds of the ring per split (with ``_QUERY_PARTS`` the rows forms' queries in their
+  two parts as given); bit i of word w the validity of entry 32 w + i."""
+  monkeypatch.setattr(mosaic, "_QUERY_PARTS", parts)
+  parts = parts and config.rows
   B, k, S = 2, 200, 50
   slots = rng.integers(-10, 2 * S, (B, k)).astype(np.int32)
   valid = rng.random((B, k)) < 0.7
@@ -108,7 +108,7 @@ def test_prepared_inputs(rng, monkeypatch, config, given):
                                 jnp.asarray(slots), jnp.asarray(valid), config)
   splits, (bk, stages, _) = config.splits(B), config.ring()
   tiles = stages * -(-k // (stages * bk * splits))
-  if given:  # the latent and rope parts as they are, the slots unclamped
+  if parts:  # the latent and rope parts as they are
     q_lat, q_rope = q
     assert q_lat.dtype == q_rope.dtype == jnp.bfloat16
     assert q_lat.shape == (B, H, DL) and q_rope.shape == (B, H, DR)
@@ -118,7 +118,7 @@ def test_prepared_inputs(rng, monkeypatch, config, given):
   assert sl.shape == (B, splits, tiles, bk)
   kp = splits * tiles * bk
   want = np.zeros((B, kp), np.int32)
-  want[:, :k] = slots if given else np.where(valid, np.clip(slots, 0, S - 1), 0)
+  want[:, :k] = np.where(valid, np.clip(slots, 0, S - 1), 0)
   np.testing.assert_array_equal(np.asarray(sl).reshape(B, kp), want)
   words = np.asarray(bits).view(np.uint32)
   assert words.shape == (B, splits, mosaic._bit_words(kp // splits))
@@ -149,6 +149,21 @@ class TestSparseAttentionMosaicGpu:
     scale = 1.0 / np.sqrt(DL + DR)
     got = sparse_mla_attention_mosaic(*args, scale=scale, config=config)
     assert_close(got, reference(*args, scale=scale), jnp.bfloat16)
+    assert not np.asarray(got[1]).any()  # the empty row
+
+  @pytest.mark.parametrize("parts", [True, False], ids=["parts", "concatenated"])
+  @pytest.mark.parametrize("B, k, S", [(3, 200, 300), (8, 2048, 20000)])
+  def test_query_parts(self, rng, monkeypatch, parts, B, k, S):
+    """The row form with a producer, its queries in two parts or concatenated, junk
+    anywhere in int32 where not valid."""
+    monkeypatch.setattr(mosaic, "_QUERY_PARTS", parts)
+    q_lat, q_rope, pool, slots, valid = make_inputs(rng, B, H, DL, DR, S, k, jnp.bfloat16)
+    junk = rng.choice(np.asarray([-1, S, 2**31 - 1, -2**31, 1 << 20], np.int32), (B, k))
+    slots = jnp.where(valid, slots, jnp.asarray(junk))
+    args = (q_lat, q_rope, pool, slots, valid)
+    config = MosaicAttentionConfig(rows=True, producer=True, consumer_registers=240)
+    got = sparse_mla_attention_mosaic(*args, scale=0.05, config=config)
+    assert_close(got, reference(*args, scale=0.05), jnp.bfloat16)
     assert not np.asarray(got[1]).any()  # the empty row
 
   def test_every_entry_valid(self, rng):
@@ -182,11 +197,11 @@ def test_gpu_diagnostic_scripts_lower_for_cuda():
       assert "mosaic_gpu" in mosaic.lower_for_cuda(config=rows)
     mosaic._IN_FLIGHT, mosaic._VOLATILE_BASE, mosaic._DYNAMIC_DESCRIPTORS = 2, False, False
     assert "mosaic_gpu" in mosaic.lower_for_cuda(config=rows)
-    mosaic._INPUTS_AS_GIVEN = True
+    mosaic._QUERY_PARTS = not probe._PARTS
     for config in (rows, MosaicAttentionConfig(rows=True)):
       assert "mosaic_gpu" in mosaic.lower_for_cuda(config=config)
   finally:
-    mosaic._INPUTS_AS_GIVEN = probe._GIVEN
+    mosaic._QUERY_PARTS = probe._PARTS
     mosaic._tile_step, mosaic._rows_tile_step = probe._TILE_STEP, probe._ROWS_TILE_STEP
     mosaic._IN_FLIGHT, mosaic._VOLATILE_BASE = probe._IN_FLIGHT, probe._VOLATILE
     mosaic._DYNAMIC_DESCRIPTORS = probe._DYNAMIC
@@ -194,7 +209,7 @@ def test_gpu_diagnostic_scripts_lower_for_cuda():
       "scores_only", True, False, 3, True, True, True, False)
   assert probe._parse_variant("full+sd")[6] is False
   assert probe._parse_variant("full")[6] is None
-  assert probe._parse_variant("full+ig") == ("full", False, False, None, False, False, None,
+  assert probe._parse_variant("full+qc") == ("full", False, False, None, False, False, None,
                                              True)
   with pytest.raises(ValueError, match="expected one of"):
     probe._parse_variant("full+dd+sd")
@@ -224,6 +239,36 @@ def test_gpu_diagnostic_scripts_lower_for_cuda():
   with pytest.raises(ValueError, match="k=192: expected a multiple of 256"):
     gather.tma_gather(jnp.zeros((8, 576), jnp.bfloat16), jnp.zeros((1, 192), jnp.int32),
                       mode="row", splits=2)
+
+
+def test_probe_timeline_and_modes(capsys):
+  """The probe's trace summary (``--timeline``) on a two-warpgroup trace, and its
+  ``--cupti`` options' errors."""
+  probe = _script("gpu_mosaic_probe")
+  ev = lambda tid, name, ph, ts: {"tid": tid, "name": name, "ph": ph, "ts": ts, "pid": 1}
+  events = [ev(1, "c_wait", "B", 100.0), ev(1, "c_wait", "E", 100.5),
+            ev(1, "c_wait", "B", 101.0), ev(1, "c_wait", "E", 101.25),
+            ev(2, "c_wait", "B", 100.002), ev(2, "c_wait", "E", 100.102)]
+  rows = {r["scope"]: r for r in probe.trace_rows("t1p1r240", 64, 2048, events)}
+  assert rows["(start spread)"]["ns"] == pytest.approx(2.0)
+  wait = rows["c_wait"]
+  assert wait["count"] == 3
+  assert (wait["cycles_min"], wait["cycles_median"], wait["cycles_max"]) == pytest.approx(
+      (100, 250, 500))
+  assert wait["cycles_per_warpgroup_max"] == pytest.approx(750)
+  assert "c_wait" in capsys.readouterr().out
+  for argv, match in ((["--cupti", "64", "--paths", "both"], "--paths='both'"),
+                      (["--cupti", "64", "--issuers", "3"], "--issuers='3'")):
+    with pytest.raises(ValueError, match=match):
+      probe.main(["--configs", "t1p1r240", *argv])
+
+
+def test_engine_dispatch_refuses_mosaic_off_a_gpu():
+  from ula_jax.kernels.sparse_attention import sparse_mla_attention
+  args = (jnp.zeros((1, H, DL)), jnp.zeros((1, H, DR)), jnp.zeros((8, DL + DR), jnp.bfloat16),
+          jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4), bool))
+  with pytest.raises(ValueError, match="kernels.attention='mosaic' runs on Hopper GPUs only"):
+    sparse_mla_attention(*args, scale=0.1, impl="mosaic")
 
 
 def test_ncu_summary_reads_both_pages(tmp_path, capsys):

@@ -60,8 +60,13 @@ def mesh_devices(cfg: ExperimentConfig) -> list:
 
 
 def check_kernels(cfg: ExperimentConfig, platform: str) -> None:
-  """Pallas kernels compile only on GPU; on CPU they need interpret mode."""
+  """Pallas kernels compile only on GPU; on CPU they need interpret mode, and the Mosaic
+  GPU attention (which has none) cannot run."""
   k = cfg.kernels
+  if platform != "gpu" and k.attention == "mosaic":
+    raise ConfigError([f"kernels.attention=mosaic on {platform}: the Mosaic GPU kernel runs "
+                       f"on Hopper GPUs only; use kernels.attention=pallas (interpret mode "
+                       f"off the GPU) or xla"])
   if platform == "cpu" and k.uses_pallas and k.interpret is False:
     names = [f"kernels.{f}={getattr(k, f)}" for f in ("attention", "fetch", "resolve")
              if getattr(k, f).startswith("pallas")]

@@ -230,7 +230,9 @@ class EngineConfig(Section):
 class KernelsConfig(Section):
   """Which implementation runs each hot operation."""
 
-  attention: Literal["xla", "pallas"] = Field("xla", description="sparse MLA attention kernel")
+  attention: Literal["xla", "pallas", "mosaic"] = Field(
+      "xla", description="sparse MLA attention kernel: 'mosaic' is the Pallas Mosaic GPU "
+      "kernel (Hopper GPUs only; 64 heads per device, 512 + 64 wide bf16 entries)")
   fetch: Literal["xla", "pallas", "ffi"] = Field(
       "xla", description="host->device fetch / write-back of entries (ffi = the custom call)")
   resolve: Literal["jnp", "pallas", "pallas_fused"] = Field(
@@ -382,6 +384,16 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
     problems.append(
         f"mesh.tp={mesh.tp} does not divide model.num_heads={model.num_heads} "
         f"(attention heads are split over tp ranks)")
+
+  if cfg.kernels.attention == "mosaic":
+    heads = model.num_heads // mesh.tp
+    got = (heads, model.kv_lora_rank, model.qk_rope_head_dim, model.kv_dtype)
+    if got != (64, 512, 64, "bfloat16"):
+      problems.append(
+          f"kernels.attention='mosaic' takes 64 heads per device of 512 + 64 bf16 entry "
+          f"columns; got model.num_heads / mesh.tp = {heads}, model.kv_lora_rank="
+          f"{model.kv_lora_rank}, model.qk_rope_head_dim={model.qk_rope_head_dim}, "
+          f"model.kv_dtype={model.kv_dtype!r} (use kernels.attention='pallas' or 'xla')")
 
   if mem.system == "hisparse" and mem.hisparse.device_buffer_size < top_k:
     problems.append(

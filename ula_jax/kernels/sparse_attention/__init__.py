@@ -4,7 +4,9 @@ One public entry point, ``sparse_mla_attention``, validates shapes and dispatche
 ``impl`` (a config field, ``kernels.attention``):
 
 * ``'xla'``: ``reference.sparse_mla_attention_reference`` (plain jnp; also the fallback);
-* ``'pallas'``: ``pallas.sparse_mla_attention_pallas``, same signature.
+* ``'pallas'``: ``pallas.sparse_mla_attention_pallas``, same signature;
+* ``'mosaic'``: ``mosaic.sparse_mla_attention_fastest``, the Pallas Mosaic GPU kernel in
+  its fastest launch (Hopper GPUs only; 64 heads, 512 + 64 bf16 columns).
 
 Implementations are imported on first use, so a missing optional kernel costs nothing
 until it is asked for.
@@ -21,6 +23,7 @@ import jax
 IMPLS: dict[str, str] = {
     "xla": "ula_jax.kernels.sparse_attention.reference:sparse_mla_attention_reference",
     "pallas": "ula_jax.kernels.sparse_attention.pallas:sparse_mla_attention_pallas",
+    "mosaic": "ula_jax.kernels.sparse_attention.mosaic:sparse_mla_attention_fastest",
 }
 
 
@@ -56,7 +59,11 @@ def sparse_mla_attention(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
   if slots.ndim != 2 or slots.shape[0] != B or valid.shape != slots.shape:
     raise ValueError(f"slots.shape={slots.shape}, valid.shape={valid.shape}: expected "
                      f"both [B, k] with B={B}")
-  # One config field (kernels.interpret) serves every kernel: only Pallas uses it.
+  if impl == "mosaic" and jax.default_backend() != "gpu":
+    raise ValueError(f"kernels.attention='mosaic' runs on Hopper GPUs only (the backend is "
+                     f"{jax.default_backend()!r}); use 'pallas' or 'xla'")
+  # One config field (kernels.interpret) serves every kernel: only Pallas' Triton kernel
+  # has an interpret mode.
   kwargs = {"interpret": interpret} if impl == "pallas" else {}
   return fn(q_lat, q_rope, pool, slots, valid, scale=scale, **kwargs)
 

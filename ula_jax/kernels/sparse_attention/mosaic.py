@@ -18,11 +18,13 @@ registers). Three launch forms (``MosaicAttentionConfig``):
   producer gives up;
 - ``rows=True``: one TMA copy per row into row-major tiles, computed transposed with the
   rows as ``wgmma``'s register operand (the section before ``_ldmatrix_frag`` says how);
-  with ``producer=True`` a third warpgroup issues the row copies.
+  with ``producer=True`` a third warpgroup issues the row copies (four of its warps, a
+  quarter of a tile each, ``_issue_rows``).
 
-Measured on an H200 (``RESULTS.md``) all are exact; the row form with a producer is the
-fastest (0.41 / 0.48 of copy bandwidth at batch 64 / 128, 1.2 times the Triton
-kernel's speed), and none reaches half the copy bandwidth. In the two-warpgroup form the time is the same whether
+Measured on an H200 (``RESULTS.md``) all are exact; the row form with a producer
+(``FASTEST``, ``kernels.attention='mosaic'``) is the fastest: 0.42 / 0.51 / 0.53 of copy
+bandwidth at batch 64 / 128 / 256, 1.3 times the Triton kernel's speed. In the
+two-warpgroup form the time is the same whether
 or not a step waits for its copies to land, so issuing them is what stalls the warps
 that then compute; with a ``cp.async`` producer its single warpgroup issues them at half
 the rate, and the consumers compile to 168 registers with spills. TMA row copies read
@@ -489,11 +491,14 @@ _FRAG_K = 64  # columns (K) of each register operand: 64 (four ldmatrix) or 16 (
 # that their wgmma descriptors are computed where they are used, not hoisted out of the
 # loop into registers (False: 704-840 B of spills, and slower: RESULTS.md).
 _DYNAMIC_DESCRIPTORS = True
-# The rows forms take the queries' latent and rope parts as given (two copies into two
-# buffers: no concatenation before the launch) and clamp the slot lists in the kernel
-# (True), or take them concatenated and clamped before the launch, as the other forms do
-# (False; faster as measured, RESULTS.md).
-_INPUTS_AS_GIVEN = False
+# The rows forms take the queries' latent and rope parts as given, two copies into two
+# buffers (True: no concatenation before the launch, whose 9.4 MB at batch 128 took 6.7
+# us, and the same kernel time), or concatenated before the launch, as the other forms
+# do (False). RESULTS.md.
+_QUERY_PARTS = True
+# (ranges per warpgroup, folder): the kernel records its named scopes' clocks per
+# warpgroup (Mosaic GPU's profiler) and writes a trace there per call; None: off.
+_PROFILE: tuple[int, str] | None = None
 
 
 def _ldmatrix_frag(stage: int, block: int, trans: bool, steps: tuple[int, ...] = (0, 1, 2, 3)):
@@ -584,7 +589,10 @@ def _store_transposed(col0: int):
 
 _MAX_KEYS = STAGES * BLOCK_K  # meta buffer: two slot lists, each warpgroup's running maxima,
 _ZERO = _MAX_KEYS + HEADS  # a word kept 0 (``_ldmatrix_frag``)
+_MBAR = _ZERO + 4  # with a producer, two mbarriers (8-byte aligned): ring stage s landed
 _BITS = _ZERO + 32  # and the split's validity bits (a 128-byte multiple in)
+_ISSUERS = 4  # with a producer, its warps that issue a tile's row copies (1, 2 or 4; 4 is
+# the fastest measured: RESULTS.md)
 
 
 def _ordered(i32v):
@@ -702,6 +710,95 @@ def _init_max(w: int):
   return body
 
 
+def _stage_barrier(meta, s):
+  """Ring stage ``s``'s mbarrier in the meta buffer (``_MBAR``), as Mosaic GPU's
+  ``BarrierRef`` of one barrier (``s``: an int or an i32 value)."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith
+  from jax.experimental.mosaic.gpu import utils as mu
+  i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+  base = mu.getelementptr(mu.memref_ptr(meta), [4 * _MBAR], i8)
+  offset = arith.constant(i32, s) if isinstance(s, int) else s
+  return mu.BarrierRef(base, offset, None, 1)
+
+
+def _init_stage_barriers():
+  """Inline Mosaic GPU code, run by every thread of the program before its warpgroups
+  part: thread 0 initialises the ring stages' mbarriers (``_ISSUERS`` arrivals each: the
+  issuing warps' expected bytes), and the program meets."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, gpu, llvm, nvvm
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  def body(ctx, meta):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    first = arith.cmpi(arith.CmpIPredicate.eq, mu.thread_idx(), arith.constant(i32, 0))
+    for s in range(STAGES):
+      nvvm.mbarrier_init(_stage_barrier(meta, s).get_ptr(), arith.constant(i32, _ISSUERS),
+                         predicate=first)
+    llvm.inline_asm(ir.Type.parse("!llvm.void"), [], "fence.mbarrier_init.release.cluster;",
+                    "", has_side_effects=True)
+    gpu.barrier()
+    return None
+
+  return body
+
+
+def _issue_rows(s: int):
+  """Inline Mosaic GPU code (the producer warpgroup): lane 0 of each of its first
+  ``_ISSUERS`` warps expects its rows' bytes on ring stage ``s``'s mbarrier and issues
+  their TMA copies, rows [16 warp, 16 warp + 16) of the tile whose slot list is slot list
+  ``s`` of the meta buffer (one copy per row: a (9, 64) box of the pool viewed as
+  [S, 9, 64], with the 128-byte swizzle). One arrival per issuing warp and no arrival per
+  copy: the copies only complete bytes."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, memref, vector
+  from jax.experimental.mosaic.gpu import utils as mu
+
+  rows = BLOCK_K // _ISSUERS
+
+  def body(ctx, pool, ring, meta):
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    c = lambda v: arith.constant(i32, v)
+    tid = arith.remui(mu.thread_idx(), c(_WG))
+    warp, lane = arith.divui(tid, c(32)), arith.remui(tid, c(32))
+    issuer = arith.andi(arith.cmpi(arith.CmpIPredicate.eq, lane, c(0)),
+                        arith.cmpi(arith.CmpIPredicate.ult, warp, c(_ISSUERS)))
+    bar = _stage_barrier(meta, s)
+    bar.arrive_expect_tx(c(rows * WIDTH * 2), predicate=issuer)
+    first = arith.muli(arith.remui(warp, c(_ISSUERS)), c(rows))  # (in bounds for every warp)
+    slot_t = ir.VectorType.get((4,), i32)
+    for i0 in range(0, rows, 4):
+      at = arith.index_cast(index, arith.addi(first, c(BLOCK_K * s + i0)))
+      slots = vector.load(slot_t, meta, [at])
+      for i in range(4):
+        slot = vector.extract(slots, dynamic_position=[], static_position=[i])
+        row = arith.index_cast(index, arith.addi(first, c(i0 + i)))
+        dst = mu.memref_slice(ring, (arith.constant(index, s), row))
+        ctx.async_copy(src_ref=pool, dst_ref=dst, gmem_slice=(arith.index_cast(index, slot),),
+                       swizzle=128, barrier=bar, arrive=False, predicate=issuer)
+    return None
+
+  return body
+
+
+def _wait_stage(s: int):
+  """Inline Mosaic GPU code: wait for ring stage ``s``'s rows (``_issue_rows``) of round
+  ``r`` (the tile's index over two): its mbarrier's phase of parity r % 2."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith
+
+  def body(ctx, meta, r):
+    del ctx
+    i1, i32 = ir.IntegerType.get_signless(1), ir.IntegerType.get_signless(32)
+    parity = arith.trunci(i1, arith.andi(r.registers.flat[0], arith.constant(i32, 1)))
+    _stage_barrier(meta, s).wait_parity(parity)
+    return None
+
+  return body
+
+
 def _warp_sums():
   """Inline Mosaic GPU code: this warp's column sums of x [64, 32] (its 16 rows) as a
   [32] column-layout array (so not the same in every warp: ``_final_sums`` adds them)."""
@@ -784,7 +881,7 @@ def _zero_based(meta_smem, start: int):
 def _rows_scores(q_smem, ring, meta_smem, s: int, w: int):
   """The transposed scores S^T = K Q_w^T of heads [32 w, 32 w + 32) over the rows in
   ring stage ``s``: [64 rows, 32 heads] float32, unscaled (q_smem: the queries, one
-  [64, 576] buffer or the pair [64, 512], [64, 64]: ``_INPUTS_AS_GIVEN``)."""
+  [64, 576] buffer or the pair [64, 512], [64, 64]: ``_QUERY_PARTS``)."""
 
   def scores(acc_ref):
     for c in range(ROW_LINES):
@@ -879,11 +976,11 @@ def _kernel_rows(q_refs, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, 
   # ``setmaxnreg``) it issues every copy: tile t + 2's once both consumers released
   # stage t % 2 (``step_bar`` is then that stage's barrier of two arrivals), so the
   # consumers never stop for the copies and never wait for each other.
-  # q_refs, q_smem: the queries' one part or two (``_INPUTS_AS_GIVEN``: then the slot
-  # lists come unclamped and are clamped here).
+  # q_refs, q_smem: the queries' one part or two (``_QUERY_PARTS``).
+  # With a producer its first four warps issue a tile's row copies (``_issue_rows``), and
+  # the consumers wait for each stage on an mbarrier of the meta buffer (``_wait_stage``).
   b, sp, wg = (jax.lax.axis_index(n) for n in ("b", "split", "wg"))
   producer = registers is not None
-  rows_total = pool_ref.shape[0]
 
   def slots_in(t, s: int):
     plgpu.copy_gmem_to_smem(slots_ref.at[b, sp, t],
@@ -895,8 +992,6 @@ def _kernel_rows(q_refs, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, 
     def row(i, carry):
       r = first + i
       slot = meta_smem[BLOCK_K * s + r]
-      if len(q_refs) > 1:  # the inputs as given: clamped here
-        slot = jnp.clip(slot, 0, rows_total - 1)
       plgpu.copy_gmem_to_smem(pool_ref.at[slot], ring.at[s, r], full.at[s])
       return carry
 
@@ -920,16 +1015,20 @@ def _kernel_rows(q_refs, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, 
 
   def producer_body():
     plgpu.set_max_registers(registers[1], action="decrease")
-    inputs_in()
+    with jax.named_scope("p_inputs"):
+      inputs_in()
 
     def tile_in(t, s: int):
-      rows_in(t, s, 0, BLOCK_K)
+      plgpu.barrier_wait(slot_bar.at[s])
+      plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType((plgpu.SwizzleTransform(128),)),
+                                   plgpu.RefType()))(_issue_rows(s))(pool_ref, ring, meta_smem)
       plgpu.commit_smem()  # every thread has read slot list s before it is rewritten
       if ablation != "compute":
         pl.when(t + 2 < tiles)(lambda: slots_in(t + 2, s))
 
-    tile_in(0, 0)
-    tile_in(1, 1)
+    with jax.named_scope("p_first"):
+      tile_in(0, 0)
+      tile_in(1, 1)
     if ablation == "compute":  # the first two tiles only, reused by every step
       return
 
@@ -940,7 +1039,8 @@ def _kernel_rows(q_refs, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, 
         tile_in(t, s)
       return carry
 
-    jax.lax.fori_loop(1, tiles // 2, pair, 0)
+    with jax.named_scope("p_loop"):
+      jax.lax.fori_loop(1, tiles // 2, pair, 0)
 
   def body(w: int):
     if producer:
@@ -953,17 +1053,25 @@ def _kernel_rows(q_refs, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, 
       meet()  # both read slot lists 0 and 1
       if w == 0 and tiles > 2 and ablation != "compute":
         slots_in(2, 0)
-    plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_init_max(w))(meta_smem)
-    plgpu.barrier_wait(in_bar)
+    with jax.named_scope("c_inputs"):
+      plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_init_max(w))(meta_smem)
+      plgpu.barrier_wait(in_bar)
 
     def pair(jj, carry, acc_refs):
       m, l = carry
       for s in range(2):
         t = 2 * jj + s
-        if ablation == "compute":  # only the first two tiles are gathered
-          pl.when(jj == 0)(lambda: plgpu.barrier_wait(full.at[s]))
+        if producer:  # the stage's mbarrier (``_issue_rows``), phase jj
+          wait = lambda s=s: plgpu.inline_mgpu(
+              arg_types=(plgpu.RefType(), plgpu.Layout.WG_SPLAT(())))(_wait_stage(s))(
+                  meta_smem, jj)
         else:
-          plgpu.barrier_wait(full.at[s])
+          wait = lambda s=s: plgpu.barrier_wait(full.at[s])
+        if ablation == "compute":  # only the first two tiles are gathered
+          pl.when(jj == 0)(wait)
+        else:
+          with jax.named_scope("c_wait"):
+            wait()
         if ablation != "gather":
           m, l = _rows_tile_step(q_smem, ring, pt_smem, meta_smem, s, t, w, scale2, m, l,
                                  acc_refs)
@@ -981,29 +1089,33 @@ def _kernel_rows(q_refs, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, 
       m, l = jax.lax.fori_loop(0, tiles // 2, lambda jj, c: pair(jj, c, acc_refs), init())
       return m, l, tuple(r[...] for r in acc_refs)
 
-    m, l, accs = pl.run_scoped(run, *[plgpu.ACC((64, HALF), jnp.float32)] * (LATENT // 64))
-    # The warps' sums added through memory no longer read: with a producer this
-    # warpgroup's probabilities (its last output matmuls have finished), else the ring
-    # (every tile computed and met after).
-    if producer:
-      scratch, offset = pt_smem, w * BLOCK_K * HALF * 2
-      scratch_t = plgpu.RefType(_pt_transforms())
-    else:
-      scratch, offset = ring, 512 * w
-      scratch_t = plgpu.RefType((plgpu.SwizzleTransform(128),))
-    l = plgpu.inline_mgpu(arg_types=(_COL, scratch_t), return_type=_COL_T)(
-        _final_sums(offset))(l, scratch)
-    l_ok = l > 0
-    l_safe = jnp.where(l_ok, l, 1.0)
-    inv = jax.lax.broadcast_in_dim(1.0 / l_safe, (64, HALF), [1])
-    lse = jnp.where(l_ok, m / _LOG2E + jnp.log(l_safe), -jnp.inf)
-    o = o_ref.at[b, sp]  # [64 heads, 512]
-    for cb, acc in enumerate(accs):
-      plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
-          _store_transposed(HALF * w))(acc * inv, o.at[:, pl.ds(64 * cb, 64)])
-    plgpu.inline_mgpu(arg_types=(_COL, plgpu.RefType()))(
-        _store_transposed(HALF * w))(lse, lse_ref.at[b, sp])
+    with jax.named_scope("c_loop"):
+      m, l, accs = pl.run_scoped(run, *[plgpu.ACC((64, HALF), jnp.float32)] * (LATENT // 64))
+    with jax.named_scope("c_epilogue"):
+      # The warps' sums added through memory no longer read: with a producer this
+      # warpgroup's probabilities (its last output matmuls have finished), else the ring
+      # (every tile computed and met after).
+      if producer:
+        scratch, offset = pt_smem, w * BLOCK_K * HALF * 2
+        scratch_t = plgpu.RefType(_pt_transforms())
+      else:
+        scratch, offset = ring, 512 * w
+        scratch_t = plgpu.RefType((plgpu.SwizzleTransform(128),))
+      l = plgpu.inline_mgpu(arg_types=(_COL, scratch_t), return_type=_COL_T)(
+          _final_sums(offset))(l, scratch)
+      l_ok = l > 0
+      l_safe = jnp.where(l_ok, l, 1.0)
+      inv = jax.lax.broadcast_in_dim(1.0 / l_safe, (64, HALF), [1])
+      lse = jnp.where(l_ok, m / _LOG2E + jnp.log(l_safe), -jnp.inf)
+      o = o_ref.at[b, sp]  # [64 heads, 512]
+      for cb, acc in enumerate(accs):
+        plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))(
+            _store_transposed(HALF * w))(acc * inv, o.at[:, pl.ds(64 * cb, 64)])
+      plgpu.inline_mgpu(arg_types=(_COL, plgpu.RefType()))(
+          _store_transposed(HALF * w))(lse, lse_ref.at[b, sp])
 
+  if producer:  # its stage barriers, before any warpgroup can use them
+    plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))(_init_stage_barriers())(meta_smem)
   pl.when(wg == 0)(lambda: body(0))
   pl.when(wg == 1)(lambda: body(1))
   if producer:
@@ -1012,12 +1124,11 @@ def _kernel_rows(q_refs, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, 
 
 def _prepare(q_lat, q_rope, S: int, slots, valid, config: MosaicAttentionConfig):
   """The kernel's inputs: the queries (bf16; [B, 64, 576], or for the rows forms with
-  ``_INPUTS_AS_GIVEN`` the pair [B, 64, 512], [B, 64, 64] as given), the slot lists
-  [B, splits, tiles, rows per tile] int32 (padded with 0 to whole rounds of the ring;
-  clamped and 0 where not valid, or with ``_INPUTS_AS_GIVEN`` as given: the kernel
-  clamps them) and the validity bits [B, splits, words] int32 (``_bit_words``). Inputs
-  as given, bf16 queries and int32 slots that fill whole rounds leave only the bits to
-  compute before the launch."""
+  ``_QUERY_PARTS`` the pair [B, 64, 512], [B, 64, 64] as given), the slot lists
+  [B, splits, tiles, rows per tile] int32 (clamped, 0 where not valid, padded with 0 to
+  whole rounds of the ring) and the validity bits [B, splits, words] int32
+  (``_bit_words``). With the queries' parts as given only the slot lists and the bits
+  are computed before the launch, in one pass over [B, k]."""
   B, k = slots.shape
   bk, stages, _ = config.ring()
   splits = config.splits(B)
@@ -1026,9 +1137,8 @@ def _prepare(q_lat, q_rope, S: int, slots, valid, config: MosaicAttentionConfig)
   tiles = stages * -(-k // (stages * bk * splits))  # per split, whole rounds of the ring
   kp = tiles * bk * splits
   pad = ((0, 0), (0, kp - k))
-  given = config.rows and _INPUTS_AS_GIVEN
-  if not given:
-    slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
+  parts = config.rows and _QUERY_PARTS
+  slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), 0)
   slots = jnp.pad(slots.astype(jnp.int32), pad)
   valid = jnp.pad(valid, pad)
   # Validity as bits, 32 entries per int32 word (bit i of word w: entry 32 w + i).
@@ -1040,7 +1150,7 @@ def _prepare(q_lat, q_rope, S: int, slots, valid, config: MosaicAttentionConfig)
   bits = jax.lax.bitcast_convert_type(bits, jnp.int32).reshape(B, splits, words)
   bits = jnp.pad(bits, ((0, 0), (0, 0), (0, wpad - words)))
   slots = slots.reshape(B, splits, tiles, bk)
-  if given:
+  if parts:
     q = (q_lat.astype(jnp.bfloat16), q_rope.astype(jnp.bfloat16))
   else:
     q = jnp.concatenate([q_lat, q_rope], axis=-1).astype(jnp.bfloat16)
@@ -1076,8 +1186,13 @@ def _launch(q, pool, slots, bits, *, scale: float, config: MosaicAttentionConfig
                if isinstance(q, tuple) else
                [plgpu.SMEM((HEADS, WIDTH), jnp.bfloat16, transforms=q_tiled)])
     n = len(q_parts)  # the kernel's refs: queries, 5 more inputs and outputs, queries' buffers
-    body = lambda *refs: _kernel_rows(refs[:n], *refs[n:n + 5], refs[n + 5:2 * n + 5],
-                                      *refs[2 * n + 5:], **static, registers=registers)
+    def body(*refs):
+      rest = list(refs[2 * n + 5:])
+      if config.producer:  # rows landed: the meta buffer's mbarriers (``_issue_rows``)
+        rest.insert(5, None)
+      _kernel_rows(refs[:n], *refs[n:n + 5], refs[n + 5:2 * n + 5], *rest, **static,
+                   registers=registers)
+
     scratch = [*q_parts,
                plgpu.SMEM((STAGES, BLOCK_K, ROW_LINES, 64), jnp.bfloat16,
                           transforms=(plgpu.SwizzleTransform(128),)),
@@ -1085,7 +1200,8 @@ def _launch(q, pool, slots, bits, *, scale: float, config: MosaicAttentionConfig
                plgpu.SMEM((_BITS + wpad,), jnp.int32),  # slot lists, maxima, bits
                plgpu.Barrier(num_arrivals=1 + n),  # the bits and the queries copied in
                plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),  # a slot list copied in
-               plgpu.Barrier(num_arrivals=BLOCK_K, num_barriers=STAGES),  # rows landed
+               *([] if config.producer else  # rows landed
+                 [plgpu.Barrier(num_arrivals=BLOCK_K, num_barriers=STAGES)]),
                # the end of a step; with a producer, per stage: both consumers done
                plgpu.Barrier(num_arrivals=2, num_barriers=STAGES if config.producer else 1)]
   elif config.producer:
@@ -1116,7 +1232,9 @@ def _launch(q, pool, slots, bits, *, scale: float, config: MosaicAttentionConfig
           # copies overwrite a ring stage, a wgmma wait before the probabilities are
           # rewritten); Pallas' automatic barriers put a warpgroup barrier before
           # every one of its 64 row copies per tile.
-          unsafe_no_auto_barriers=config.rows),
+          unsafe_no_auto_barriers=config.rows,
+          **({} if _PROFILE is None else
+             dict(profile_space=_PROFILE[0], profile_dir=_PROFILE[1]))),
   )
   return kernel(*(q if isinstance(q, tuple) else (q,)), pool, slots, bits)
 
@@ -1158,6 +1276,19 @@ def sparse_mla_attention_mosaic(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   return merge_splits_pallas(o, lse, interpret=False)
 
 
+FASTEST = MosaicAttentionConfig(rows=True, producer=True, consumer_registers=240)
+
+
+def sparse_mla_attention_fastest(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
+                                 slots: jax.Array, valid: jax.Array, *,
+                                 scale: float) -> jax.Array:
+  """``sparse_mla_attention_mosaic`` in the fastest launch measured on an H200
+  (``FASTEST``: the TMA row form with a producer; RESULTS.md), with the reference's
+  signature (``kernels.attention='mosaic'``)."""
+  return sparse_mla_attention_mosaic(q_lat, q_rope, pool, slots, valid, scale=scale,
+                                     config=FASTEST)
+
+
 def lower_for_cuda(B: int = 2, k: int = 256, S: int = 512,
                    config: MosaicAttentionConfig | None = None) -> str:
   """The kernel lowered for CUDA on any machine (no GPU needed): the StableHLO text."""
@@ -1169,5 +1300,5 @@ def lower_for_cuda(B: int = 2, k: int = 256, S: int = 512,
                  spec((B, k), jnp.bool_)).lower(lowering_platforms=("cuda",)).as_text()
 
 
-__all__ = ["BLOCK_K", "MosaicAttentionConfig", "STAGES", "lower_for_cuda", "smem_bytes",
-           "sparse_mla_attention_mosaic"]
+__all__ = ["BLOCK_K", "FASTEST", "MosaicAttentionConfig", "STAGES", "lower_for_cuda",
+           "smem_bytes", "sparse_mla_attention_fastest", "sparse_mla_attention_mosaic"]
