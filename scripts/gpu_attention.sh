@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 # shellcheck source=scripts/gpu_steps.sh
 source scripts/gpu_steps.sh
 gpu_setup gpu_attention 420
-ATTN_BATCH=${ATTN_BATCH:-1,8,32,64,128}
+ATTN_BATCH=${ATTN_BATCH:-1,8,32,64,128,256}
 ATTN_CONFIGS=${ATTN_CONFIGS:-auto,h64k64w8p0,h64k32w8n4}
 STEP_TAIL=${STEP_TAIL:-40}
 

@@ -123,7 +123,7 @@ def test_errors():
   q_lat, q_rope = jnp.zeros((2, 3, 8)), jnp.zeros((2, 3, 4))
   pool, slots, valid = jnp.zeros((10, 12)), jnp.zeros((2, 5), jnp.int32), jnp.ones((2, 5), bool)
   with pytest.raises(ValueError,
-                     match=r"kernels.attention='cuda': expected one of \['pallas', 'xla'\]"):
+                     match=r"kernels.attention='cuda': expected one of \['mosaic', 'pallas', 'xla'\]"):
     sparse_mla_attention(q_lat, q_rope, pool, slots, valid, scale=1.0, impl="cuda")
   with pytest.raises(ValueError,
                      match=r"pool.shape=\(10, 11\): expected \[S, Dl \+ Dr\] = \[S, 12\]"):

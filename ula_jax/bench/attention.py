@@ -18,7 +18,7 @@ with its row gathers left out (one block gathered and reused) and with everythin
 gathers left out: when the launch takes about the sum of the two, its gathers and its
 arithmetic do not overlap.
 
-    ula-jax bench attention [--batch 1,8,32,64] [--heads 64] [--k 2048]
+    ula-jax bench attention [--batch 1,8,32,64,128,256] [--heads 64] [--k 2048]
                             [--configs auto,h64k64w8,h32k64w8s1] [--ablations compute,gather]
                             [--out FILE]
 """
@@ -120,7 +120,7 @@ def parse_mosaic_config(token: str) -> MosaicAttentionConfig:
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="ula-jax bench attention",
                               description=__doc__.split("\n\n")[0])
-  p.add_argument("--batch", default="1,8,32,64", help="decode batch sizes, comma list")
+  p.add_argument("--batch", default="1,8,32,64,128,256", help="decode batch sizes, comma list")
   p.add_argument("--heads", type=int, default=64, help="query heads on the device")
   p.add_argument("--k", type=int, default=2048, help="selected entries per request")
   p.add_argument("--latent", type=int, default=512, help="kv_lora_rank (Dl)")
