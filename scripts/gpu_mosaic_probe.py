@@ -203,7 +203,11 @@ def _input_path(name: str) -> None:
 
 
 def _restore() -> None:
-  M._QUERY_PARTS, M._PROFILE, M._ISSUERS = _PARTS, None, _ISSUERS
+  """Every kernel knob the probe sets back to the module's own."""
+  M._tile_step, M._wait_groups = _TILE_STEP, _WAIT_GROUPS
+  M._rows_tile_step, M._IN_FLIGHT, M._VOLATILE_BASE = _ROWS_TILE_STEP, _IN_FLIGHT, _VOLATILE
+  M._FRAG_K, M._DYNAMIC_DESCRIPTORS, M._QUERY_PARTS = _FRAG_K, _DYNAMIC, _PARTS
+  M._PROFILE, M._ISSUERS = None, _ISSUERS
 
 
 def gpu_kernels(f, *args, iterations: int = 10) -> list[tuple[str, float, float]]:
@@ -236,25 +240,24 @@ def cupti(token: str, config, B: int, ks: list[int], S: int, paths: list[str],
           flush=True)
 
   q_lat, q_rope, pool, slots, valid = make_inputs(B, max(ks), S)
+  k_call = 2048 if 2048 in ks else ks[0]
+  call = lambda *a: M.sparse_mla_attention_mosaic(*a, scale=0.1, config=config)
   for path in paths:
     for n in issuers:
       _input_path(path)
       M._ISSUERS = n
       try:
-        call = lambda *a: M.sparse_mla_attention_mosaic(*a, scale=0.1, config=config)
-        k = 2048 if 2048 in ks else ks[0]
-        record("call", k, f"{path},{n} issuers", gpu_kernels(
-            call, q_lat, q_rope, pool, slots[:, :k], valid[:, :k]))
+        record("call", k_call, f"{path},{n} issuers", gpu_kernels(
+            call, q_lat, q_rope, pool, slots[:, :k_call], valid[:, :k_call]))
       finally:
         _restore()
+  prep = jax.jit(lambda ql, qr, sl, va: M._prepare(ql, qr, S, sl, va, config))
+  launch = lambda q, *a: M._launch(q, *a, scale=0.1, config=config, ablation=None)
   for k in ks:
-    prep = jax.jit(lambda ql, qr, sl, va: M._prepare(ql, qr, S, sl, va, config))
     q, sl, bits = jax.block_until_ready(prep(q_lat, q_rope, slots[:, :k], valid[:, :k]))
-    launch = lambda q, *a: M._launch(q, *a, scale=0.1, config=config, ablation=None)
     record("kernel", k, "prepared", gpu_kernels(launch, q, pool, sl, bits))
-  nbytes = B * 2048 * M.WIDTH * 2
-  buf = jnp.zeros((nbytes // 4,), jnp.uint32)
-  record("copy", 2048, "-", gpu_kernels(lambda b: b ^ jnp.uint32(1), buf))
+  buf = jnp.zeros((B * k_call * M.WIDTH * 2 // 4,), jnp.uint32)  # the call's rows' bytes
+  record("copy", k_call, "-", gpu_kernels(lambda b: b ^ jnp.uint32(1), buf))
   return rows
 
 
@@ -366,7 +369,7 @@ def main(argv=None) -> int:
         for b in [int(x) for x in args.parts.split(",") if x]:
           rows += parts(token, config, b, k, S)
     finally:
-      M._QUERY_PARTS = _PARTS
+      _restore()
     variants = []
   inputs = make_inputs(B, k, S) if variants else None
   try:
@@ -396,9 +399,7 @@ def main(argv=None) -> int:
                      "median_us": median})
         print(f"{label:28s} {best:8.1f} us  median {median:8.1f}", flush=True)
   finally:
-    M._tile_step, M._wait_groups = _TILE_STEP, _WAIT_GROUPS
-    M._rows_tile_step, M._IN_FLIGHT, M._VOLATILE_BASE = _ROWS_TILE_STEP, _IN_FLIGHT, _VOLATILE
-    M._FRAG_K, M._DYNAMIC_DESCRIPTORS, M._QUERY_PARTS = _FRAG_K, _DYNAMIC, _PARTS
+    _restore()
   if args.out:
     with open(args.out, "w") as fh:
       json.dump({"benchmark": "mosaic_probe", "environment": environment(), "batch": B,

@@ -748,8 +748,8 @@ def _init_stage_barriers():
 def _issue_rows(s: int):
   """Inline Mosaic GPU code (the producer warpgroup): lane 0 of each of its first
   ``_ISSUERS`` warps expects its rows' bytes on ring stage ``s``'s mbarrier and issues
-  their TMA copies, rows [16 warp, 16 warp + 16) of the tile whose slot list is slot list
-  ``s`` of the meta buffer (one copy per row: a (9, 64) box of the pool viewed as
+  their TMA copies, rows [n warp, n warp + n) (n = 64 / ``_ISSUERS``) of the tile whose
+  slot list is slot list ``s`` of the meta buffer (one copy per row: a (9, 64) box of the pool viewed as
   [S, 9, 64], with the 128-byte swizzle). One arrival per issuing warp and no arrival per
   copy: the copies only complete bytes."""
   from jax._src.lib.mlir import ir
@@ -975,10 +975,10 @@ def _kernel_rows(q_refs, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, q_smem, 
   # With a producer (warpgroup 2; ``registers``: the consumers' and its own after
   # ``setmaxnreg``) it issues every copy: tile t + 2's once both consumers released
   # stage t % 2 (``step_bar`` is then that stage's barrier of two arrivals), so the
-  # consumers never stop for the copies and never wait for each other.
+  # consumers never stop for the copies and never wait for each other. Its first
+  # ``_ISSUERS`` warps issue them (``_issue_rows``), and the consumers wait for each stage
+  # on an mbarrier of the meta buffer (``_wait_stage``; ``full`` is then None).
   # q_refs, q_smem: the queries' one part or two (``_QUERY_PARTS``).
-  # With a producer its first four warps issue a tile's row copies (``_issue_rows``), and
-  # the consumers wait for each stage on an mbarrier of the meta buffer (``_wait_stage``).
   b, sp, wg = (jax.lax.axis_index(n) for n in ("b", "split", "wg"))
   producer = registers is not None
 
@@ -1284,7 +1284,11 @@ def sparse_mla_attention_fastest(q_lat: jax.Array, q_rope: jax.Array, pool: jax.
                                  scale: float) -> jax.Array:
   """``sparse_mla_attention_mosaic`` in the fastest launch measured on an H200
   (``FASTEST``: the TMA row form with a producer; RESULTS.md), with the reference's
-  signature (``kernels.attention='mosaic'``)."""
+  signature (``kernels.attention='mosaic'``). Refused off a GPU (``lower_for_cuda``
+  lowers the kernel anywhere)."""
+  if jax.default_backend() != "gpu":
+    raise ValueError(f"kernels.attention='mosaic' runs on Hopper GPUs only (the backend is "
+                     f"{jax.default_backend()!r}); use 'pallas' or 'xla'")
   return sparse_mla_attention_mosaic(q_lat, q_rope, pool, slots, valid, scale=scale,
                                      config=FASTEST)
 
