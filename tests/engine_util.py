@@ -8,7 +8,7 @@ import numpy as np
 from ula_jax.config import load_config
 from ula_jax.engine import Engine, Request, resolve_max_context
 
-BASE = "configs/experiments/quickstart.yaml"
+BASE = "experiments/quickstart/config.yaml"
 
 
 def make_requests(num: int, seed: int, prompt: tuple[int, int], output: tuple[int, int],

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ula_jax.cli import (EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, VERBS, build_parser,
+from ula_jax.cli.main import (EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, VERBS, build_parser, parse_args,
                          combination_dirname, main, split_values, sweep_plan)
 from ula_jax.config import ConfigError, load_config
 from ula_jax.config.loader import REPO_CONFIGS
@@ -18,7 +18,7 @@ from ula_jax.engine.types import RequestResult, RunResult
 from ula_jax.report import read_metrics, read_summary, write_outputs
 from ula_jax.workloads import build_requests
 
-QUICKSTART = str(REPO_CONFIGS / "experiments" / "quickstart.yaml")
+QUICKSTART = str(REPO_CONFIGS.parent / "experiments" / "quickstart" / "config.yaml")
 
 
 def test_config_prints_the_resolved_config(capsys):
@@ -35,7 +35,7 @@ def test_config_prints_the_resolved_config(capsys):
     (["config", QUICKSTART, "mesh.tp=0", "memory.policy=fifo"],
      r"2 problems\n  - memory.policy='fifo'.*\n  - mesh.tp=0: must be >= 1"),
     (["config", QUICKSTART, "mesh.tp=3"], r"mesh.tp=3 does not divide model.num_heads=4"),
-    (["config", "configs/experiments/nope.yaml"], r"config file not found"),
+    (["config", "experiments/nope/config.yaml"], r"config file not found"),
     (["config", QUICKSTART, "engine.max_batch"], r"expected key=value"),
     (["compare", "/nonexistent/a", "/nonexistent/b"], r"not a run directory"),
     (["sweep", QUICKSTART, "engine.max_batch=2"], r"sweep: no key has a list of values"),
@@ -205,3 +205,14 @@ def test_sizes_the_memory_system_rejects_fail_before_the_run_directory_exists(tm
   assert re.search(r"memory.device_pool holds 0 tokens per device, fewer than one page",
                    capsys.readouterr().err)
   assert not out.exists()
+
+
+def test_overrides_may_follow_options():
+  args = parse_args(["run", QUICKSTART, "--no-progress", "engine.max_batch=3", "--out", "x",
+                     "memory=ula_lru"])
+  assert args.overrides == ["engine.max_batch=3", "memory=ula_lru"]
+  assert args.no_progress and args.out == "x"
+  args = parse_args(["sweep", QUICKSTART, "--no-progress", "memory.system=resident,ula"])
+  assert args.items == ["memory.system=resident,ula"]
+  with pytest.raises(SystemExit):
+    parse_args(["run", QUICKSTART, "--no-progress", "--bogus"])

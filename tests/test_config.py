@@ -17,8 +17,8 @@ from ula_jax.config import (BLOCK_SECTIONS, ConfigError, EngineConfig, Experimen
 from ula_jax.config.loader import REPO_CONFIGS
 from ula_jax.mesh import build_mesh, check_kernels, configure_platform, interpret_kernels
 
-QUICKSTART = REPO_CONFIGS / "experiments" / "quickstart.yaml"
-EXPERIMENTS = sorted((REPO_CONFIGS / "experiments").glob("*.yaml"))
+QUICKSTART = REPO_CONFIGS.parent / "experiments" / "quickstart" / "config.yaml"
+EXPERIMENTS = sorted((REPO_CONFIGS.parent / "experiments").glob("*/config.yaml"))
 
 
 def write(tmp_path: Path, text: str, name: str = "exp.yaml") -> Path:
@@ -41,7 +41,7 @@ def cfg_of(**sections) -> ExperimentConfig:
 # ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.parent.name)
 def test_every_experiment_file_validates_and_round_trips(path, tmp_path):
   cfg = load_config(path)
   assert cfg.experiment.name == path.stem

@@ -23,7 +23,7 @@ from ula_jax.mesh import build_mesh
 @pytest.mark.parametrize("fetch", ["pallas", "ffi"])
 def test_ula_decode_step_copies_no_pool(fetch):
   # Pool sizes no other array has: 1216 device slots, 4160 host slots.
-  cfg = load_config("configs/experiments/quickstart.yaml", [
+  cfg = load_config("experiments/quickstart/config.yaml", [
       "model=tiny", "mesh.platform=gpu", "mesh.dp=1", "mesh.tp=1", "engine.max_batch=4",
       "engine.progress=false", "memory.system=ula", "memory.device_pool=1216",
       "memory.host_pool=4160", f"kernels.fetch={fetch}", "kernels.resolve=pallas"])

@@ -11,10 +11,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.test_hisparse import W, Workload, local_state, prefill_fn, put_dp, step_fn
-from ula_jax.compat import shard_map
+from ula_jax.core.compat import shard_map
 from ula_jax.memory import build_memory_system
-from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
-from ula_jax.memory.link_model import COUNTER_KEYS
+from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
+from ula_jax.memory.far_tier.link_model import COUNTER_KEYS
 
 GEO = KVGeometry(num_layers=3, group_size=2, entry_width=W, index_dim=4, top_k=4,
                  kv_dtype="float32")

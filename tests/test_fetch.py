@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ula_jax import compat
+from ula_jax.core import compat
 from ula_jax.kernels.fetch import evict_rows, fetch_rows
 from ula_jax.kernels.fetch.hlo import host_parameter_shapes, pool_materializations
 from ula_jax.kernels.fetch.pallas import (CopyRowsConfig, copy_rows_pallas, evict_rows_pallas,

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import ula_jax_ffi  # noqa: F401  (registers the targets; pip install ./custom_calls)
 from tests.test_fetch import (LAYOUTS, assert_same_bits, expected_copy, poison, random_pairs,
                               random_rows)
-from ula_jax import compat
+from ula_jax.core import compat
 from ula_jax.kernels.fetch import evict_rows, fetch_rows
 from ula_jax.kernels.fetch import ffi as fetch_ffi
 from ula_jax.kernels.fetch.hlo import host_parameter_shapes, pool_materializations

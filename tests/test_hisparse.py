@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ula_jax.compat import shard_map
+from ula_jax.core.compat import shard_map
 from ula_jax.memory import build_memory_system
-from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
+from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
 from ula_jax.memory.hisparse import HiSparse
 from ula_jax.memory.resident import Resident
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ula_jax.memory.base import INVALID
+from ula_jax.core.types import INVALID
 from ula_jax.models.config import ModelConfig
 from ula_jax.kernels.indexer import index_scores, select_topk
 from ula_jax.models.layers import Indexer

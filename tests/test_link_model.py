@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ula_jax.memory.link_model import (CXL_LATENCY_RATIO, LINK_PRESETS, RDMA_LATENCY_RATIO,
+from ula_jax.memory.far_tier.link_model import (CXL_LATENCY_RATIO, LINK_PRESETS, RDMA_LATENCY_RATIO,
                                        REFERENCE_ROW_BYTES, FarTopology, LinkSpec, link_preset,
                                        modeled_run, transfer_time)
 

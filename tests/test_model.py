@@ -14,8 +14,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from ula_jax.kernels.sparse_attention import sparse_mla_attention
-from ula_jax.memory.addressing import addrs_of_positions, all_addrs
-from ula_jax.memory.base import INVALID, MeshInfo
+from ula_jax.core.addressing import addrs_of_positions, all_addrs
+from ula_jax.core.types import INVALID, MeshInfo
 from ula_jax.memory.resident import Resident
 from ula_jax.models import layers
 from ula_jax.models import transformer as tfm

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from ula_jax.cli import EXIT_OK, EXIT_USAGE, main
+from ula_jax.cli.main import EXIT_OK, EXIT_USAGE, main
 from ula_jax.config.loader import REPO_CONFIGS
-from ula_jax.launch import LaunchError, check_mesh_processes, check_split
+from ula_jax.cli.launch import LaunchError, check_mesh_processes, check_split
 from ula_jax.report import read_summary
 
 REPO = Path(__file__).resolve().parents[1]
-QUICKSTART = str(REPO_CONFIGS / "experiments" / "quickstart.yaml")
+QUICKSTART = str(REPO_CONFIGS.parent / "experiments" / "quickstart" / "config.yaml")
 # Short requests of the tiny model: a few seconds of decoding per run.
 SMALL = ["workload.output_len=[6,10]", "experiment.plots=false"]
 MESHES = {
@@ -55,7 +55,7 @@ def test_two_processes_decode_the_tokens_of_one(tmp_path, capsys, mesh):
   multi, single = tmp_path / "multi", tmp_path / "single"
   t0 = time.perf_counter()
   launched = subprocess.Popen(
-      [sys.executable, "-m", "ula_jax.cli", "launch", "--processes", "2",
+      [sys.executable, "-m", "ula_jax.cli.main", "launch", "--processes", "2",
        "--devices-per-process", "4", "run", *args, "--out", str(multi)],
       cwd=REPO, env=_worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ula_jax.memory.base import INVALID
-from ula_jax.memory.policies import COLD, FREE, Lru, PbLru, bitmap, make_policy
-from ula_jax.memory.reference import RefLru, RefPbLru
+from ula_jax.core.types import INVALID
+from ula_jax.memory.ula.policies import COLD, FREE, Lru, PbLru, bitmap, make_policy
+from ula_jax.memory.ula.oracle import RefLru, RefPbLru
 
 # ----------------------------------------------------------------------------------
 # bitmap

@@ -21,12 +21,12 @@ import pytest
 
 from tests.test_resolve_kernel import assert_identical, random_step
 from ula_jax.config.schema import KernelsConfig
-from ula_jax.kernels.resolve import resolve_group
-from ula_jax.kernels.resolve.fastpath import all_hit, resolve_all_hit, resolve_speculative
-from ula_jax.kernels.resolve.pallas import ResolveConfig
+from ula_jax.memory.ula.resolve import resolve_group
+from ula_jax.memory.ula.resolve.fastpath import all_hit, resolve_all_hit, resolve_speculative
+from ula_jax.memory.ula.resolve.pallas import ResolveConfig
 from ula_jax.memory import build_memory_system
-from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
-from ula_jax.memory.ula import Ula
+from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
+from ula_jax.memory.ula.dp import Ula
 
 POLICIES = ("pb_lru", "lru")
 # 48 device slots, 24 host slots, 72 logical addresses; M = 3 * (5 + 1) = 18.

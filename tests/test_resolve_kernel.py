@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ula_jax.kernels.resolve import IMPLS, resolve_group
-from ula_jax.kernels.resolve import pallas as pallas_module
-from ula_jax.kernels.resolve.pallas import FUSED_CONFIG, ResolveConfig, resolve_group_pallas
-from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
-from ula_jax.memory.policies import bitmap
-from ula_jax.memory.ula import Ula, UlaState
+from ula_jax.memory.ula.resolve import IMPLS, resolve_group
+from ula_jax.memory.ula.resolve import pallas as pallas_module
+from ula_jax.memory.ula.resolve.pallas import FUSED_CONFIG, ResolveConfig, resolve_group_pallas
+from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
+from ula_jax.memory.ula.policies import bitmap
+from ula_jax.memory.ula.dp import Ula, UlaState
 
 POISON = 1_234_567_891  # no slot, address, count or INVALID has this value
 

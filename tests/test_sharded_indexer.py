@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from ula_jax.kernels.indexer import index_scores, select_topk
-from ula_jax.memory.addressing import all_addrs
-from ula_jax.memory.base import KVGeometry
+from ula_jax.core.addressing import all_addrs
+from ula_jax.core.types import KVGeometry
 from tests.test_ula_tp import TPDriver, build, make_cfg, mesh_of
 
 GEO = KVGeometry(num_layers=2, group_size=1, entry_width=2, index_dim=8, top_k=5,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ula_jax.engine.types import StepMetrics
-from ula_jax.memory.base import INVALID, MeshInfo
+from ula_jax.core.types import INVALID, MeshInfo
 from ula_jax.memory.resident import Resident
 from tests.test_ula_tp import GEO, PAGE, STEP, TPDriver, build, make_cfg, mesh_of
 

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ula_jax import compat
+from ula_jax.core import compat
 from ula_jax.config import load_config
 from ula_jax.engine import Engine
 from ula_jax.memory import MeshInfo

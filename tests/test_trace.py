@@ -10,10 +10,10 @@ import types
 import numpy as np
 import pytest
 
-from ula_jax.memory.addressing import PageAllocator
-from ula_jax.memory.base import INVALID, KVGeometry
-from ula_jax.memory.reference import RefGroup, make_ref_policy
-from ula_jax.memory.trace import (DECODE, PREFILL, RELEASE, SelectionTrace, TraceRecorder,
+from ula_jax.core.addressing import PageAllocator
+from ula_jax.core.types import INVALID, KVGeometry
+from ula_jax.memory.ula.oracle import RefGroup, make_ref_policy
+from ula_jax.memory.ula.trace import (DECODE, PREFILL, RELEASE, SelectionTrace, TraceRecorder,
                                   compare_policies, replay, system_for_trace)
 
 GEO = KVGeometry(num_layers=2, group_size=1, entry_width=4, index_dim=2, top_k=4,

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 from ula_jax.config import load_config
-from ula_jax.memory.trace import SelectionTrace
+from ula_jax.memory.ula.trace import SelectionTrace
 from ula_jax.run import run_experiment
 from tests.engine_util import mesh_for
 
 
 def test_ula_run_records_traces_and_compares_policies(tmp_path):
-  cfg = load_config("configs/experiments/quickstart.yaml", [
+  cfg = load_config("experiments/quickstart/config.yaml", [
       "mesh.dp=2", "workload.num_requests=4", "memory.system=ula", "memory.policy=pb_lru",
       "memory.device_pool=48", "memory.host_pool=2048", "engine.max_batch=2",
       "engine.record_trace=true", "engine.progress=false", "experiment.plots=false"])

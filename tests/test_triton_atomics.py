@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import pytest
 
 from tests.test_resolve_kernel import CASES, system_for
-from ula_jax.kernels import triton_atomics, triton_ir
-from ula_jax.kernels.resolve import pallas as resolve_pallas
-from ula_jax.kernels.resolve.pallas import ResolveConfig
+from ula_jax.kernels import triton_ir
+from ula_jax.memory.ula import atomics as triton_atomics
+from ula_jax.memory.ula.resolve import pallas as resolve_pallas
+from ula_jax.memory.ula.resolve.pallas import ResolveConfig
 
 
 def lowered_kernels(config: ResolveConfig, programs: int = 8) -> dict[str, tuple[int, int]]:

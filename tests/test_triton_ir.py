@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from ula_jax.bench import kernel_report
-from ula_jax.kernels.resolve.pallas import FUSED_CONFIG
+from ula_jax.memory.ula.resolve.pallas import FUSED_CONFIG
 from ula_jax.kernels.sparse_attention.pallas import (AttentionConfig,
                                                      sparse_mla_attention_pallas)
 from ula_jax.kernels.triton_ir import (KernelReport, loop_summary, lowered_kernels,

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ula_jax import compat
+from ula_jax.core import compat
 from ula_jax.memory import build_memory_system, system_class
-from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
-from ula_jax.memory.reference import RefUla
+from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
+from ula_jax.memory.ula.oracle import RefUla
 from ula_jax.memory.resident import Resident
-from ula_jax.memory.ula import Ula
+from ula_jax.memory.ula.dp import Ula
 
 GEO = KVGeometry(num_layers=3, group_size=2, entry_width=4, index_dim=2, top_k=3,
                  kv_dtype="float32")  # groups: layers (0, 1) and (2,)

@@ -22,12 +22,12 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from ula_jax.memory.addressing import PageAllocator
-from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
-from ula_jax.memory.policies import FREE, PbLru
-from ula_jax.memory.policies import bitmap
-from ula_jax.memory.reference import RefUla
-from ula_jax.memory.ula import Ula
+from ula_jax.core.addressing import PageAllocator
+from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
+from ula_jax.memory.ula.policies import FREE, PbLru
+from ula_jax.memory.ula.policies import bitmap
+from ula_jax.memory.ula.oracle import RefUla
+from ula_jax.memory.ula.dp import Ula
 
 
 def make_system(*, policy: str, buckets: int = 2, device: int, host: int, max_batch: int,

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from ula_jax import compat
+from ula_jax.core import compat
 from ula_jax.memory import build_memory_system
-from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
-from ula_jax.memory.layouts import BlockLayout, ModLayout, RequestLayout, make_layout
-from ula_jax.memory.ula import Ula
-from ula_jax.memory.ula_tp import (FETCH_ALIGN, DirectState, UlaTP, capacity_classes,
+from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
+from ula_jax.memory.ula.layouts import BlockLayout, ModLayout, RequestLayout, make_layout
+from ula_jax.memory.ula.dp import Ula
+from ula_jax.memory.ula.tp import (FETCH_ALIGN, DirectState, UlaTP, capacity_classes,
                                    deliver_misses, merge_topk, own_misses)
 
 GEO = KVGeometry(num_layers=3, group_size=2, entry_width=4, index_dim=2, top_k=3,

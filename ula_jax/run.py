@@ -72,7 +72,7 @@ def _record_traces(cfg: ExperimentConfig, result: RunResult, run_dir: Path) -> N
   """Writes each rank's selection trace; for ``ula`` (one tp rank) replays the traces
   under both policies with the run's pool sizes and puts the hit rates side by side in
   the summary (``policy_comparison``)."""
-  from ula_jax.memory.trace import compare_policies_per_rank
+  from ula_jax.memory.ula.trace import compare_policies_per_rank
 
   for d, trace in enumerate(result.traces):
     trace.save(run_dir / f"trace_rank{d}.npz")

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ula_jax import compat
+from ula_jax.core import compat
 from ula_jax.bench import common
 from ula_jax.bench.common import (add_timing_args, best_and_median, environment, fmt,
                                   parse_list, parse_sizes, time_calls, write_json)

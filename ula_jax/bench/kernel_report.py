@@ -85,7 +85,7 @@ def resolve_reports(B: int, k: int, pool: int, fuse: bool,
   system), four launches or one (with the programs a GPU of ``num_sms`` SMs keeps
   resident)."""
   from ula_jax.bench.resolve import Setup, build_system
-  from ula_jax.kernels.resolve.pallas import FUSED_CONFIG, ResolveConfig, resolve_group_pallas
+  from ula_jax.memory.ula.resolve.pallas import FUSED_CONFIG, ResolveConfig, resolve_group_pallas
 
   system = build_system(Setup(pool=pool, batch=B, k=k, buckets=4, steps_total=8), "pb_lru")
   config = FUSED_CONFIG if fuse else ResolveConfig()  # what kernels.resolve launches

@@ -47,11 +47,11 @@ import numpy as np
 
 from ula_jax.bench import common
 from ula_jax.bench.common import environment, fmt, parse_list, parse_sizes, write_json
-from ula_jax.kernels.resolve import resolve_group
-from ula_jax.kernels.resolve.pallas import ResolveConfig, default_interpret
-from ula_jax.memory.base import INVALID, KVGeometry, MeshInfo
-from ula_jax.memory.policies import bitmap
-from ula_jax.memory.ula import Ula
+from ula_jax.memory.ula.resolve import resolve_group
+from ula_jax.memory.ula.resolve.pallas import ResolveConfig, default_interpret
+from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
+from ula_jax.memory.ula.policies import bitmap
+from ula_jax.memory.ula.dp import Ula
 
 IMPLS = ("jnp", "pallas")
 POLICIES = ("pb_lru", "lru")

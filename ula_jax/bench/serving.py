@@ -51,7 +51,7 @@ from typing import Any, Callable
 from ula_jax.bench.common import (environment, fmt, parse_list, parse_sizes, print_table,
                                   same_length_requests)
 
-DEFAULT_CONFIG = "configs/experiments/quickstart.yaml"
+DEFAULT_CONFIG = "experiments/quickstart/config.yaml"
 SYSTEMS = ("resident_tp", "resident_dp", "hisparse", "ula_dp", "ula_tp")
 DEFAULT_SYSTEMS = "resident_tp,resident_dp,hisparse,ula_dp,ula_tp"
 # Systems whose step times the ula systems are compared with, at the same running batch.

@@ -24,7 +24,7 @@ import statistics
 from ula_jax.bench.common import (environment, fmt, print_table, same_length_requests,
                                   write_json)
 
-DEFAULT_CONFIG = "configs/experiments/quickstart.yaml"
+DEFAULT_CONFIG = "experiments/quickstart/config.yaml"
 
 
 def measure(config: str, overrides: list[str], systems: list[str], *, batch: int,

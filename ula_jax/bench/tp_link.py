@@ -41,12 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ula_jax import compat
+from ula_jax.core import compat
 from ula_jax.bench.common import (add_timing_args, best_and_median, environment, fmt,
                                   parse_list, parse_sizes, print_table as _print_table,
                                   time_calls, write_json)
-from ula_jax.memory.base import INVALID
-from ula_jax.memory.ula_tp import FETCH_ALIGN, deliver_misses, own_misses
+from ula_jax.core.types import INVALID
+from ula_jax.memory.ula.tp import FETCH_ALIGN, deliver_misses, own_misses
 
 IMPLS = ("deliver", "psum", "all_gather", "ppermute", "d2d copy")
 LINKS = ("ppermute", "d2d copy")  # the ceilings: one-way copies of contiguous rows

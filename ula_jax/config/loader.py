@@ -179,7 +179,8 @@ def _compose(path: Path, overrides: Sequence[str]) -> dict:
 
   experiment = data.setdefault("experiment", {})
   if isinstance(experiment, dict) and experiment.get("name") is None:
-    experiment["name"] = path.stem
+    # experiments/<name>/config.yaml is named after its folder.
+    experiment["name"] = path.parent.name if path.stem == "config" else path.stem
   return data
 
 

@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ula_jax.memory.base import parse_size
+from ula_jax.config.request_file import file_lengths
+from ula_jax.core.sizes import parse_size
 from ula_jax.models.config import ModelConfig
 
 BLOCK_SECTIONS = ("model", "memory", "mesh", "workload", "engine", "kernels")
@@ -310,8 +311,6 @@ def _section_dict(data: dict, name: str) -> dict | None:
 def longest_request(workload: WorkloadConfig) -> int:
   """Tokens of the longest request the workload can produce (prompt + output)."""
   if workload.kind == "file":
-    from ula_jax.workloads.file import file_lengths  # lazy: workloads imports the schema
-
     return max(p + o for p, o in file_lengths(workload.path))
   return workload.prompt_range[1] + workload.output_range[1]
 

@@ -42,12 +42,12 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ula_jax import compat
+from ula_jax.core import compat
 from ula_jax.engine.packing import StatePacking, pack_jit, split_jit
 from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 from ula_jax.memory import INVALID, MeshInfo, build_memory_system
 from ula_jax.mesh import interpret_kernels
-from ula_jax.memory.addressing import PageAllocator, addrs_of_positions, all_addrs
+from ula_jax.core.addressing import PageAllocator, addrs_of_positions, all_addrs
 from ula_jax.models import transformer as tfm
 
 
@@ -479,7 +479,7 @@ class Engine:
     dp, B = self.dp, self.max_batch
     alloc = [PageAllocator(self.mem.num_logical // self.page_size) for _ in range(dp)]
     if self.record_trace:
-      from ula_jax.memory.trace import TraceRecorder
+      from ula_jax.memory.ula.trace import TraceRecorder
       self._recorders = [TraceRecorder(self.geo, max_batch=B, num_logical=self.mem.num_logical,
                                        page_size=self.page_size) for _ in range(dp)]
     rows: list[list[_Live | None]] = [[None] * B for _ in range(dp)]

@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-from ula_jax.memory.base import (INVALID, CapacityReport, KVGeometry, MemorySystem,
-                                 MeshInfo, Resolution, parse_size)
-
-# name -> "module:Class"; imported lazily so one system's import cost is paid only when used.
-SYSTEMS: dict[str, str] = {
-    "resident": "ula_jax.memory.resident:Resident",
-    "ula": "ula_jax.memory.ula:Ula",
-    "hisparse": "ula_jax.memory.hisparse:HiSparse",
-    "far_tier": "ula_jax.memory.far_tier:FarTier",
-}
-
-
-def system_class(name: str) -> type[MemorySystem]:
-  if name not in SYSTEMS:
-    raise ValueError(f"memory.system={name!r}: expected one of {sorted(SYSTEMS)}")
-  module, cls = SYSTEMS[name].split(":")
-  return getattr(importlib.import_module(module), cls)
+from ula_jax.core.sizes import parse_size
+from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
+from ula_jax.memory.base import CapacityReport, MemorySystem
+from ula_jax.memory.registry import REGISTRY, SYSTEM_NAMES, lookup, system_class
 
 
 def build_memory_system(cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
@@ -31,18 +17,15 @@ def build_memory_system(cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
                         interpret: bool | None = None) -> MemorySystem:
   """Instantiates ``cfg.system`` and validates its sizes (before any compute).
 
-  ``ula`` with ``mesh_info.tp > 1`` is TP mode (``ula_tp.UlaTP``).
+  The class comes from ``registry.REGISTRY`` by ``cfg.system`` and the mesh's mode
+  (``ula``: ``dp`` when ``mesh_info.tp == 1``, ``tp`` otherwise).
 
   fetch_impl / resolve_impl: the ``kernels.fetch`` / ``kernels.resolve`` implementations
   its row copies and resolve use; resolve_fast_path: ``kernels.resolve_fast_path`` (steps
   that move nothing take the all-hit fast path); interpret: run Pallas kernels in
   interpret mode.
   """
-  cls = system_class(cfg.system)
-  if cfg.system == "ula" and mesh_info.tp > 1:
-    # TP mode: the dp rank's address space spread over its tp ranks (memory.layout).
-    from ula_jax.memory.ula_tp import UlaTP
-    cls = UlaTP
+  cls = system_class(cfg.system, mesh_info.tp)
   system = cls(cfg, geometry, mesh_info, max_batch=max_batch, page_size=page_size,
                max_context=max_context)
   system.fetch_impl, system.fetch_interpret = fetch_impl, interpret
@@ -53,4 +36,5 @@ def build_memory_system(cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
 
 
 __all__ = ["INVALID", "CapacityReport", "KVGeometry", "MemorySystem", "MeshInfo",
-           "Resolution", "SYSTEMS", "build_memory_system", "parse_size", "system_class"]
+           "REGISTRY", "Resolution", "SYSTEM_NAMES", "build_memory_system", "lookup",
+           "parse_size", "system_class"]

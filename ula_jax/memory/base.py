@@ -40,93 +40,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-import re
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-INVALID = -1  # an unused address or slot
-
-
-# ----------------------------------------------------------------------------------
-# Static geometry
-# ----------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class KVGeometry:
-  """What a memory system must know about the model's KV (hashable, static)."""
-
-  num_layers: int
-  group_size: int  # layers per index-sharing group; the last group may be shorter
-  entry_width: int  # values per layer per token: kv_lora_rank + qk_rope_head_dim
-  index_dim: int  # width of one indexer key
-  top_k: int
-  kv_dtype: str = "bfloat16"
-  index_dtype: str = "bfloat16"
-
-  @property
-  def num_groups(self) -> int:
-    return -(-self.num_layers // self.group_size)
-
-  def group_layers(self, g: int) -> range:
-    return range(g * self.group_size, min((g + 1) * self.group_size, self.num_layers))
-
-  def layer_group(self, layer: int) -> int:
-    return layer // self.group_size
-
-  @property
-  def row_bytes(self) -> int:
-    """Bytes of one layer's row of one entry."""
-    return self.entry_width * jnp.dtype(self.kv_dtype).itemsize
-
-  @property
-  def token_bytes(self) -> int:
-    """Bytes of one token's KV over all layers (what a pool "entry" of every group costs)."""
-    return self.num_layers * self.row_bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshInfo:
-  """The mesh a system is laid out on (static)."""
-
-  dp: int
-  tp: int
-
-  @property
-  def num_devices(self) -> int:
-    return self.dp * self.tp
-
-
-# ----------------------------------------------------------------------------------
-# Per-step values
-# ----------------------------------------------------------------------------------
-
-
-@struct.dataclass
-class Resolution:
-  """What ``resolve`` publishes for one layer group (local to one device).
-
-  slots:    [B, k] int32 device slot of each selected entry (INVALID where not valid)
-  valid:    [B, k] bool, the selection's validity (same as ``sel_valid``)
-  new_slot: [B]    int32 device slot where the new token's entry is written
-            (INVALID for inactive rows)
-  plan:     system-specific pytree consumed by ``move_layer`` / ``write_token``
-  stats:    dict of scalar int32 counters for this group and step (e.g. ``hits``,
-            ``misses``, ``evictions``, ``fetched``); the model sums them over groups
-            and the engine reports them per step. Empty for systems that move nothing.
-  """
-
-  slots: jax.Array
-  valid: jax.Array
-  new_slot: jax.Array
-  plan: Any = None
-  stats: dict = struct.field(default_factory=dict)
-
+from ula_jax.core.types import KVGeometry, MeshInfo, Resolution
 
 @dataclasses.dataclass(frozen=True)
 class CapacityReport:
@@ -176,31 +97,6 @@ class CapacityReport:
         "entry_bytes": self.entry_bytes,
         **self.extra,
     }
-
-
-# ----------------------------------------------------------------------------------
-# Sizes
-# ----------------------------------------------------------------------------------
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(value: int | str, *, field: str, token_bytes: int) -> int:
-  """Pool sizes in tokens (an int) or bytes (``"8GiB"``, ``"512MB"``) -> tokens."""
-  if isinstance(value, bool):
-    raise ValueError(f"{field}={value!r}: expected a token count or a size like '8GiB'")
-  if isinstance(value, int):
-    if value < 0:
-      raise ValueError(f"{field}={value}: must be >= 0 tokens")
-    return value
-  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-  if not m or m.group(2).lower() not in _UNITS:
-    raise ValueError(
-        f"{field}={value!r}: expected a token count (int) or bytes with a unit "
-        f"({', '.join(u for u in _UNITS if u)}), e.g. '8GiB'")
-  nbytes = float(m.group(1)) * _UNITS[m.group(2).lower()]
-  return int(nbytes // token_bytes)
 
 
 # ----------------------------------------------------------------------------------
@@ -367,7 +263,7 @@ class MemorySystem(abc.ABC):
     over ranks overrides it: score local keys, gather, merge to the same top-k.
     """
     from ula_jax.kernels.indexer import index_scores, select_topk
-    from ula_jax.memory.addressing import all_addrs
+    from ula_jax.core.addressing import all_addrs
     cand_addr = all_addrs(page_table, self.page_size)  # [B, T]
     T = cand_addr.shape[1]
     cand = ((cand_addr >= 0) & (jnp.arange(T, dtype=jnp.int32)[None, :] <= positions[:, None])

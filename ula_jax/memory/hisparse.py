@@ -53,9 +53,9 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
-from ula_jax.memory.base import (INVALID, CapacityReport, KVGeometry, MemorySystem, MeshInfo,
-                                 Resolution, device_zeros, parse_size, replace_at,
-                                 tp_replicated)
+from ula_jax.core.sizes import parse_size
+from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
+from ula_jax.memory.base import CapacityReport, MemorySystem, device_zeros, replace_at, tp_replicated
 
 _BIG = np.iinfo(np.int32).max
 

@@ -17,8 +17,9 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
-from ula_jax.memory.base import (INVALID, CapacityReport, MemorySystem, Resolution,
-                                 device_zeros, parse_size, replace_at, tp_replicated)
+from ula_jax.core.sizes import parse_size
+from ula_jax.core.types import INVALID, Resolution
+from ula_jax.memory.base import CapacityReport, MemorySystem, device_zeros, replace_at, tp_replicated
 
 
 @struct.dataclass

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from ula_jax.memory.base import KVGeometry
+from ula_jax.core.types import KVGeometry
 from ula_jax.models.presets import PRESETS
 
 DType = Literal["float32", "bfloat16"]

@@ -1,6 +1,6 @@
 """The decoder and its three ways of running.
 
-* ``decode_step``: one token per batch row, KV through a ``MemorySystem`` (the engine's
+* ``decode_step``: one token per batch row, KV through a memory system (``core.types.DecodeMemory``) (the engine's
   decode, inside ``shard_map``), sparse attention in absorbed form over resolved slots.
 * ``prefill_chunk``: one chunk of one request's prompt over a dense per-request
   ``PrefillWorkspace``; returns the entries and indexer keys the engine hands to the
@@ -35,8 +35,8 @@ import numpy as np
 from flax import nnx, struct
 
 from ula_jax.kernels.sparse_attention import sparse_mla_attention
-from ula_jax.memory.addressing import addrs_of_positions
-from ula_jax.memory.base import INVALID, MemorySystem, Resolution
+from ula_jax.core.addressing import addrs_of_positions
+from ula_jax.core.types import INVALID, DecodeMemory, Resolution
 from ula_jax.models.config import ModelConfig
 from ula_jax.kernels.indexer import index_scores, select_topk
 from ula_jax.models.layers import (F32, MLP, HeadRange, Indexer, MLAttention, MoE, RMSNorm,
@@ -176,7 +176,7 @@ def _add_stats(total: dict, new: dict) -> dict:
   return out
 
 
-def decode_step(model: Transformer, mem: MemorySystem, mem_state, tokens: jax.Array,
+def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Array,
                 positions: jax.Array, page_table: jax.Array, active: jax.Array, *,
                 attention: str = "xla", tp_axis: str | None = None,
                 return_selection: bool = False):

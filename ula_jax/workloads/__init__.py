@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ula_jax.config.schema import ExperimentConfig
 from ula_jax.engine.types import Request
-from ula_jax.workloads.file import WorkloadError, file_lengths, file_requests, read_records
+from ula_jax.config.request_file import WorkloadError, file_lengths, read_records
+from ula_jax.workloads.file import file_requests
 from ula_jax.workloads.synthetic import arrival_steps, synthetic_requests, zipf_tokens
 
 

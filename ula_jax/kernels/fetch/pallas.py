@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ula_jax import compat
+from ula_jax.core import compat
 from ula_jax.kernels.fetch.reference import is_host
 
 

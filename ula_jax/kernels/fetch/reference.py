@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ula_jax import compat
+from ula_jax.core import compat
 
 
 def is_host(x: jax.Array) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ula_jax.memory.base import INVALID
+from ula_jax.core.types import INVALID
 
 F32 = jnp.float32
 

@@ -28,13 +28,13 @@ two-warpgroup form the time is the same whether
 or not a step waits for its copies to land, so issuing them is what stalls the warps
 that then compute; with a ``cp.async`` producer its single warpgroup issues them at half
 the rate, and the consumers compile to 168 registers with spills. TMA row copies read
-at 0.58-0.78 of copy bandwidth inside the kernel (1.0 in ``scripts/gpu_row_gather.py``),
+at 0.58-0.78 of copy bandwidth inside the kernel (1.0 in ``benchmarks/probes/gpu_row_gather.py``),
 and issuing them takes a thread about as long as the copy engine takes to move them: in
 the row form without a producer that held each warpgroup 35 us per call at batch 64.
 What is left is arithmetic: 2-2.4 times the Triton kernel's in the ``cp.async`` forms
 (with spills), 1.9 times in the row form, whose register-operand ``wgmma`` calls wait for
 each operand's ``ldmatrix`` (about 62 cycles per instruction where the instruction alone
-takes 20: ``scripts/gpu_wgmma_rate.py``).
+takes 20: ``benchmarks/probes/gpu_wgmma_rate.py``).
 Each program writes its split's normalised output and log-sum-exp;
 ``pallas.merge_splits_pallas`` merges splits.
 
@@ -482,7 +482,7 @@ def _kernel_two(q_ref, pool_ref, slots_ref, bits_ref, o_ref, lse_ref, union, slo
 ROW_LINES = WIDTH // 64  # 128-byte lines per row
 HALF = HEADS // 2  # heads per warpgroup
 # How the row form feeds its register operands (read when a kernel is traced; the values
-# are the fastest measured on an H200, ``scripts/gpu_mosaic_probe.py`` times the others:
+# are the fastest measured on an H200, ``benchmarks/probes/gpu_mosaic_probe.py`` times the others:
 # RESULTS.md):
 _IN_FLIGHT = 1  # wgmma calls left in flight before the next operand is loaded (1: two live)
 _VOLATILE_BASE = True  # ldmatrix addresses from the zero word (False: plain, hoistable)

@@ -1,0 +1,325 @@
+"""``far_tier``: KV entries in a disaggregated far pool (SAC, seed 001).
+
+SAC keeps the KV cache of sparse-attention models in a CXL memory pool shared by
+all compute devices and compares two ways of reading it during decode:
+
+* ``on_demand`` (SAC): at every step and layer only the selected entries are loaded
+  from the far pool into a per-step device staging area of ``B x (k+1)`` slots per
+  layer (row ``b`` uses slots ``[b*(k+1), (b+1)*(k+1))``; the last one holds the
+  decoded token). Nothing is cached across steps: every selected entry crosses the
+  link every step.
+* ``full_prefetch`` (the RDMA baseline): a request's whole prefix is copied into
+  local device memory before its decode starts, and decode reads it there. The local
+  pool is indexed by logical address, so admission is bounded by local memory too.
+
+In both modes prefill writes every entry to the far pool (SAC's prefill instance
+writes its KV into the pool), and each decoded token is written to the device and
+through to the far pool. In ``full_prefetch`` the prefix is copied far -> device as
+part of ``write_prefill``, chunk by chunk, which is before the request's first decode
+step.
+
+What is real and what is modeled. There is no CXL or RDMA hardware here: the far
+pool's bytes live in host memory (``pinned_host``) and move through the same row
+copies as host tiers (``fetch_rows`` / ``evict_rows``), so what attention reads is
+exact. The engine runs inside ``shard_map`` over dp, so the far pool is held as one
+shard per dp rank (``memory.far_tier.far_pool`` split evenly over dp ranks): a rank
+cannot use another rank's free far space, unlike a truly shared pool. Which far
+device serves a request, how far devices are interleaved across compute devices
+(dp rank ``d`` -> far device ``d % num_far_devices``) and the contention between
+devices sharing one are modeled by ``link_model`` from the per-step counters this
+system reports in ``Resolution.stats`` (see ``link_model.COUNTER_KEYS``) and from
+``prefill_traffic`` for prefill.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh
+
+from ula_jax.core.sizes import parse_size
+from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
+from ula_jax.memory.base import CapacityReport, MemorySystem, device_zeros, replace_at
+from ula_jax.memory.far_tier.link_model import (COUNTER_KEYS, FarTopology, LinkSpec, link_preset,
+                                       modeled_run)
+
+MODES = ("on_demand", "full_prefetch")
+
+
+@struct.dataclass
+class FarTierState:
+  far_pools: tuple[jax.Array, ...]  # per layer [N, W], 'pinned_host', by logical address
+  dev_pools: tuple[jax.Array, ...]  # per layer: on_demand [B*(k+1), W]; full_prefetch [N, W]
+  live: tuple[jax.Array, ...]  # per group [N] bool: the far pool holds the entry
+  staged: jax.Array  # [G] int32 staging slots filled by the group's last resolve
+  index_keys: tuple[jax.Array, ...]  # per group [N, index_dim]
+
+
+@struct.dataclass
+class FarTierPlan:
+  far_idx: jax.Array  # [B*k] int32 far rows to load (INVALID: none)
+  dev_idx: jax.Array  # [B*k] int32 staging slots they go to
+  new_addr: jax.Array  # [B] int32 address of the decoded token (INVALID: inactive)
+  group: int = struct.field(pytree_node=False, default=0)
+
+
+class FarTier(MemorySystem):
+  name = "far_tier"
+
+  def __init__(self, cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *, max_batch: int,
+               page_size: int, max_context: int):
+    super().__init__(cfg, geometry, mesh_info, max_batch=max_batch, page_size=page_size,
+                     max_context=max_context)
+    ft = getattr(cfg, "far_tier", None)
+    self.mode = getattr(ft, "mode", "on_demand")
+    self.link_name = getattr(ft, "link", "cxl")
+    self.num_far_devices = int(getattr(ft, "num_far_devices", 1))
+    far = getattr(ft, "far_pool", None)
+    tb = geometry.token_bytes
+    if far is None:
+      far_rank = max_batch * max_context
+    else:
+      far_rank = parse_size(far, field="memory.far_tier.far_pool", token_bytes=tb) // mesh_info.dp
+    self.far_tokens = far_rank  # per dp rank
+    local = getattr(cfg, "device_pool", None)
+    self.local_tokens = (max_batch * max_context if local is None else
+                         parse_size(local, field="memory.device_pool", token_bytes=tb))
+    tokens = far_rank if self.mode != "full_prefetch" else min(far_rank, self.local_tokens)
+    self.capacity_tokens = (tokens // page_size) * page_size
+    self.num_logical = self.capacity_tokens
+    self.stage_width = geometry.top_k + 1  # slots per row in the staging area
+
+  def validate(self) -> None:
+    if self.mode not in MODES:
+      raise ValueError(f"memory.far_tier.mode={self.mode!r}: expected one of {list(MODES)}")
+    link_preset(self.link_name)
+    FarTopology(self.mesh_info.dp, self.mesh_info.tp, self.num_far_devices)
+    if self.capacity_tokens < self.page_size:
+      what = ("memory.far_tier.far_pool" if self.mode == "on_demand" or
+              self.far_tokens < self.local_tokens else "memory.device_pool")
+      raise ValueError(
+          f"far_tier ({self.mode}) holds {self.capacity_tokens} tokens per dp rank, fewer "
+          f"than one page (engine.page_size={self.page_size}); raise {what}")
+
+  @property
+  def link(self) -> LinkSpec:
+    return link_preset(self.link_name)
+
+  @property
+  def topology(self) -> FarTopology:
+    return FarTopology(self.mesh_info.dp, self.mesh_info.tp, self.num_far_devices)
+
+  @property
+  def device_slots(self) -> int:
+    """Device rows per layer: the staging area (on_demand) or the local pool."""
+    if self.mode == "on_demand":
+      return self.max_batch * self.stage_width
+    return self.num_logical
+
+
+
+  # -- layout ----------------------------------------------------------------------
+
+  def init_state(self, mesh: Mesh) -> FarTierState:
+    dp, N, W, L = self.mesh_info.dp, self.num_logical, self.geo.entry_width, self.geo.num_layers
+    return FarTierState(
+        far_pools=tuple(device_zeros(mesh, (dp, N, W), self.geo.kv_dtype, "pinned_host")
+                        for _ in range(L)),
+        dev_pools=tuple(device_zeros(mesh, (dp, self.device_slots, W), self.geo.kv_dtype,
+                                     "device") for _ in range(L)),
+        live=tuple(device_zeros(mesh, (dp, N), jnp.bool_, "device")
+                   for _ in range(self.geo.num_groups)),
+        staged=device_zeros(mesh, (dp, self.geo.num_groups), jnp.int32, "device"),
+        index_keys=self.init_index_keys(mesh),
+    )
+
+  # -- transitions ------------------------------------------------------------------
+
+  def write_prefill(self, state: FarTierState, addrs, valid, entries, row) -> FarTierState:
+    """Writes a prompt chunk to the far pool (and, in full_prefetch, copies it back into
+    local device memory). addrs: [C] int32, valid: [C] bool, entries: per layer [C, W];
+    ``row`` is not used (no per-row state)."""
+    del row
+    ok = valid & (addrs >= 0)
+    far_idx = jnp.where(ok, addrs, INVALID).astype(jnp.int32)
+    src = jnp.arange(addrs.shape[0], dtype=jnp.int32)
+    far = tuple(self.evict_rows(e.astype(p.dtype), src, p, far_idx)
+                for p, e in zip(state.far_pools, entries))
+    state = state.replace(far_pools=far, live=tuple(
+        l.at[jnp.where(ok, addrs, self.num_logical)].set(True, mode="drop")
+        for l in state.live))
+    if self.mode == "full_prefetch":
+      # The RDMA baseline's prefetch: the prefix comes back from the far pool, not
+      # from the prefill's own device copy.
+      dev = tuple(self.fetch_rows(f, far_idx, d, far_idx) for f, d in zip(far, state.dev_pools))
+      state = state.replace(dev_pools=dev)
+    return state
+
+  def resolve(self, state: FarTierState, group: int, sel_addr, sel_valid, new_addr, active):
+    B, k = sel_addr.shape
+    layers = len(self.geo.group_layers(group))
+    has_new = active & (new_addr >= 0)
+    valid = sel_valid & (sel_addr >= 0) & active[:, None]
+    is_new = valid & has_new[:, None] & (sel_addr == new_addr[:, None])
+    live = state.live[group].at[jnp.where(has_new, new_addr, self.num_logical)].set(
+        True, mode="drop")
+    writes = has_new.sum().astype(jnp.int32) * layers
+    if self.mode == "full_prefetch":
+      slots = jnp.where(valid, sel_addr, INVALID).astype(jnp.int32)
+      new_slot = jnp.where(has_new, new_addr, INVALID).astype(jnp.int32)
+      plan = FarTierPlan(far_idx=jnp.full((B * k,), INVALID, jnp.int32),
+                         dev_idx=jnp.full((B * k,), INVALID, jnp.int32),
+                         new_addr=new_slot, group=group)
+      fetched = jnp.zeros((), jnp.int32)
+      staged = jnp.zeros((), jnp.int32)
+    else:
+      if k + 1 > self.stage_width:
+        raise ValueError(f"far_tier.resolve: selection width k={k} exceeds the model's "
+                         f"top_k={self.geo.top_k} the staging area is sized for")
+      if B != self.max_batch:
+        raise ValueError(f"far_tier.resolve: sel_addr has {B} rows; expected "
+                         f"max_batch={self.max_batch} (the staging area is per batch row)")
+      base = jnp.arange(B, dtype=jnp.int32)[:, None] * self.stage_width
+      new_slot = jnp.where(has_new, base[:, 0] + k, INVALID).astype(jnp.int32)
+      load = valid & ~is_new
+      stage = base + jnp.arange(k, dtype=jnp.int32)[None, :]
+      slots = jnp.where(is_new, new_slot[:, None], jnp.where(load, stage, INVALID))
+      plan = FarTierPlan(far_idx=jnp.where(load, sel_addr, INVALID).reshape(-1).astype(jnp.int32),
+                         dev_idx=jnp.where(load, stage, INVALID).reshape(-1).astype(jnp.int32),
+                         new_addr=jnp.where(has_new, new_addr, INVALID).astype(jnp.int32),
+                         group=group)
+      fetched = load.sum().astype(jnp.int32)
+      staged = fetched + has_new.sum().astype(jnp.int32)
+    state = state.replace(live=replace_at(state.live, group, live),
+                          staged=state.staged.at[group].set(staged))
+    rows = fetched * layers
+    stats = {
+        "far_read_rows": rows,
+        "far_read_ops": rows,  # row-granular loads: one operation per row
+        "far_rounds": (fetched > 0).astype(jnp.int32),  # the group's fetch waits on its selection
+        "far_write_rows": writes,
+        "far_write_ops": writes,
+        "far_bulk_rows": jnp.zeros((), jnp.int32),
+        "far_bulk_ops": jnp.zeros((), jnp.int32),
+    }
+    return state, Resolution(slots=slots.astype(jnp.int32), valid=sel_valid, new_slot=new_slot,
+                             plan=plan, stats=stats)
+
+  def _check_layer(self, layer: int, res: Resolution) -> None:
+    g = res.plan.group
+    if layer not in self.geo.group_layers(g):
+      raise ValueError(f"layer={layer} is not in layer group {g} "
+                       f"(layers {list(self.geo.group_layers(g))}) that this Resolution planned")
+
+  def move_layer(self, state: FarTierState, layer: int, res: Resolution) -> FarTierState:
+    self._check_layer(layer, res)
+    if self.mode == "full_prefetch":
+      return state
+    pool = self.fetch_rows(state.far_pools[layer], res.plan.far_idx, state.dev_pools[layer],
+                       res.plan.dev_idx)
+    return state.replace(dev_pools=replace_at(state.dev_pools, layer, pool))
+
+  def write_token(self, state: FarTierState, layer: int, res: Resolution, entry: jax.Array,
+                  active: jax.Array) -> FarTierState:
+    """Writes the decoded token's row on the device and through to the far pool."""
+    self._check_layer(layer, res)
+    ok = active & (res.new_slot >= 0)
+    dev_idx = jnp.where(ok, res.new_slot, INVALID)
+    pool = state.dev_pools[layer]
+    pool = pool.at[jnp.where(ok, dev_idx, pool.shape[0])].set(entry.astype(pool.dtype),
+                                                              mode="drop")
+    far = self.evict_rows(pool, dev_idx, state.far_pools[layer],
+                      jnp.where(ok, res.plan.new_addr, INVALID))
+    return state.replace(dev_pools=replace_at(state.dev_pools, layer, pool),
+                         far_pools=replace_at(state.far_pools, layer, far))
+
+  def read_pool(self, state: FarTierState, layer: int) -> jax.Array:
+    return state.dev_pools[layer]
+
+  def release(self, state: FarTierState, addrs, valid, row) -> FarTierState:
+    del row
+    idx = jnp.where(valid & (addrs >= 0), addrs, self.num_logical)
+    return state.replace(live=tuple(l.at[idx].set(False, mode="drop") for l in state.live))
+
+  # -- traffic and modeled time (host side) -----------------------------------------
+
+  def prefill_traffic(self, tokens: Any) -> dict[str, np.ndarray]:
+    """Far counters of prefilling ``tokens`` prompt tokens per dp rank ([dp] or scalar):
+    every layer's rows written out in bulk (one operation per page per layer), and in
+    ``full_prefetch`` read back the same way. Add them to the step's decode counters."""
+    tokens = np.asarray(tokens, np.int64)
+    pages = -(-tokens // self.page_size)
+    passes = 2 if self.mode == "full_prefetch" else 1
+    out = {k: np.zeros_like(tokens) for k in COUNTER_KEYS}
+    out["far_bulk_rows"] = tokens * self.geo.num_layers * passes
+    out["far_bulk_ops"] = pages * self.geo.num_layers * passes
+    return out
+
+  def modeled(self, steps, requests=()) -> dict:
+    """``link_model.modeled_run`` with this system's link, topology and row size."""
+    return modeled_run(steps, self.link, self.topology, self.geo.row_bytes, requests)
+
+  def modeled_from_run(self, steps, requests=(), *, compute_s: float | None = None) -> dict:
+    """A run's records -> modeled TTFT, TBT and throughput (keys named ``modeled_*``).
+
+    steps:     the engine's ``StepMetrics``: ``step``, ``step_time_s``,
+               ``decode_tokens``, ``prefill_tokens`` and ``extra`` (the step's
+               ``Resolution.stats`` summed over groups and dp ranks)
+    requests:  the engine's ``RequestResult``s (for TTFT)
+    compute_s: device compute seconds of a step that does work; None = its measured
+               ``step_time_s`` (which here includes the host-memory stand-in copies)
+
+    Prefill traffic is ``prefill_traffic`` of the step's prompt tokens (pages counted
+    on the step's total).
+    """
+    records = []
+    for m in steps:
+      traffic = self.prefill_traffic(m.prefill_tokens)
+      busy = bool(m.decode_tokens or m.prefill_tokens)
+      rec = {"step": m.step, "decode_tokens": m.decode_tokens,
+             "compute_s": m.step_time_s if compute_s is None else (compute_s if busy else 0.0)}
+      for k in COUNTER_KEYS:
+        rec[k] = int(traffic[k]) + int(m.extra.get(k, 0))
+      records.append(rec)
+    return self.modeled(records, requests)
+
+  def run_summary(self, steps, requests) -> dict:
+    return self.modeled_from_run(steps, requests)
+
+  # -- accounting -------------------------------------------------------------------
+
+  def report(self, state: FarTierState) -> CapacityReport:
+    """The far pool is one shared tier: its entries are counted once per dp rank, in
+    the tp-rank-0 column (the simulation's tp replicas of the host-memory stand-in are
+    not counted). Device rows (staging copies or the local prefix copy) count per
+    device."""
+    dp, tp, G = self.mesh_info.dp, self.mesh_info.tp, self.geo.num_groups
+    far_used = sum(np.asarray(l).sum(axis=1) for l in state.live).astype(np.int64)  # [dp]
+    if self.mode == "full_prefetch":
+      dev_used = far_used
+    else:
+      dev_used = np.asarray(state.staged).sum(axis=1).astype(np.int64)
+    first_tp = np.zeros((dp, tp), np.int64)
+    host_cap, host_used = first_tp.copy(), first_tp.copy()
+    host_cap[:, 0] = self.num_logical * G
+    host_used[:, 0] = far_used
+    return CapacityReport(
+        system=self.name,
+        device_capacity=np.full((dp, tp), self.device_slots * G, np.int64),
+        device_used=np.repeat(dev_used[:, None], tp, axis=1),
+        host_capacity=host_cap,
+        host_used=host_used,
+        distinct=far_used,
+        entry_bytes=self.geo.group_size * self.geo.row_bytes,
+        extra={
+            "mode": self.mode,
+            "link": self.link_name,
+            "num_far_devices": self.num_far_devices,
+            "far_device_of_rank": self.topology.far_device_of_rank().tolist(),
+            "far_pool_tokens_per_rank": self.num_logical,
+        },
+    )

@@ -1,0 +1,398 @@
+"""``ula`` in DP mode: one logical address space over a device pool and a host pool.
+
+Each dp rank serves its own requests from its own memory. Per layer group it keeps
+
+* a **mapping table** ``table[a]``: where logical address ``a`` lives. A location is
+  one int32: device slot ``s`` as ``s`` (``0 <= s < Sd``), host slot ``h`` as ``Sd + h``,
+  ``INVALID`` when nothing is stored. Moving an entry rewrites this table (and the
+  owner arrays), never the address;
+* **owners** ``dev_owner[s]`` / ``host_owner[h]``: the address a slot holds (``INVALID``
+  when free), so a victim's address is one gather away;
+* a bitmap of free host slots and the **policy** state over the device slots
+  (``policies/``: PB-LRU or exact LRU).
+
+Pools are one array per layer: ``[Sd, W]`` with memory kind ``device`` and ``[Hr, W]``
+with memory kind ``pinned_host`` (``Hr = max(Sh, 1)``: an empty host tier keeps one
+unused row so every gather has a shape). The layers of a group store an entry at the same slot.
+Tiers are exclusive: an entry is on the device or on the host, never both. Fetching a
+host entry moves it to a device slot; the occupant it displaces moves to the host (into
+the slot the fetched entry vacated, or any free one).
+
+Sizes per dp rank: ``Sd`` = ``memory.device_pool`` tokens, ``Sh`` = ``memory.host_pool``
+tokens, ``num_logical = capacity_tokens = (Sd + Sh)`` rounded down to a page. Because
+every stored entry has a distinct address below ``num_logical <= Sd + Sh``, a slot is
+always found: prefill places entries in free device slots first and the rest on the
+host (no eviction), and a decode step's ``n`` entries moving in evict at most as many
+device entries as the host has room for (the misses' own host slots included). The only
+condition, ``Sd >= max_batch * (top_k + 1)``, is checked by ``validate``.
+
+Per decode step and group, ``resolve`` plans (stage/dedupe -> mark hits -> pick victims
+-> plan fetch and write-back -> update the table -> publish slots aligned with
+``sel_addr``; ``resolve_meta`` in jnp, or the fused Pallas kernels of
+``kernels.resolve`` when ``resolve_impl == 'pallas'``, with identical results; with
+``resolve_fast_path``, a step that moves nothing takes the all-hit fast path of
+``kernels.resolve.fastpath``, again with identical results) and ``move_layer`` copies
+one layer's rows through ``kernels.fetch`` (``fetch_rows`` / ``evict_rows``,
+implementation ``self.fetch_impl``). Every shape is static: a step moves at most
+``M = B * k + B`` entries each way, as fixed-size lists compacted to the front, with
+counts (``UlaPlan``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ula_jax.kernels.fetch import evict_rows, fetch_rows
+from ula_jax.memory.ula.resolve import fastpath, resolve_group
+from ula_jax.memory.ula.resolve.fastpath import resolve_speculative
+from ula_jax.core.sizes import parse_size
+from ula_jax.core.types import INVALID, Resolution
+from ula_jax.memory.base import CapacityReport, MemorySystem, device_zeros, replace_at, tp_replicated
+from ula_jax.memory.ula.policies import bitmap, make_policy, policy_fields
+from ula_jax.memory.ula.state import GroupMeta, UlaPlan, UlaState, _compact, stage_selection
+
+_I32 = jnp.int32
+
+
+class Ula(MemorySystem):
+  name = "ula"
+
+  def __init__(self, cfg: Any, geometry, mesh_info, *, max_batch: int, page_size: int,
+               max_context: int):
+    super().__init__(cfg, geometry, mesh_info, max_batch=max_batch, page_size=page_size,
+                     max_context=max_context)
+    self.device_slots, self.host_slots = self._pool_sizes()
+    self.policy_name, self.buckets = self._policy_fields()
+    total = self.device_slots + self.host_slots
+    self.capacity_tokens = (total // page_size) * page_size
+    self.num_logical = self.capacity_tokens
+    # A host pool of 0 tokens still gets one (never used) row so every gather has a shape.
+    self.host_rows = max(self.host_slots, 1)
+    self.policy = make_policy(self.policy_name, self.device_slots, buckets=self.buckets)
+    # Row-copy implementation for fetch and write-back (``kernels.fetch``: 'xla',
+    # 'pallas' or 'ffi'); the memory section does not name it, so the builder may set it.
+    self.fetch_impl = "xla"
+
+  # -- configuration ---------------------------------------------------------------
+
+  def _pool_sizes(self) -> tuple[int, int]:
+    tb = self.geo.token_bytes
+    dev = getattr(self.cfg, "device_pool", None)
+    if dev is None:
+      dev_tokens = self.max_batch * self.max_context
+    else:
+      dev_tokens = parse_size(dev, field="memory.device_pool", token_bytes=tb)
+    host = getattr(self.cfg, "host_pool", 0)
+    host_tokens = parse_size(host, field="memory.host_pool", token_bytes=tb)
+    return dev_tokens, host_tokens
+
+  def _policy_fields(self) -> tuple[str, int]:
+    return policy_fields(self.cfg)
+
+  @property
+  def step_entries(self) -> int:
+    """``M``: entries one decode step may need on the device (selection + new tokens)."""
+    return self.max_batch * (self.geo.top_k + 1)
+
+  def validate(self) -> None:
+    """Raises ValueError naming the field, its value and what is allowed.
+
+    Sizes that do not parse, a negative size, an unknown ``memory.policy`` and
+    ``memory.pb_lru_buckets < 1`` already fail at construction (checked again here);
+    this adds the checks across fields: the device pool must hold one decode step's
+    entries for the whole batch, and the capacity at least one page.
+    """
+    self._pool_sizes()
+    self._policy_fields()
+    need = self.step_entries
+    if self.device_slots < need:
+      raise ValueError(
+          f"memory.device_pool={getattr(self.cfg, 'device_pool', None)!r} holds "
+          f"{self.device_slots} tokens per device and layer group, fewer than one decode "
+          f"step needs on the device: engine.max_batch * (top_k + 1) = {self.max_batch} * "
+          f"({self.geo.top_k} + 1) = {need}; use memory.device_pool >= {need} tokens "
+          f"({need * self.geo.token_bytes} bytes)")
+    if self.capacity_tokens < self.page_size:
+      raise ValueError(
+          f"memory.device_pool + memory.host_pool = {self.device_slots} + {self.host_slots}"
+          f" tokens per device, fewer than one page (engine.page_size={self.page_size}); "
+          f"raise memory.host_pool or memory.device_pool")
+
+  # -- layout ----------------------------------------------------------------------
+
+  def init_group_meta(self) -> GroupMeta:
+    """One group's empty address space (local arrays, no dp axis)."""
+    return GroupMeta(
+        table=jnp.full((self.num_logical,), INVALID, _I32),
+        dev_owner=jnp.full((self.device_slots,), INVALID, _I32),
+        host_owner=jnp.full((self.host_rows,), INVALID, _I32),
+        host_free=bitmap.from_mask(jnp.arange(self.host_rows) < self.host_slots),
+        policy=self.policy.init(),
+    )
+
+  def init_meta(self) -> tuple[GroupMeta, ...]:
+    """Every group's empty address space (local arrays; used by ``trace.replay``)."""
+    return tuple(self.init_group_meta() for _ in range(self.geo.num_groups))
+
+  def init_state(self, mesh: Mesh) -> UlaState:
+    dp, W, dt = self.mesh_info.dp, self.geo.entry_width, self.geo.kv_dtype
+
+    def meta():
+      local = self.init_meta()
+      return jax.tree.map(lambda x: jnp.broadcast_to(x, (dp, *x.shape)), local)
+
+    sharding = NamedSharding(mesh, P("dp"), memory_kind="device")
+    return UlaState(
+        dev_pools=tuple(device_zeros(mesh, (dp, self.device_slots, W), dt, "device")
+                        for _ in range(self.geo.num_layers)),
+        host_pools=tuple(device_zeros(mesh, (dp, self.host_rows, W), dt, "pinned_host")
+                         for _ in range(self.geo.num_layers)),
+        meta=jax.jit(meta, out_shardings=sharding)(),
+        index_keys=self.init_index_keys(mesh),
+    )
+
+  # -- metadata transitions (local; also replayed by trace.py) ---------------------
+
+  def prefill_meta(self, meta: GroupMeta, addrs: jax.Array, valid: jax.Array
+                   ) -> tuple[GroupMeta, jax.Array, jax.Array]:
+    """Places a prefill chunk: free device slots first, then free host slots.
+
+    addrs: [C] int32 (distinct where valid); valid: [C] bool
+    returns (meta, dev_dst [C] int32, host_dst [C] int32): where each row is written
+            (INVALID for the other tier). An address already stored is rewritten in place.
+    """
+    C = addrs.shape[0]
+    N, Sd, Hr = self.num_logical, self.device_slots, self.host_rows
+    ok = valid & (addrs >= 0) & (addrs < N)
+    loc = jnp.where(ok, meta.table[jnp.clip(addrs, 0, N - 1)], INVALID)
+    fresh = ok & (loc < 0)
+    rank = jnp.cumsum(fresh) - 1
+    dfree, dok = self.policy.first_free(meta.policy, C)
+    n_dev = jnp.sum(dok)
+    to_dev = fresh & (rank < n_dev)
+    dslot = jnp.where(to_dev, dfree[jnp.clip(rank, 0, C - 1)], INVALID)
+    hfree, n_host = bitmap.select_first(meta.host_free, C)
+    hrank = rank - n_dev
+    to_hst = fresh & ~to_dev & (hrank >= 0) & (hrank < n_host)
+    hslot = jnp.where(to_hst, hfree[jnp.clip(hrank, 0, C - 1)], INVALID)
+
+    table = meta.table.at[jnp.where(to_dev, addrs, N)].set(dslot, mode="drop")
+    table = table.at[jnp.where(to_hst, addrs, N)].set(Sd + hslot, mode="drop")
+    dev_owner = meta.dev_owner.at[jnp.where(to_dev, dslot, Sd)].set(addrs, mode="drop")
+    host_owner = meta.host_owner.at[jnp.where(to_hst, hslot, Hr)].set(addrs, mode="drop")
+    used = bitmap.words_of(Hr, hslot, to_hst, distinct=True)
+    host_free = bitmap.summarize(meta.host_free[0] & ~used)
+
+    dev_dst = jnp.where(to_dev, dslot, jnp.where(ok & (loc >= 0) & (loc < Sd), loc, INVALID))
+    host_dst = jnp.where(to_hst, hslot, jnp.where(ok & (loc >= Sd), loc - Sd, INVALID))
+    policy = self.policy.touch(meta.policy, dev_dst, dev_dst >= 0)
+    meta = GroupMeta(table=table, dev_owner=dev_owner, host_owner=host_owner,
+                     host_free=host_free, policy=policy)
+    return meta, dev_dst.astype(_I32), host_dst.astype(_I32)
+
+  def resolve_meta(self, meta: GroupMeta, sel_addr: jax.Array, sel_valid: jax.Array,
+                   new_addr: jax.Array, active: jax.Array
+                   ) -> tuple[GroupMeta, jax.Array, jax.Array, UlaPlan, dict]:
+    """The metadata half of ``resolve`` for one group.
+
+    sel_addr: [B, k] int32; sel_valid: [B, k] bool; new_addr: [B] int32; active: [B] bool
+    returns (meta, slots [B, k] int32, new_slot [B] int32, plan, stats)
+
+    An address that is neither stored nor a new token (the engine never selects one)
+    gets slot INVALID and is not placed.
+    """
+    B, k = sel_addr.shape
+    M = B * k + B
+    N, Sd, Hr = self.num_logical, self.device_slots, self.host_rows
+
+    # Stage: the addresses the step needs on the device, deduplicated (sorted).
+    want, uid, u, u_ok, u_new = stage_selection(sel_addr, sel_valid, new_addr, active, N)
+
+    # Mark: where each needed entry is now.
+    loc = jnp.where(u_ok, meta.table[jnp.clip(u, 0, N - 1)], INVALID)
+    on_dev = u_ok & (loc >= 0) & (loc < Sd)
+    on_host = u_ok & (loc >= Sd)
+    place = on_host | (u_ok & (loc < 0) & u_new)
+
+    # Victims: hits join the current round first, so they can never be picked.
+    pst = self.policy.begin_round(meta.policy)
+    pst = self.policy.touch(pst, loc, on_dev)
+    cand, cand_ok, cand_free = self.policy.pick(pst, jnp.sum(place), M)
+    victim = cand_ok & ~cand_free
+    victim_addr = jnp.where(victim, meta.dev_owner[jnp.clip(cand, 0, Sd - 1)], INVALID)
+
+    # Write-back targets: free host slots, including those the misses vacate.
+    miss_host = jnp.where(on_host, loc - Sd, INVALID)
+    freed = bitmap.words_of(Hr, miss_host, on_host, distinct=True)
+    hfree = bitmap.summarize(meta.host_free[0] | freed)
+    hpos, _ = bitmap.select_first(hfree, M)
+    vhost = jnp.where(victim, hpos[jnp.clip(jnp.cumsum(victim) - 1, 0, M - 1)], INVALID)
+
+    # The j-th entry to place (ascending address) takes the j-th candidate.
+    pidx = jnp.clip(jnp.cumsum(place) - 1, 0, M - 1)
+    placed = place & cand_ok[pidx]
+    dst = jnp.where(placed, cand[pidx], INVALID)
+
+    # Table update (victims and placed entries are disjoint: victims are on the device).
+    table = meta.table.at[jnp.where(victim, victim_addr, N)].set(Sd + vhost, mode="drop")
+    table = table.at[jnp.where(placed, u, N)].set(dst, mode="drop")
+    dev_owner = meta.dev_owner.at[jnp.where(placed, dst, Sd)].set(u, mode="drop")
+    host_owner = meta.host_owner.at[jnp.where(on_host, miss_host, Hr)].set(INVALID, mode="drop")
+    host_owner = host_owner.at[jnp.where(victim, vhost, Hr)].set(victim_addr, mode="drop")
+    used = bitmap.words_of(Hr, vhost, victim, distinct=True)
+    host_free = bitmap.summarize(hfree[0] & ~used)
+    pst = self.policy.touch(pst, dst, placed)
+    meta = GroupMeta(table=table, dev_owner=dev_owner, host_owner=host_owner,
+                     host_free=host_free, policy=pst)
+
+    # Publish, aligned with the selection order.
+    slot_u = jnp.where(on_dev, loc, dst)
+    elem = jnp.where(want, slot_u[uid], INVALID)
+    slots = elem[:B * k].reshape(B, k)
+    new_slot = elem[B * k:]
+
+    fetch = on_host & placed
+    plan = UlaPlan(
+        fetch_src=_compact(fetch, loc - Sd, M), fetch_dst=_compact(fetch, dst, M),
+        evict_src=_compact(victim, cand, M), evict_dst=_compact(victim, vhost, M),
+        n_fetch=jnp.sum(fetch).astype(_I32), n_evict=jnp.sum(victim).astype(_I32))
+    stats = {"hits": jnp.sum(on_dev).astype(_I32), "misses": jnp.sum(on_host).astype(_I32),
+             "evictions": jnp.sum(victim).astype(_I32)}
+    return meta, slots, new_slot, plan, stats
+
+  def release_meta(self, meta: GroupMeta, addrs: jax.Array, valid: jax.Array) -> GroupMeta:
+    """Frees the slots of ``addrs`` ([N] int32, valid: [N] bool) in one group."""
+    N, Sd, Hr = self.num_logical, self.device_slots, self.host_rows
+    ok = valid & (addrs >= 0) & (addrs < N)
+    loc = jnp.where(ok, meta.table[jnp.clip(addrs, 0, N - 1)], INVALID)
+    on_dev = (loc >= 0) & (loc < Sd)
+    on_host = loc >= Sd
+    table = meta.table.at[jnp.where(ok, addrs, N)].set(INVALID, mode="drop")
+    dev_owner = meta.dev_owner.at[jnp.where(on_dev, loc, Sd)].set(INVALID, mode="drop")
+    host_owner = meta.host_owner.at[jnp.where(on_host, loc - Sd, Hr)].set(INVALID, mode="drop")
+    freed = bitmap.words_of(Hr, loc - Sd, on_host, distinct=False)
+    return GroupMeta(table=table, dev_owner=dev_owner, host_owner=host_owner,
+                     host_free=bitmap.summarize(meta.host_free[0] | freed),
+                     policy=self.policy.release(meta.policy, loc, on_dev))
+
+  # -- transitions (local, inside shard_map) ---------------------------------------
+
+  def write_prefill(self, state: UlaState, addrs, valid, entries, row) -> UlaState:
+    del row  # one pool shared by every request of the rank
+    Sd = self.device_slots
+    dev_pools, host_pools, metas = list(state.dev_pools), list(state.host_pools), list(state.meta)
+    for g in range(self.geo.num_groups):
+      metas[g], dev_dst, host_dst = self.prefill_meta(metas[g], addrs, valid)
+      d_idx = jnp.where(dev_dst >= 0, dev_dst, Sd)
+      for l in self.geo.group_layers(g):
+        rows = entries[l].astype(dev_pools[l].dtype)
+        dev_pools[l] = dev_pools[l].at[d_idx].set(rows, mode="drop")
+        if self.host_slots:
+          chunk = jnp.arange(rows.shape[0], dtype=_I32)
+          host_pools[l] = evict_rows(rows, chunk, host_pools[l], host_dst,
+                                     impl=self.fetch_impl)
+    return state.replace(dev_pools=tuple(dev_pools), host_pools=tuple(host_pools),
+                         meta=tuple(metas))
+
+  def speculative(self) -> Ula | None:
+    if not fastpath.supports(self):
+      return None
+    spec = copy.copy(self)
+    spec.speculate = True
+    return spec
+
+  def rollback(self, old: UlaState, new: UlaState, keep_new: jax.Array) -> UlaState:
+    # A speculative step moves nothing: the pools differ from ``old``'s only in the new
+    # tokens' rows, written to slots that were free, so restoring the metadata restores
+    # every entry; of that, the all-hit path changes a group's table, device owners and
+    # policy state only. The index keys of the new tokens' (unstored) addresses are
+    # rewritten alike when the step runs again.
+    pick = lambda o, n: jax.tree.map(lambda a, b: jnp.where(keep_new, b, a), o, n)
+    meta = tuple(o.replace(table=pick(o.table, n.table),
+                           dev_owner=pick(o.dev_owner, n.dev_owner),
+                           policy=pick(o.policy, n.policy))
+                 for o, n in zip(old.meta, new.meta))
+    return new.replace(meta=meta)
+
+  def resolve(self, state: UlaState, group, sel_addr, sel_valid, new_addr, active):
+    # ``resolve_meta`` itself ('jnp') or the fused Pallas kernels ('pallas'): same arrays.
+    if self.speculate:
+      meta, slots, new_slot, plan, stats = resolve_speculative(
+          self, state.meta[group], sel_addr, sel_valid, new_addr, active)
+    else:
+      meta, slots, new_slot, plan, stats = resolve_group(
+          self, state.meta[group], sel_addr, sel_valid, new_addr, active,
+          impl=self.resolve_impl, interpret=self.resolve_interpret,
+          fast_path=self.resolve_fast_path)
+    state = state.replace(meta=replace_at(state.meta, group, meta))
+    return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot, plan=plan,
+                             stats=stats)
+
+  def move_layer(self, state: UlaState, layer, res: Resolution) -> UlaState:
+    if not self.host_slots or self.speculate:
+      return state  # one tier, or a speculative step: nothing moves
+    p: UlaPlan = res.plan
+    Sd, M = self.device_slots, p.evict_src.shape[0]
+    dev, host = state.dev_pools[layer], state.host_pools[layer]
+    # Both sides are read before either is written: a victim may take the host slot a
+    # miss vacates, and a miss the device slot a victim vacates. The victims' rows are
+    # set aside on the device, the misses fetched over their slots, then written back.
+    # The barriers order each in-place write after the reads of the same pool (the
+    # victims' gather before the fetch writes dev, the fetch before the evict writes
+    # host); without them XLA copies the pool to let the two run in either order.
+    victims = dev.at[jnp.clip(p.evict_src, 0, Sd - 1)].get(mode="promise_in_bounds")
+    victims, dev = jax.lax.optimization_barrier((victims, dev))
+    dev = fetch_rows(host, p.fetch_src, dev, p.fetch_dst, impl=self.fetch_impl)
+    dev, host = jax.lax.optimization_barrier((dev, host))
+    staged = jnp.where(p.evict_src >= 0, jnp.arange(M, dtype=_I32), INVALID)
+    host = evict_rows(victims, staged, host, p.evict_dst, impl=self.fetch_impl)
+    return state.replace(dev_pools=replace_at(state.dev_pools, layer, dev),
+                         host_pools=replace_at(state.host_pools, layer, host))
+
+  def write_token(self, state: UlaState, layer, res: Resolution, entry, active) -> UlaState:
+    pool = state.dev_pools[layer]
+    idx = jnp.where(active & (res.new_slot >= 0), res.new_slot, self.device_slots)
+    pool = pool.at[idx].set(entry.astype(pool.dtype), mode="drop")
+    return state.replace(dev_pools=replace_at(state.dev_pools, layer, pool))
+
+  def read_pool(self, state: UlaState, layer) -> jax.Array:
+    return state.dev_pools[layer]
+
+  def read_host_pool(self, state: UlaState, layer) -> jax.Array:
+    """The host pool of ``layer``: [Hr, W], memory kind ``pinned_host`` (tests, tools)."""
+    return state.host_pools[layer]
+
+  def release(self, state: UlaState, addrs, valid, row) -> UlaState:
+    del row
+    return state.replace(meta=tuple(self.release_meta(m, addrs, valid) for m in state.meta))
+
+  # -- accounting ------------------------------------------------------------------
+
+  def report(self, state: UlaState) -> CapacityReport:
+    dp, tp, G = self.mesh_info.dp, self.mesh_info.tp, self.geo.num_groups
+    dev_used = np.zeros((dp,), np.int64)
+    host_used = np.zeros((dp,), np.int64)
+    distinct = np.zeros((dp,), np.int64)
+    for m in state.meta:
+      dev_used += (np.asarray(m.dev_owner) != INVALID).sum(axis=1)
+      host_used += (np.asarray(m.host_owner)[:, :self.host_slots] != INVALID).sum(axis=1)
+      distinct += (np.asarray(m.table) != INVALID).sum(axis=1)
+    # With tp > 1 every tp rank holds the dp rank's pools (replicated over tp).
+    return CapacityReport(
+        system=self.name,
+        device_capacity=tp_replicated(np.full((dp,), self.device_slots * G), tp),
+        device_used=tp_replicated(dev_used, tp),
+        host_capacity=tp_replicated(np.full((dp,), self.host_slots * G), tp),
+        host_used=tp_replicated(host_used, tp),
+        distinct=distinct,
+        entry_bytes=self.geo.group_size * self.geo.row_bytes,
+        extra={"layout": "dp" if tp == 1 else "dp_replicated", "policy": self.policy_name,
+               "pb_lru_buckets": self.buckets, "device_slots": self.device_slots,
+               "host_slots": self.host_slots},
+    )

@@ -1,0 +1,76 @@
+"""Resolve of one layer group: logical top-k -> device slots, victims, table update.
+
+One public entry point, ``resolve_group``, dispatches on ``impl`` (the config field
+``kernels.resolve``); every implementation has the same signature and returns the same
+arrays as ``Ula.resolve_meta``:
+
+* ``'jnp'`` (``reference.py``): ``Ula.resolve_meta`` itself (sort-based dedupe, plain jnp);
+  the reference and the portable fallback.
+* ``'pallas'`` (``pallas.py``): four Pallas (Triton) launches and one scratch fill per
+  group, no sort: dedupe by location bitmaps, order by count pyramids, PB-LRU's
+  bucket search over its bitmaps (``interpret=True`` runs them on CPU).
+* ``'pallas_fused'``: the same stages in one launch for PB-LRU (persistent programs,
+  grid barriers between the stages); exact LRU's resolve stays four launches.
+
+With ``fast_path=True`` (the config field ``kernels.resolve_fast_path``) a step that needs
+no data movement -- every selection already on the device, the new tokens unstored and
+enough free device slots for them -- takes the all-hit fast path (``fastpath.py``): the
+same arrays from ``O(B * k)`` gathers and ``O(Sd / 32)``-word reductions, chosen per call
+on device with ``jax.lax.cond``; any other step runs ``impl`` in full.
+
+Implementations are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import jax
+
+# impl name -> "module:function"
+IMPLS: dict[str, str] = {
+    "jnp": "ula_jax.memory.ula.resolve.reference:resolve_group_reference",
+    "pallas": "ula_jax.memory.ula.resolve.pallas:resolve_group_pallas",
+    "pallas_fused": "ula_jax.memory.ula.resolve.pallas:resolve_group_pallas_fused",
+}
+
+
+def impl_function(impl: str) -> Callable[..., Any]:
+  if impl not in IMPLS:
+    raise ValueError(f"kernels.resolve={impl!r}: expected one of {sorted(IMPLS)}")
+  module, fn = IMPLS[impl].split(":")
+  return getattr(importlib.import_module(module), fn)
+
+
+def resolve_group(system: Any, meta: Any, sel_addr: jax.Array, sel_valid: jax.Array,
+                  new_addr: jax.Array, active: jax.Array, *, impl: str = "jnp",
+                  interpret: bool | None = None, config: Any = None,
+                  fast_path: bool = True):
+  """Resolves one layer group's selection for a batch of requests.
+
+  system:    a ``ula.Ula`` (static: sizes and policy)
+  meta:      its ``GroupMeta`` for the group (local arrays, no dp axis)
+  sel_addr:  [B, k] int32 logical addresses selected; sel_valid: [B, k] bool
+  new_addr:  [B] int32 the tokens being decoded; active: [B] bool
+  impl:      'jnp' | 'pallas' | 'pallas_fused'
+  interpret: Pallas interpret mode (None: on everywhere but on GPU); 'jnp' ignores it
+  config:    ``pallas.ResolveConfig`` for the Pallas impls (None: defaults)
+  fast_path: take the all-hit fast path (``fastpath.py``) when the step moves nothing;
+             the result is the same either way
+  returns (meta, slots [B, k] int32, new_slot [B] int32, plan ``UlaPlan``, stats dict
+           of int32 scalars ``hits``, ``misses``, ``evictions``)
+  """
+  fn = impl_function(impl)
+
+  def full(meta, sel_addr, sel_valid, new_addr, active):
+    return fn(system, meta, sel_addr, sel_valid, new_addr, active, config=config,
+              interpret=interpret)
+
+  if not fast_path:
+    return full(meta, sel_addr, sel_valid, new_addr, active)
+  from ula_jax.memory.ula.resolve.fastpath import resolve_fast_or  # first use, like the impls
+  return resolve_fast_or(full, system, meta, sel_addr, sel_valid, new_addr, active)
+
+
+__all__ = ["IMPLS", "impl_function", "resolve_group"]

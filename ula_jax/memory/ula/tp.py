@@ -1,0 +1,742 @@
+"""``ula`` in TP mode: one logical address space spread over a dp rank's tp ranks.
+
+MLA's latent cannot be split by heads, so ``resident`` stores the whole history on every
+tp rank. Here the ``P`` tp ranks of a dp rank store *different* entries: a layout
+(``memory.layout``, ``layouts.py``) gives every logical address one owner rank and a
+local address there. Each rank keeps
+
+* its **owned entries** and their indexer keys, by local address. Without a host pool
+  (``DirectStore``) local address ``a`` is device-pool slot ``a`` and nothing ever moves.
+  With ``memory.host_pool > 0`` (``TieredStore``) a DP-mode ``ula`` over the local
+  addresses (``ula.py``) keeps them in a device pool and a host pool, exclusive as in
+  DP mode (an entry is in one of them, never both), with its own PB-LRU/LRU;
+* a **local buffer** of ``L`` (``memory.local_buffer``) recently selected entries per
+  layer group, managed by the eviction policy (``memory.policy``: PB-LRU or LRU). The
+  buffer's metadata -- which address each buffer slot holds, and the policy -- is the
+  same on every rank (a copy per rank), and so is its data.
+
+Per decode step and layer group (the order of ``base.py``):
+
+1. ``write_index_keys``: the owner of each new token stores its key.
+2. ``select``: each rank scores the keys it owns, keeps its own top-k (lower position
+   first among equal scores), the ranks all-gather their ``[B, k]`` candidates over
+   ``tp`` and every rank merges them into the same global top-k. The merge orders the
+   candidates by position and takes the top-k, so ties go to the lower position as in
+   the unsharded ``select_topk``. By default (``index_scoring='aligned'``) a rank
+   scores all ``T`` positions of a row with the keys it does not own set to zero: the
+   same shapes as the unsharded indexer, so the owned positions get bitwise the same
+   scores (XLA's rounding depends on shapes: scoring a subset of positions can change
+   the last bit) and the selection is identical. ``'local'`` scores only the owned
+   positions (``T / P`` per rank with ``mod``) at the price of that last bit.
+3. ``resolve``: the selection and the buffer state are the same on every rank, so every
+   rank computes the same plan: hits, misses (selected entries not in the buffer),
+   victims (policy), the buffer slot of every entry. With a host pool the owners of
+   the misses plan, in their own DP ``ula``, to bring them to their device pool.
+4. ``move_layer``: owners copy host entries to their device pool if needed, gather the
+   misses they own, and one all-gather over ``tp`` (rows copied, never summed, so the
+   bits arrive unchanged) delivers every miss to every rank's buffer
+   (``deliver_misses``; ``resolve`` lists each rank's own misses once per group,
+   ``own_misses``). Shapes are static: each rank contributes as many rows as the
+   busiest rank owns, rounded up to ``capacity_classes`` (within a quarter), or none
+   when nothing misses, so the link carries each miss once to each rank that lacks it.
+5. ``write_token``: the new token's entry goes into every rank's buffer and into its
+   owner's pool. Attention reads the buffer (``read_pool``) at ``res.slots``.
+
+Sizes, per device: ``memory.device_pool`` (``D``, the same per-device budget
+``resident`` uses) holds the local buffer and the device pool: ``Sd = D - L``.
+``memory.host_pool`` (``H``) per device. A rank owns ``C = Sd + H`` local addresses and a
+dp rank's logical space is ``num_logical = capacity_tokens ~ P * C`` (a multiple of the
+page size; ``request`` rounds ``C`` down to pages first). Defaults: ``L = max_batch *
+(top_k + 1)`` (one step's entries), ``D`` = enough for ``max_batch x max_context``.
+
+Accounting (``report``): each stored entry is counted once, on its owner; buffer entries
+are copies, so the duplicate fraction is the buffers' share. ``Resolution.stats``:
+``hits``/``misses``/``evictions`` of the buffer, ``xdev_rows`` (KV rows, one layer of
+one entry, delivered from an owner to another rank: misses x (P - 1) x layers of the
+group), ``xdev_index_bytes`` (the indexer's all-gather, all ranks together) and, with a
+host pool, ``host_fetches``/``host_evictions`` of the owners (summed over ranks).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ula_jax.core.addressing import all_addrs
+from ula_jax.core.sizes import parse_size
+from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
+from ula_jax.memory.base import CapacityReport, MemorySystem, replace_at
+from ula_jax.memory.ula.layouts import LAYOUTS, Layout, make_layout
+from ula_jax.memory.ula.policies import make_policy, policy_fields
+from ula_jax.memory.ula.dp import Ula
+from ula_jax.memory.ula.state import UlaState, _compact, stage_selection
+
+_I32 = jnp.int32
+TP_AXIS = "tp"
+# How a rank scores its keys (``select``): 'aligned' over all T positions of a row with
+# the keys it does not own zeroed (the unsharded indexer's shapes: bitwise the same
+# scores, the same selection); 'local' over only the positions it owns (compacted; mod
+# scores T / P per rank, but XLA may round the smaller products differently in the last
+# bit, so near-equal scores may order differently than the unsharded indexer).
+INDEX_SCORING: tuple[str, ...] = ("aligned", "local")
+# Fetch lists are padded to a multiple of this many entries.
+FETCH_ALIGN = 8
+
+
+@struct.dataclass
+class BufferMeta:
+  """One layer group's local buffer (identical on every tp rank).
+
+  table: [N] int32 buffer slot of each logical address, INVALID = not buffered
+  owner: [L] int32 logical address in each buffer slot, INVALID = free
+  policy: the buffer policy's state over the L slots
+  """
+
+  table: jax.Array
+  owner: jax.Array
+  policy: Any
+
+
+@struct.dataclass
+class SharedState:
+  """What every tp rank of a dp rank holds the same (leaves ``[dp, ...]``, ``P('dp')``)."""
+
+  buffers: tuple[jax.Array, ...]  # per layer [L, W], memory kind 'device'
+  meta: tuple[BufferMeta, ...]  # per layer group
+  layout: Any  # the layout's state (``layouts.py``)
+
+
+@struct.dataclass
+class UlaTPState:
+  shared: SharedState  # replicated over tp
+  # Per rank (leaves ``[dp, tp, ...]``, ``P('dp', 'tp')``): the owned entries and their
+  # indexer keys; ``DirectState`` without a host pool, else the DP ``UlaState``.
+  ranked: Any
+
+
+@struct.dataclass
+class TPPlan:
+  """What ``resolve`` planned for one group (``F >= B * k``, a multiple of
+  ``FETCH_ALIGN``; ``own_misses`` builds the first three).
+
+  my_slot:  [F] int32 device-pool slots of the misses this rank owns, first (0 after)
+  my_dst:   [F] int32 their buffer slots (INVALID after)
+  busiest:  [] int32 most misses any rank of the dp rank owns (the same on every rank)
+  new_slot: [B] int32 device-pool slot of each new token on this rank (INVALID: not owned)
+  owner:    this rank's host <-> device moves (a ``UlaPlan``; ``()`` without host pool)
+  """
+
+  my_slot: jax.Array
+  my_dst: jax.Array
+  busiest: jax.Array
+  new_slot: jax.Array
+  owner: Any
+
+
+def capacity_classes(F: int) -> tuple[int, ...]:
+  """Static row counts one rank's misses are gathered in: from ``F / 64`` (at least
+  ``FETCH_ALIGN``) up to ``F``, each about a quarter above the last (multiples of
+  ``FETCH_ALIGN``), so a step sends at most ~25% more rows than its busiest rank owns."""
+  caps, c = [], max(FETCH_ALIGN, -(-F // 64 // FETCH_ALIGN) * FETCH_ALIGN)
+  while c < F:
+    caps.append(c)
+    c = max(c + FETCH_ALIGN, -(-(c * 5 // 4) // FETCH_ALIGN) * FETCH_ALIGN)
+  return tuple(caps) + (F,)
+
+
+def own_misses(fetch_slot: jax.Array, fetch_dst: jax.Array, axis: str = TP_AXIS
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The misses this rank owns, compacted, and the busiest rank's count (inside
+  shard_map; once per layer group, for every layer's ``deliver_misses``).
+
+  fetch_slot: [F] int32 pool slot of each miss on this rank (INVALID: owned elsewhere or
+              no miss; exactly one rank owns each miss)
+  fetch_dst:  [F] int32 buffer slot receiving each miss
+  returns (my_slot [F] int32, 0 past this rank's misses; my_dst [F] int32, INVALID past
+           them; busiest [] int32, the largest count over ``axis``, agreed by a ``pmax``)
+  """
+  F = fetch_dst.shape[0]
+  mine = fetch_slot >= 0
+  at = _compact(mine, jnp.arange(F, dtype=_I32), F)  # this rank's misses, in list order
+  own = at >= 0
+  idx = jnp.clip(at, 0, F - 1)
+  my_slot = jnp.where(own, fetch_slot[idx], 0)
+  my_dst = jnp.where(own, fetch_dst[idx], INVALID)
+  return my_slot, my_dst, jax.lax.pmax(jnp.sum(mine, dtype=_I32), axis)
+
+
+def deliver_misses(pool: jax.Array, my_slot: jax.Array, my_dst: jax.Array,
+                   busiest: jax.Array, buf: jax.Array, axis: str = TP_AXIS) -> jax.Array:
+  """One layer's misses copied from their owners' device pools into every rank's buffer
+  (inside shard_map; the cross-device data path of TP mode).
+
+  pool:    [S, W] this rank's device pool
+  my_slot, my_dst, busiest: ``own_misses`` of the group's fetch lists (F a multiple of
+           ``FETCH_ALIGN``)
+  buf:     [L, W] this rank's buffer
+  returns the buffer with every miss written, bit for bit, on every rank
+
+  Each rank gathers the misses it owns from its pool and one all-gather over ``axis``
+  hands every rank everyone's rows with their buffer slots. The rows are copied, never
+  summed, so any payload arrives unchanged. Shapes are static: the all-gather carries
+  ``c`` rows per rank, the smallest of ``capacity_classes(F)`` that holds ``busiest``
+  (``lax.switch``; ``busiest`` is the same on every rank, so all take the same branch),
+  and nothing when no rank owns a miss.
+  """
+  L, F = buf.shape[0], my_dst.shape[0]
+  caps = capacity_classes(F)
+
+  def move(c: int):
+    def branch(buf):
+      rows = pool[jnp.clip(my_slot[:c], 0, pool.shape[0] - 1)]
+      rows = jax.lax.all_gather(rows, axis, tiled=True)  # [P * c, W]
+      dst = jax.lax.all_gather(my_dst[:c], axis, tiled=True)
+      return buf.at[jnp.where(dst >= 0, dst, L)].set(rows.astype(buf.dtype), mode="drop")
+    return branch
+
+  which = jnp.where(busiest > 0, 1 + jnp.argmax(jnp.asarray(caps, _I32) >= busiest), 0)
+  return jax.lax.switch(which, [lambda b: b] + [move(c) for c in caps], buf)
+
+
+def merge_topk(scores: jax.Array, pos: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """The top-k of candidates gathered from several ranks, ties to the lower position.
+
+  scores: [B, n] float32; pos: [B, n] int32 positions (INVALID: no candidate), distinct
+  where valid. returns (positions [B, k] int32, INVALID where not valid; valid [B, k])
+  in ``select_topk``'s order: by score, then by position.
+  """
+  ok = pos >= 0
+  big = jnp.iinfo(_I32).max
+  order = jnp.argsort(jnp.where(ok, pos, big), axis=-1, stable=True)
+  s = jnp.take_along_axis(jnp.where(ok, scores, -jnp.inf), order, axis=-1)
+  p = jnp.take_along_axis(jnp.where(ok, pos, INVALID), order, axis=-1)
+  n = s.shape[-1]
+  if n < k:
+    s = jnp.pad(s, ((0, 0), (0, k - n)), constant_values=-jnp.inf)
+    p = jnp.pad(p, ((0, 0), (0, k - n)), constant_values=INVALID)
+  _, idx = jax.lax.top_k(s, k)
+  out = jnp.take_along_axis(p, idx, axis=-1)
+  return out.astype(_I32), out >= 0
+
+
+def local_topk(scores: jax.Array, cand: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """One rank's top-k: (scores [B, k] float32, columns [B, k] int32, INVALID where not
+  a candidate) from scores/cand [B, T]; equal scores go to the lower column."""
+  T = scores.shape[-1]
+  s = jnp.where(cand, scores, -jnp.inf)
+  if T < k:
+    s = jnp.pad(s, ((0, 0), (0, k - T)), constant_values=-jnp.inf)
+    cand = jnp.pad(cand, ((0, 0), (0, k - T)))
+  val, idx = jax.lax.top_k(s, k)
+  ok = jnp.take_along_axis(cand, idx, axis=-1)
+  return val, jnp.where(ok, idx, INVALID).astype(_I32)
+
+
+def _zeros(mesh: Mesh, shape: tuple[int, ...], dtype: Any, kind: str, spec: P) -> jax.Array:
+  sharding = NamedSharding(mesh, spec, memory_kind=kind)
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+@struct.dataclass
+class DirectState:
+  """A rank's owned entries without a host pool: local address ``a`` is pool slot ``a``."""
+
+  pools: tuple[jax.Array, ...]  # per layer [C, W], memory kind 'device'
+  live: tuple[jax.Array, ...]  # per group [C] bool: the local address holds an entry
+  index_keys: tuple[jax.Array, ...]  # per group [C, index_dim]
+
+
+class DirectStore:
+  """Owned entries on device only: nothing ever moves, so nothing is planned."""
+
+  def __init__(self, geo: KVGeometry, capacity: int):
+    self.geo = geo
+    self.capacity = capacity  # C
+    self.device_slots = capacity
+
+  def init_state(self, mesh: Mesh, dp: int, tp: int) -> DirectState:
+    spec, C, geo = P("dp", "tp"), self.capacity, self.geo
+    return DirectState(
+        pools=tuple(_zeros(mesh, (dp, tp, C, geo.entry_width), geo.kv_dtype, "device", spec)
+                    for _ in range(geo.num_layers)),
+        live=tuple(_zeros(mesh, (dp, tp, C), jnp.bool_, "device", spec)
+                   for _ in range(geo.num_groups)),
+        index_keys=tuple(_zeros(mesh, (dp, tp, C, geo.index_dim), geo.index_dtype, "device",
+                                spec) for _ in range(geo.num_groups)))
+
+  def _mark(self, live: jax.Array, local: jax.Array, mine: jax.Array, value: bool):
+    return live.at[jnp.where(mine, local, self.capacity)].set(value, mode="drop")
+
+  def write_prefill(self, rk: DirectState, local, mine, entries, row) -> DirectState:
+    del row
+    idx = jnp.where(mine, local, self.capacity)
+    pools = tuple(p.at[idx].set(e.astype(p.dtype), mode="drop")
+                  for p, e in zip(rk.pools, entries))
+    return rk.replace(pools=pools, live=tuple(self._mark(l, local, mine, True) for l in rk.live))
+
+  def resolve(self, rk: DirectState, group, f_local, f_mine, n_local, n_mine):
+    live = self._mark(rk.live[group], n_local, n_mine, True)
+    rk = rk.replace(live=replace_at(rk.live, group, live))
+    return (rk, jnp.where(f_mine, f_local, INVALID).reshape(-1),
+            jnp.where(n_mine, n_local, INVALID), (), {})
+
+  def move_layer(self, rk: DirectState, layer, plan) -> DirectState:
+    del layer, plan
+    return rk
+
+  def dev_pool(self, rk: DirectState, layer) -> jax.Array:
+    return rk.pools[layer]
+
+  def write_token(self, rk: DirectState, layer, new_slot, entry, active) -> DirectState:
+    pool = rk.pools[layer]
+    idx = jnp.where(active & (new_slot >= 0), new_slot, self.capacity)
+    return rk.replace(pools=replace_at(rk.pools, layer,
+                                       pool.at[idx].set(entry.astype(pool.dtype), mode="drop")))
+
+  def release(self, rk: DirectState, local, mine, row) -> DirectState:
+    del row
+    return rk.replace(live=tuple(self._mark(l, local, mine, False) for l in rk.live))
+
+  def counts(self, rk: DirectState, group: int):
+    """Host side: (device used [dp, tp], host used [dp, tp], stored [dp, tp]) of a group."""
+    used = np.asarray(rk.live[group]).sum(axis=2)
+    return used, np.zeros_like(used), used
+
+
+class TieredStore:
+  """Owned entries in a device pool and a host pool, exclusive: a DP-mode ``ula`` over
+  the rank's local addresses (its table, PB-LRU/LRU over the device pool, write-backs)."""
+
+  def __init__(self, ula: Ula):
+    self.ula = ula
+    self.device_slots = ula.device_slots
+
+  def init_state(self, mesh: Mesh, dp: int, tp: int) -> UlaState:
+    spec, u, geo = P("dp", "tp"), self.ula, self.ula.geo
+    W, kv = geo.entry_width, geo.kv_dtype
+
+    def meta():
+      return jax.tree.map(lambda x: jnp.broadcast_to(x, (dp, tp, *x.shape)), u.init_meta())
+
+    return UlaState(
+        dev_pools=tuple(_zeros(mesh, (dp, tp, u.device_slots, W), kv, "device", spec)
+                        for _ in range(geo.num_layers)),
+        host_pools=tuple(_zeros(mesh, (dp, tp, u.host_rows, W), kv, "pinned_host", spec)
+                         for _ in range(geo.num_layers)),
+        meta=jax.jit(meta, out_shardings=NamedSharding(mesh, spec, memory_kind="device"))(),
+        index_keys=tuple(_zeros(mesh, (dp, tp, u.num_logical, geo.index_dim),
+                                geo.index_dtype, "device", spec)
+                         for _ in range(geo.num_groups)))
+
+  def write_prefill(self, rk: UlaState, local, mine, entries, row) -> UlaState:
+    return self.ula.write_prefill(rk, local, mine, entries, row)
+
+  def resolve(self, rk: UlaState, group, f_local, f_mine, n_local, n_mine):
+    rk, res = self.ula.resolve(rk, group, f_local, f_mine, n_local, n_mine)
+    slots = jnp.where(f_mine.reshape(-1), res.slots.reshape(-1), INVALID)
+    return rk, slots, res.new_slot, res.plan, res.stats
+
+  def move_layer(self, rk: UlaState, layer, plan) -> UlaState:
+    dummy = jnp.zeros((0,), _I32)
+    return self.ula.move_layer(rk, layer, Resolution(slots=dummy, valid=dummy,
+                                                     new_slot=dummy, plan=plan))
+
+  def dev_pool(self, rk: UlaState, layer) -> jax.Array:
+    return rk.dev_pools[layer]
+
+  def write_token(self, rk: UlaState, layer, new_slot, entry, active) -> UlaState:
+    dummy = jnp.zeros((0,), _I32)
+    return self.ula.write_token(rk, layer, Resolution(slots=dummy, valid=dummy,
+                                                      new_slot=new_slot), entry, active)
+
+  def release(self, rk: UlaState, local, mine, row) -> UlaState:
+    return self.ula.release(rk, local, mine, row)
+
+  def counts(self, rk: UlaState, group: int):
+    m = rk.meta[group]
+    dev = (np.asarray(m.dev_owner) != INVALID).sum(axis=2)
+    host = (np.asarray(m.host_owner)[..., :self.ula.host_slots] != INVALID).sum(axis=2)
+    return dev, host, (np.asarray(m.table) != INVALID).sum(axis=2)
+
+
+class UlaTP(MemorySystem):
+  """``ula`` with ``mesh.tp > 1`` (see the module doc)."""
+
+  name = "ula"
+
+  def __init__(self, cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *, max_batch: int,
+               page_size: int, max_context: int):
+    super().__init__(cfg, geometry, mesh_info, max_batch=max_batch, page_size=page_size,
+                     max_context=max_context)
+    self.tp = mesh_info.tp
+    self.layout_name = getattr(cfg, "layout", "mod")
+    self.index_scoring = getattr(cfg, "index_scoring", "aligned")
+    self.policy_name, self.buckets = self._policy_fields()
+    self.buffer_slots, self.device_budget, self.device_slots, self.host_slots = self._sizes()
+    self.rank_capacity = self.device_slots + self.host_slots  # C: local addresses per rank
+    self.layout: Layout | None = None
+    self.store: DirectStore | TieredStore | None = None
+    if self.layout_name in LAYOUTS and self.device_slots > 0:
+      self.layout = make_layout(self.layout_name, self.tp, self.rank_capacity, page_size,
+                                max_batch)
+      self.num_logical = self.layout.num_logical
+      self.capacity_tokens = self.num_logical
+      if self.host_slots:
+        # A DP-mode ula over the rank's local addresses keeps its two tiers exclusive.
+        owner_cfg = types.SimpleNamespace(
+            system="ula", device_pool=self.device_slots, host_pool=self.host_slots,
+            policy=self.policy_name, pb_lru_buckets=self.buckets)
+        self.store = TieredStore(Ula(owner_cfg, geometry, MeshInfo(1, 1), max_batch=max_batch,
+                                     page_size=1, max_context=max_context))
+      else:
+        self.store = DirectStore(geometry, self.rank_capacity)
+    self.policy = make_policy(self.policy_name, self.buffer_slots, buckets=self.buckets)
+
+  # -- configuration ---------------------------------------------------------------
+
+  def _policy_fields(self) -> tuple[str, int]:
+    return policy_fields(self.cfg)
+
+  @property
+  def step_entries(self) -> int:
+    """Distinct entries one decode step may need in the buffer: max_batch * (top_k + 1)."""
+    return self.max_batch * (self.geo.top_k + 1)
+
+  def _sizes(self) -> tuple[int, int, int, int]:
+    """(L buffer slots, D device budget, Sd device-pool slots, H host slots) per device."""
+    tb = self.geo.token_bytes
+    buf = getattr(self.cfg, "local_buffer", None)
+    if buf is None:
+      L = self.step_entries
+    elif isinstance(buf, bool) or not isinstance(buf, (int, np.integer)):
+      raise ValueError(f"memory.local_buffer={buf!r}: expected a token count (int) or null "
+                       f"(max_batch * (top_k + 1) = {self.step_entries})")
+    else:
+      L = int(buf)
+    dev = getattr(self.cfg, "device_pool", None)
+    if dev is None:
+      share = -(-self.max_batch * self.max_context // self.tp)
+      share = -(-share // self.page_size) * self.page_size
+      D = share + L
+    else:
+      D = parse_size(dev, field="memory.device_pool", token_bytes=tb)
+    H = parse_size(getattr(self.cfg, "host_pool", 0), field="memory.host_pool", token_bytes=tb)
+    return L, D, D - L, H
+
+  def validate(self) -> None:
+    self._policy_fields()
+    make_layout(self.layout_name, self.tp, 1, 1, 1)  # rejects unknown and 'replicated'
+    if self.index_scoring not in INDEX_SCORING:
+      raise ValueError(f"memory.index_scoring={self.index_scoring!r}: expected one of "
+                       f"{list(INDEX_SCORING)}")
+    need = self.step_entries
+    if self.buffer_slots < need:
+      raise ValueError(
+          f"memory.local_buffer={self.buffer_slots} holds fewer entries than one decode step "
+          f"selects: engine.max_batch * (top_k + 1) = {self.max_batch} * ({self.geo.top_k} "
+          f"+ 1) = {need}; use memory.local_buffer >= {need} (or null)")
+    if self.device_slots < 1:
+      raise ValueError(
+          f"memory.device_pool={getattr(self.cfg, 'device_pool', None)!r} ({self.device_budget}"
+          f" tokens per device) leaves no device pool beside memory.local_buffer="
+          f"{self.buffer_slots} tokens; raise memory.device_pool above the local buffer")
+    if self.host_slots and self.device_slots < need:
+      raise ValueError(
+          f"memory.device_pool={getattr(self.cfg, 'device_pool', None)!r} leaves "
+          f"{self.device_slots} device-pool tokens per device beside memory.local_buffer="
+          f"{self.buffer_slots}; with memory.host_pool > 0 an owner must hold one step's "
+          f"entries on device: use memory.device_pool >= local_buffer + {need} = "
+          f"{self.buffer_slots + need} tokens")
+    if self.num_logical < self.page_size:
+      raise ValueError(
+          f"memory.device_pool - memory.local_buffer + memory.host_pool = "
+          f"{self.device_slots} + {self.host_slots} tokens per device give "
+          f"{self.num_logical} tokens over {self.tp} tp ranks with memory.layout="
+          f"{self.layout_name!r}, fewer than one page (engine.page_size={self.page_size}); "
+          f"raise memory.device_pool or memory.host_pool")
+    if isinstance(self.store, TieredStore):
+      u = self.store.ula
+      u.fetch_impl, u.fetch_interpret = self.fetch_impl, self.fetch_interpret
+      u.resolve_impl, u.resolve_interpret = self.resolve_impl, self.resolve_interpret
+      u.resolve_fast_path = self.resolve_fast_path
+
+  # -- layout ----------------------------------------------------------------------
+
+  def init_buffer_meta(self) -> BufferMeta:
+    return BufferMeta(table=jnp.full((self.num_logical,), INVALID, _I32),
+                      owner=jnp.full((self.buffer_slots,), INVALID, _I32),
+                      policy=self.policy.init())
+
+  def init_state(self, mesh: Mesh) -> UlaTPState:
+    dp, W, kv, L = self.mesh_info.dp, self.geo.entry_width, self.geo.kv_dtype, self.buffer_slots
+
+    def shared():
+      local = SharedState(
+          buffers=tuple(jnp.zeros((L, W), kv) for _ in range(self.geo.num_layers)),
+          meta=tuple(self.init_buffer_meta() for _ in range(self.geo.num_groups)),
+          layout=self.layout.init())
+      return jax.tree.map(lambda x: jnp.broadcast_to(x, (dp, *x.shape)), local)
+
+    shared_state = jax.jit(shared, out_shardings=NamedSharding(mesh, P("dp"),
+                                                              memory_kind="device"))()
+    return UlaTPState(shared=shared_state, ranked=self.store.init_state(mesh, dp, self.tp))
+
+  def state_specs(self, state: UlaTPState) -> UlaTPState:
+    return UlaTPState(shared=jax.tree.map(lambda _: P("dp"), state.shared),
+                      ranked=jax.tree.map(lambda _: P("dp", "tp"), state.ranked))
+
+  def to_local(self, state: UlaTPState) -> UlaTPState:
+    return UlaTPState(shared=jax.tree.map(lambda x: x[0], state.shared),
+                      ranked=jax.tree.map(lambda x: x[0, 0], state.ranked))
+
+  def from_local(self, state: UlaTPState) -> UlaTPState:
+    return UlaTPState(shared=jax.tree.map(lambda x: x[None], state.shared),
+                      ranked=jax.tree.map(lambda x: x[None, None], state.ranked))
+
+  # -- helpers (local, inside shard_map) -------------------------------------------
+
+  def _mine(self, lst: Any, addrs: jax.Array, valid: jax.Array
+            ) -> tuple[jax.Array, jax.Array]:
+    """(local [n] int32 where this rank owns the address else INVALID, owned [n] bool)."""
+    rank, local = self.layout.locate(lst, addrs)
+    mine = valid & (rank >= 0) & (rank == jax.lax.axis_index(TP_AXIS))
+    return jnp.where(mine, local, INVALID).astype(_I32), mine
+
+  def _unbuffer(self, meta: tuple[BufferMeta, ...], addrs: jax.Array, valid: jax.Array
+                ) -> tuple[BufferMeta, ...]:
+    """Drops ``addrs`` from every group's buffer (their entries are about to change)."""
+    N, L = self.num_logical, self.buffer_slots
+    ok = valid & (addrs >= 0) & (addrs < N)
+    out = []
+    for m in meta:
+      slot = jnp.where(ok, m.table[jnp.clip(addrs, 0, N - 1)], INVALID)
+      held = slot >= 0
+      out.append(BufferMeta(
+          table=m.table.at[jnp.where(ok, addrs, N)].set(INVALID, mode="drop"),
+          owner=m.owner.at[jnp.where(held, slot, L)].set(INVALID, mode="drop"),
+          policy=self.policy.release(m.policy, slot, held)))
+    return tuple(out)
+
+  def _place(self, state: UlaTPState, addrs: jax.Array, valid: jax.Array,
+             rows: jax.Array) -> UlaTPState:
+    lst = self.layout.place(state.shared.layout, addrs, valid, rows)
+    return state.replace(shared=state.shared.replace(layout=lst))
+
+  def _decode_rows(self, n: int) -> jax.Array:
+    """Decode rows of ``n`` addresses passed in decode order (one per row), else unknown."""
+    if n == self.max_batch:
+      return jnp.arange(n, dtype=_I32)
+    return jnp.full((n,), INVALID, _I32)
+
+  # -- transitions (local, inside shard_map) ---------------------------------------
+
+  def write_prefill(self, state: UlaTPState, addrs, valid, entries, row) -> UlaTPState:
+    state = self._place(state, addrs, valid, jnp.full(addrs.shape, row, _I32))
+    local, mine = self._mine(state.shared.layout, addrs, valid)
+    ranked = self.store.write_prefill(state.ranked, local, mine, entries, row)
+    meta = self._unbuffer(state.shared.meta, addrs, valid)
+    return UlaTPState(shared=state.shared.replace(meta=meta), ranked=ranked)
+
+  def write_index_keys(self, state: UlaTPState, group: int, addrs: jax.Array,
+                       keys: jax.Array) -> UlaTPState:
+    valid = addrs >= 0
+    # In decode the new tokens arrive one per row: a fresh page takes its row's owner.
+    state = self._place(state, addrs, valid, self._decode_rows(addrs.shape[0]))
+    local, _ = self._mine(state.shared.layout, addrs, valid)
+    table = state.ranked.index_keys[group]
+    new = table.at[jnp.where(local >= 0, local, table.shape[0])].set(
+        keys.astype(table.dtype), mode="drop")
+    return state.replace(ranked=state.ranked.replace(
+        index_keys=replace_at(state.ranked.index_keys, group, new)))
+
+  def read_index_keys(self, state: UlaTPState, group: int) -> jax.Array:
+    """[num_logical, index_dim] keys by logical address, gathered from their owners."""
+    keys = jax.lax.all_gather(state.ranked.index_keys[group], TP_AXIS)  # [P, C, DI]
+    rank, local = self.layout.locate(state.shared.layout,
+                                     jnp.arange(self.num_logical, dtype=_I32))
+    ok = rank >= 0
+    out = keys[jnp.clip(rank, 0, self.tp - 1), jnp.clip(local, 0, self.rank_capacity - 1)]
+    return jnp.where(ok[:, None], out, jnp.zeros((), out.dtype))
+
+  def select(self, state: UlaTPState, group: int, q_I, w, page_table, positions, active):
+    """The sharded indexer: local scores, local top-k, all-gather over tp, merge.
+
+    Same arguments and result as ``MemorySystem.select``; the same on every rank. With
+    ``index_scoring='aligned'`` identical to the unsharded selection.
+    """
+    from ula_jax.kernels.indexer import index_scores
+    k = self.geo.top_k
+    cand_addr = all_addrs(page_table, self.page_size)  # [B, T]
+    B, T = cand_addr.shape
+    t = jnp.arange(T, dtype=_I32)
+    cand = (cand_addr >= 0) & (t[None, :] <= positions[:, None]) & active[:, None]
+    local, mine = self._mine(state.shared.layout, cand_addr, cand)
+    if self.index_scoring == "aligned":
+      pos_bt, local_bt, ok_bt = jnp.broadcast_to(t, (B, T)), local, mine
+    else:  # the owned positions of each row, compacted in position order
+      Tw = min(T, self.layout.owned_per_row(page_table.shape[1]))
+      col = jnp.where(mine, jnp.cumsum(mine, axis=1) - 1, Tw)
+      rows = jnp.arange(B)[:, None]
+      pos_bt = jnp.full((B, Tw), INVALID, _I32).at[rows, col].set(
+          jnp.broadcast_to(t, (B, T)), mode="drop")
+      local_bt = jnp.full((B, Tw), INVALID, _I32).at[rows, col].set(local, mode="drop")
+      ok_bt = pos_bt >= 0
+    keys = state.ranked.index_keys[group]
+    keys_btk = keys[jnp.clip(local_bt, 0, self.rank_capacity - 1)]
+    keys_btk = jnp.where(ok_bt[..., None], keys_btk, jnp.zeros((), keys.dtype))
+    val, col = local_topk(index_scores(q_I, w, keys_btk), ok_bt, k)  # [B, k]
+    pos = jnp.where(col >= 0, jnp.take_along_axis(pos_bt, jnp.clip(col, 0, None), axis=1),
+                    INVALID)
+    val_all = jax.lax.all_gather(val, TP_AXIS, axis=1, tiled=True)  # [B, P * k]
+    pos_all = jax.lax.all_gather(pos, TP_AXIS, axis=1, tiled=True)
+    return merge_topk(val_all, pos_all, k)
+
+  def resolve(self, state: UlaTPState, group, sel_addr, sel_valid, new_addr, active):
+    B, k = sel_addr.shape
+    M, F = B * k + B, B * k
+    N, L, Ptp = self.num_logical, self.buffer_slots, self.tp
+    # The new tokens' pages are placed by write_index_keys; placing again is a no-op
+    # that keeps resolve correct on its own.
+    state = self._place(state, new_addr, active & (new_addr >= 0), self._decode_rows(B))
+    sh, rk = state.shared, state.ranked
+    bm = sh.meta[group]
+
+    # Stage: the addresses the step needs in the buffer, deduplicated (sorted).
+    want, uid, u, u_ok, u_new = stage_selection(sel_addr, sel_valid, new_addr, active, N)
+
+    # Mark hits; the rest take buffer slots (hits join the round first: never victims).
+    bslot = jnp.where(u_ok, bm.table[jnp.clip(u, 0, N - 1)], INVALID)
+    hit = u_ok & (bslot >= 0)
+    place = u_ok & ~hit
+    fetch = place & ~u_new  # stored entries to bring from their owners
+    pst = self.policy.begin_round(bm.policy)
+    pst = self.policy.touch(pst, bslot, hit)
+    cand, cand_ok, cand_free = self.policy.pick(pst, jnp.sum(place), M)
+    victim = cand_ok & ~cand_free
+    victim_addr = jnp.where(victim, bm.owner[jnp.clip(cand, 0, L - 1)], INVALID)
+    pidx = jnp.clip(jnp.cumsum(place) - 1, 0, M - 1)
+    placed = place & cand_ok[pidx]
+    dst = jnp.where(placed, cand[pidx], INVALID)
+    table = bm.table.at[jnp.where(victim, victim_addr, N)].set(INVALID, mode="drop")
+    table = table.at[jnp.where(placed, u, N)].set(dst, mode="drop")
+    owner = bm.owner.at[jnp.where(placed, dst, L)].set(u, mode="drop")
+    pst = self.policy.touch(pst, dst, placed)
+    bm = BufferMeta(table=table, owner=owner, policy=pst)
+
+    slot_u = jnp.where(hit, bslot, dst)
+    elem = jnp.where(want, slot_u[uid], INVALID)
+    slots = elem[:B * k].reshape(B, k)
+    new_slot = elem[B * k:]
+
+    # Owners: the misses and new tokens this rank owns must be in its device pool.
+    fetch = fetch & placed
+    f_addr = _compact(fetch, u, F)
+    f_dst = _compact(fetch, dst, F)
+    n_fetch = jnp.sum(fetch).astype(_I32)
+    f_local, f_mine = self._mine(sh.layout, f_addr, f_addr >= 0)
+    n_local, n_mine = self._mine(sh.layout, new_addr, active & (new_addr >= 0))
+    rk, f_slot, o_new, o_plan, o_stats = self.store.resolve(
+        rk, group, f_local.reshape(B, k), f_mine.reshape(B, k), n_local, n_mine)
+    pad = (-F) % FETCH_ALIGN
+    my_slot, my_dst, busiest = own_misses(
+        jnp.pad(f_slot, (0, pad), constant_values=INVALID),
+        jnp.pad(f_dst, (0, pad), constant_values=INVALID))
+    plan = TPPlan(my_slot=my_slot, my_dst=my_dst, busiest=busiest, new_slot=o_new,
+                  owner=o_plan)
+    layers = len(self.geo.group_layers(group))
+    stats = {"hits": jnp.sum(hit).astype(_I32), "misses": n_fetch,
+             "evictions": jnp.sum(victim).astype(_I32),
+             "xdev_rows": n_fetch * ((Ptp - 1) * layers),
+             "xdev_index_bytes": jnp.int32(Ptp * (Ptp - 1) * B * k * 8)}
+    if self.host_slots:
+      stats["host_fetches"] = jax.lax.psum(o_stats["misses"], TP_AXIS)
+      stats["host_evictions"] = jax.lax.psum(o_stats["evictions"], TP_AXIS)
+    state = UlaTPState(shared=sh.replace(meta=replace_at(sh.meta, group, bm)),
+                       ranked=rk)
+    return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot, plan=plan,
+                             stats=stats)
+
+  def move_layer(self, state: UlaTPState, layer, res: Resolution) -> UlaTPState:
+    p: TPPlan = res.plan
+    ranked = self.store.move_layer(state.ranked, layer, p.owner)
+    pool = self.store.dev_pool(ranked, layer)
+    buf = deliver_misses(pool, p.my_slot, p.my_dst, p.busiest, state.shared.buffers[layer])
+    return UlaTPState(shared=state.shared.replace(
+        buffers=replace_at(state.shared.buffers, layer, buf)), ranked=ranked)
+
+  def write_token(self, state: UlaTPState, layer, res: Resolution, entry, active
+                  ) -> UlaTPState:
+    p: TPPlan = res.plan
+    buf = state.shared.buffers[layer]
+    idx = jnp.where(active & (res.new_slot >= 0), res.new_slot, self.buffer_slots)
+    buf = buf.at[idx].set(entry.astype(buf.dtype), mode="drop")
+    ranked = self.store.write_token(state.ranked, layer, p.new_slot, entry, active)
+    return UlaTPState(shared=state.shared.replace(
+        buffers=replace_at(state.shared.buffers, layer, buf)), ranked=ranked)
+
+  def read_pool(self, state: UlaTPState, layer) -> jax.Array:
+    return state.shared.buffers[layer]
+
+  def release(self, state: UlaTPState, addrs, valid, row) -> UlaTPState:
+    local, mine = self._mine(state.shared.layout, addrs, valid)
+    ranked = self.store.release(state.ranked, local, mine, row)
+    sh = state.shared
+    sh = sh.replace(meta=self._unbuffer(sh.meta, addrs, valid),
+                    layout=self.layout.release(sh.layout, addrs, valid, row))
+    return UlaTPState(shared=sh, ranked=ranked)
+
+  # -- accounting ------------------------------------------------------------------
+
+  def report(self, state: UlaTPState) -> CapacityReport:
+    dp, tp, G = self.mesh_info.dp, self.tp, self.geo.num_groups
+    H, L, Sd = self.host_slots, self.buffer_slots, self.device_slots
+    row_bytes = self.geo.row_bytes
+    pool_used = np.zeros((dp, tp), np.int64)
+    host_used = np.zeros((dp, tp), np.int64)
+    distinct = np.zeros((dp,), np.int64)
+    buffer_used = np.zeros((dp,), np.int64)
+    used_bytes = np.zeros((dp, tp), np.int64)
+    for g, bm in enumerate(state.shared.meta):
+      rows = len(self.geo.group_layers(g))
+      dev, hst, stored = self.store.counts(state.ranked, g)
+      buf = (np.asarray(bm.owner) != INVALID).sum(axis=1)
+      pool_used += dev
+      host_used += hst
+      buffer_used += buf
+      distinct += stored.sum(axis=1)
+      used_bytes += (dev + buf[:, None]) * rows * row_bytes
+    device_used = pool_used + buffer_used[:, None]
+    full = lambda n: np.full((dp, tp), n, np.int64)
+    return CapacityReport(
+        system=self.name,
+        device_capacity=full((Sd + L) * G),
+        device_used=device_used,
+        host_capacity=full(H * G),
+        host_used=host_used,
+        distinct=distinct,
+        entry_bytes=self.geo.group_size * row_bytes,
+        extra={"layout": self.layout_name, "policy": self.policy_name,
+               "pb_lru_buckets": self.buckets, "local_buffer": L, "device_slots": Sd,
+               "host_slots": H, "buffer_used": buffer_used.tolist(),
+               "pool_used": pool_used.tolist(),
+               "device_bytes_per_rank": (Sd + L) * self.geo.token_bytes,
+               "host_bytes_per_rank": H * self.geo.token_bytes,
+               "device_used_bytes": used_bytes.tolist()},
+    )
+
+  def run_summary(self, steps: list, requests: list) -> dict:
+    del requests
+    kv = sum(int(s.extra.get("xdev_rows", 0)) for s in steps) * self.geo.row_bytes
+    index = sum(int(s.extra.get("xdev_index_bytes", 0)) for s in steps)
+    decode_steps = sum(1 for s in steps if s.decode_tokens)
+    total = kv + index
+    return {"layout": self.layout_name, "local_buffer": self.buffer_slots,
+            "total_xdev_kv_bytes": kv, "total_xdev_index_bytes": index,
+            "total_xdev_bytes": total,
+            "xdev_bytes_per_decode_step": total / decode_steps if decode_steps else 0.0}

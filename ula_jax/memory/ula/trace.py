@@ -1,0 +1,414 @@
+"""Selection traces: record what decoding selected, replay it through any ula policy.
+
+A trace is one dp rank's stream of events, in the order the engine ran them:
+
+* ``PREFILL``: a chunk of prompt addresses was written (placement: device, then host);
+* ``DECODE``: one decode step: per layer group the selection ``sel_addr[t, g]``,
+  ``sel_valid[t, g]``, and the step's new tokens ``new_addr[t]`` / ``active[t]``;
+* ``RELEASE``: a finished request's addresses were freed.
+
+Replaying runs only ula's metadata path (``prefill_meta`` / ``resolve_meta`` /
+``release_meta``: tables, owners, policy; no pools, no data) and counts hits, misses and
+evictions, so policies and pool sizes can be compared on the same selections. A replay is
+one compiled ``lax.scan`` over the trace's events: no host round trip per step. The
+addresses are logical, so a trace replays under any ``memory.device_pool`` /
+``memory.host_pool`` whose capacity covers ``trace.num_logical``.
+
+File format: ``SelectionTrace.save(path)`` writes an ``.npz`` (``np.savez``) with one
+array per field (scalars as 0-d arrays); ``SelectionTrace.load(path)`` reads it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import types
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
+from ula_jax.memory.ula.dp import Ula
+
+PREFILL, DECODE, RELEASE = 0, 1, 2
+EVENT_NAMES = {PREFILL: "prefill", DECODE: "decode", RELEASE: "release"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionTrace:
+  """One dp rank's recorded selections (numpy; ``E`` events, ``T`` decode steps,
+  ``A`` prefill/release addresses, ``G`` groups, ``B`` rows, ``k`` selected per row).
+
+  kind:      [E] int8 PREFILL / DECODE / RELEASE, in the order they ran
+  ref:       [E] int32 DECODE: the step ``t``; PREFILL/RELEASE: offset into ``addrs``
+  count:     [E] int32 PREFILL/RELEASE: how many addresses (DECODE: 0)
+  addrs:     [A] int32 the prefill and release addresses, event after event
+  sel_addr:  [T, G, B, k] int32 logical addresses selected (INVALID where not valid)
+  sel_valid: [T, G, B, k] bool
+  new_addr:  [T, B] int32 each row's new token (INVALID for inactive rows)
+  active:    [T, B] bool
+  num_logical: logical addresses of the rank the trace was recorded on
+  page_size, num_layers, group_size, entry_width, index_dim, kv_dtype: the run's
+    engine page and KV geometry (so byte-sized pools convert to the same tokens)
+  """
+
+  kind: np.ndarray
+  ref: np.ndarray
+  count: np.ndarray
+  addrs: np.ndarray
+  sel_addr: np.ndarray
+  sel_valid: np.ndarray
+  new_addr: np.ndarray
+  active: np.ndarray
+  num_logical: int
+  page_size: int
+  num_layers: int
+  group_size: int
+  entry_width: int
+  index_dim: int
+  kv_dtype: str = "bfloat16"
+
+  @property
+  def num_steps(self) -> int:
+    return int(self.sel_addr.shape[0])
+
+  @property
+  def num_groups(self) -> int:
+    return int(self.sel_addr.shape[1])
+
+  @property
+  def max_batch(self) -> int:
+    return int(self.sel_addr.shape[2])
+
+  @property
+  def top_k(self) -> int:
+    return int(self.sel_addr.shape[3])
+
+  def geometry(self) -> KVGeometry:
+    return KVGeometry(num_layers=self.num_layers, group_size=self.group_size,
+                      entry_width=self.entry_width, index_dim=self.index_dim,
+                      top_k=self.top_k, kv_dtype=self.kv_dtype)
+
+  def validate(self) -> None:
+    """Raises ValueError naming the inconsistent field."""
+    T, G, B, k = self.sel_addr.shape if self.sel_addr.ndim == 4 else (None,) * 4
+    if T is None:
+      raise ValueError(f"trace.sel_addr has shape {self.sel_addr.shape}: expected "
+                       f"[steps, groups, batch, k]")
+    shapes = {"sel_valid": (self.sel_valid, (T, G, B, k)), "new_addr": (self.new_addr, (T, B)),
+              "active": (self.active, (T, B)), "ref": (self.ref, self.kind.shape),
+              "count": (self.count, self.kind.shape)}
+    for name, (arr, want) in shapes.items():
+      if arr.shape != want:
+        raise ValueError(f"trace.{name} has shape {arr.shape}: expected {want}")
+    if G != -(-self.num_layers // self.group_size):
+      raise ValueError(f"trace.sel_addr has {G} layer groups; num_layers={self.num_layers} "
+                       f"and group_size={self.group_size} make "
+                       f"{-(-self.num_layers // self.group_size)}")
+    bad = ~np.isin(self.kind, list(EVENT_NAMES))
+    if bad.any():
+      raise ValueError(f"trace.kind={int(self.kind[bad][0])}: expected one of "
+                       f"{sorted(EVENT_NAMES)} (prefill, decode, release)")
+    dec = self.kind == DECODE
+    if not np.array_equal(np.sort(self.ref[dec]), np.arange(T)):
+      raise ValueError(f"trace.ref: the decode events name steps {self.ref[dec].tolist()}; "
+                       f"expected each of 0..{T - 1} once")
+    io = ~dec
+    if (self.ref[io] < 0).any() or (self.ref[io] + self.count[io] > self.addrs.shape[0]).any():
+      raise ValueError(f"trace.ref/count: a prefill or release range falls outside "
+                       f"trace.addrs (length {self.addrs.shape[0]})")
+    used = [self.addrs, self.sel_addr[self.sel_valid], self.new_addr[self.active]]
+    top = max((int(a.max()) for a in used if a.size), default=-1)
+    if top >= self.num_logical:
+      raise ValueError(f"trace.num_logical={self.num_logical}: the trace uses address {top}")
+
+  def save(self, path) -> None:
+    np.savez(path, **{f.name: np.asarray(getattr(self, f.name))
+                      for f in dataclasses.fields(self)})
+
+  @classmethod
+  def load(cls, path) -> SelectionTrace:
+    with np.load(path) as z:
+      kw = {}
+      for f in dataclasses.fields(cls):
+        v = z[f.name]
+        kw[f.name] = v.item() if v.ndim == 0 else v
+    kw["kv_dtype"] = str(kw["kv_dtype"])
+    return cls(**kw)
+
+
+class TraceRecorder:
+  """Builds a ``SelectionTrace`` from the events of one dp rank, in order."""
+
+  def __init__(self, geometry: KVGeometry, *, max_batch: int, num_logical: int,
+               page_size: int):
+    self.geo, self.B = geometry, max_batch
+    self.num_logical, self.page_size = num_logical, page_size
+    self._kind: list[int] = []
+    self._ref: list[int] = []
+    self._count: list[int] = []
+    self._addrs: list[np.ndarray] = []
+    self._n_addrs = 0
+    self._steps: list[tuple[np.ndarray, ...]] = []
+
+  def _io(self, kind: int, addrs, valid) -> None:
+    a = np.asarray(addrs, np.int32).reshape(-1)
+    if valid is not None:
+      a = a[np.asarray(valid, bool).reshape(-1)]
+    a = a[a >= 0]
+    self._kind.append(kind)
+    self._ref.append(self._n_addrs)
+    self._count.append(a.shape[0])
+    self._addrs.append(a)
+    self._n_addrs += a.shape[0]
+
+  def prefill(self, addrs, valid=None) -> None:
+    """addrs: [C] int32 written by one prefill chunk (valid: [C] bool, optional)."""
+    self._io(PREFILL, addrs, valid)
+
+  def release(self, addrs, valid=None) -> None:
+    """addrs: [N] int32 freed (valid: [N] bool, optional)."""
+    self._io(RELEASE, addrs, valid)
+
+  def decode(self, sel_addr, sel_valid, new_addr, active) -> None:
+    """sel_addr/sel_valid: [G, B, k]; new_addr/active: [B] (one decode step)."""
+    sel_valid = np.asarray(sel_valid, bool)
+    sel_addr = np.where(sel_valid, np.asarray(sel_addr, np.int32), INVALID)
+    active = np.asarray(active, bool)
+    new_addr = np.where(active, np.asarray(new_addr, np.int32), INVALID)
+    self._kind.append(DECODE)
+    self._ref.append(len(self._steps))
+    self._count.append(0)
+    self._steps.append((sel_addr, sel_valid, new_addr, active))
+
+  def build(self) -> SelectionTrace:
+    G, B, k = self.geo.num_groups, self.B, self.geo.top_k
+    cols = list(zip(*self._steps)) if self._steps else [[]] * 4
+    stack = lambda xs, shape, dtype: (np.stack(xs).astype(dtype) if xs
+                                      else np.zeros((0, *shape), dtype))
+    trace = SelectionTrace(
+        kind=np.asarray(self._kind, np.int8), ref=np.asarray(self._ref, np.int32),
+        count=np.asarray(self._count, np.int32),
+        addrs=(np.concatenate(self._addrs).astype(np.int32) if self._addrs
+               else np.zeros((0,), np.int32)),
+        sel_addr=stack(cols[0], (G, B, k), np.int32),
+        sel_valid=stack(cols[1], (G, B, k), bool),
+        new_addr=stack(cols[2], (B,), np.int32), active=stack(cols[3], (B,), bool),
+        num_logical=self.num_logical, page_size=self.page_size,
+        num_layers=self.geo.num_layers, group_size=self.geo.group_size,
+        entry_width=self.geo.entry_width, index_dim=self.geo.index_dim,
+        kv_dtype=self.geo.kv_dtype)
+    trace.validate()
+    return trace
+
+
+# ----------------------------------------------------------------------------------
+# Replay
+# ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ReplayResult:
+  """Counts of one replay: per decode step and layer group ([T, G] int64)."""
+
+  policy: str
+  hits: np.ndarray
+  misses: np.ndarray
+  evictions: np.ndarray
+  # Wall time of the compiled replay (compile excluded): the resolves, with the prefill
+  # and release updates between them, run on the device as one call.
+  resolve_seconds: float
+
+  @property
+  def hit_rate(self) -> float:
+    """Hits over lookups (hits + misses); NaN when nothing was looked up."""
+    h, m = int(self.hits.sum()), int(self.misses.sum())
+    return h / (h + m) if h + m else float("nan")
+
+  def as_dict(self) -> dict:
+    return {"policy": self.policy, "hits": int(self.hits.sum()),
+            "misses": int(self.misses.sum()), "evictions": int(self.evictions.sum()),
+            "hit_rate": self.hit_rate, "steps": int(self.hits.shape[0]),
+            "resolve_seconds": self.resolve_seconds}
+
+
+def _check_fits(trace: SelectionTrace, system: Ula) -> None:
+  if trace.num_groups != system.geo.num_groups:
+    raise ValueError(f"trace has {trace.num_groups} layer groups; the system has "
+                     f"{system.geo.num_groups}")
+  if (trace.max_batch, trace.top_k) != (system.max_batch, system.geo.top_k):
+    raise ValueError(
+        f"trace selections are [batch={trace.max_batch}, k={trace.top_k}]; the system "
+        f"resolves [engine.max_batch={system.max_batch}, top_k={system.geo.top_k}]")
+  if system.num_logical < trace.num_logical:
+    raise ValueError(
+        f"memory.device_pool + memory.host_pool = {system.device_slots} + "
+        f"{system.host_slots} tokens hold {system.num_logical} logical addresses; the "
+        f"trace needs trace.num_logical={trace.num_logical}: raise the pools")
+
+
+_NOOP = 3  # a padding op of the replay program: leaves the metadata as it is
+
+
+def _bucket(n: int) -> int:
+  """``n`` rounded up to a power of two (at least 1): traces of similar length (the ranks
+  of one run) share one compiled replay program."""
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def _replay_ops(trace: SelectionTrace, chunk: int):
+  """The trace as a padded op list: a decode event is one op, a prefill or release event
+  one op per ``chunk`` of its addresses; the list is padded with no-op ops to a power of
+  two.
+
+  returns (kind [E] int32, step [E] int32: a decode op's step,
+           addrs [E, chunk] int32: a prefill/release op's addresses (INVALID after),
+           decode_op [T] int64: the op of each decode step)
+  """
+  kinds, steps, parts = [], [], []
+  decode_op = np.zeros((trace.num_steps,), np.int64)
+  for kind, ref, count in zip(trace.kind, trace.ref, trace.count):
+    if kind == DECODE:
+      decode_op[int(ref)] = len(kinds)
+      kinds.append(DECODE)
+      steps.append(int(ref))
+      parts.append(None)
+      continue
+    a = trace.addrs[int(ref):int(ref) + int(count)]
+    for i in range(0, a.shape[0], chunk):
+      kinds.append(int(kind))
+      steps.append(0)
+      parts.append(a[i:i + chunk])
+  E = _bucket(len(kinds))
+  kind = np.full((E,), _NOOP, np.int32)
+  kind[:len(kinds)] = kinds
+  step = np.zeros((E,), np.int32)
+  step[:len(steps)] = steps
+  addrs = np.full((E, chunk), INVALID, np.int32)
+  for i, part in enumerate(parts):
+    if part is not None:
+      addrs[i, :part.shape[0]] = part
+  return kind, step, addrs, decode_op
+
+
+def _replay_program(system: Ula):
+  """The jitted replay of ``system``: one ``lax.scan`` over the ops, each a
+  ``lax.switch`` on its kind; the layer groups' metadata stacked in one pytree and
+  updated together (``vmap``). returns stats [E, G, 3] int32: hits, misses and evictions
+  of the decode ops (zeros elsewhere)."""
+  prefill = jax.vmap(lambda m, a: system.prefill_meta(m, a, a >= 0)[0], (0, None))
+  release = jax.vmap(lambda m, a: system.release_meta(m, a, a >= 0), (0, None))
+  resolve = jax.vmap(system.resolve_meta, (0, 0, 0, None, None))
+
+  def program(kind, step, addrs, sel_addr, sel_valid, new_addr, active):
+    metas = jax.tree.map(lambda *xs: jnp.stack(xs), *system.init_meta())
+    none = jnp.zeros((sel_addr.shape[1], 3), jnp.int32)
+
+    def decode(metas, t, a):
+      metas, _, _, _, st = resolve(metas, sel_addr[t], sel_valid[t], new_addr[t], active[t])
+      return metas, jnp.stack([st["hits"], st["misses"], st["evictions"]], axis=1)
+
+    by_kind = {PREFILL: lambda m, t, a: (prefill(m, a), none), DECODE: decode,
+               RELEASE: lambda m, t, a: (release(m, a), none),
+               _NOOP: lambda m, t, a: (m, none)}
+    branches = [by_kind[k] for k in range(len(by_kind))]  # lax.switch indexes by kind
+
+    def body(metas, op):
+      k, t, a = op
+      return lax.switch(k, branches, metas, t, a)
+
+    return lax.scan(body, metas, (kind, step, addrs))[1]
+
+  return jax.jit(program)
+
+
+# Compiled replay programs of each system (held while the system lives), by padded shape.
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def replay(trace: SelectionTrace, system: Ula, *, chunk: int = 256) -> ReplayResult:
+  """Runs ``trace`` through ``system``'s metadata path (a ``ula.Ula``; its policy and
+  pool sizes decide). chunk: prefill/release addresses per op (static shape).
+
+  The whole trace runs as one compiled call (no host round trip per step); the program
+  is compiled once per system and padded shape, so the ranks of one run share it."""
+  trace.validate()
+  _check_fits(trace, system)
+  G, T = trace.num_groups, trace.num_steps
+  kind, step, addrs, decode_op = _replay_ops(trace, chunk)
+  Tp = _bucket(T)
+  sel_addr = np.full((Tp, *trace.sel_addr.shape[1:]), INVALID, np.int32)
+  sel_valid = np.zeros(sel_addr.shape, bool)
+  new_addr = np.full((Tp, trace.max_batch), INVALID, np.int32)
+  active = np.zeros(new_addr.shape, bool)
+  sel_addr[:T], sel_valid[:T] = trace.sel_addr, trace.sel_valid
+  new_addr[:T], active[:T] = trace.new_addr, trace.active
+  args = (kind, step, addrs, sel_addr, sel_valid, new_addr, active)
+  programs = _PROGRAMS.setdefault(system, {})
+  key = (addrs.shape, sel_addr.shape)
+  if key not in programs:
+    # Compiled ahead so the timed call holds only the replay itself.
+    programs[key] = _replay_program(system).lower(*args).compile()
+  args = jax.device_put(args)
+  t0 = time.perf_counter()
+  stats = jax.block_until_ready(programs[key](*args))
+  seconds = time.perf_counter() - t0
+  per_step = np.asarray(stats, np.int64)[decode_op] if T else np.zeros((0, G, 3), np.int64)
+  return ReplayResult(policy=system.policy_name, hits=per_step[..., 0],
+                      misses=per_step[..., 1], evictions=per_step[..., 2],
+                      resolve_seconds=seconds)
+
+
+def _with_policy(cfg: Any, policy: str) -> Any:
+  """A copy of the memory config with ``policy`` set (pydantic, dataclass or namespace)."""
+  if hasattr(cfg, "model_copy"):
+    return cfg.model_copy(update={"policy": policy})
+  if dataclasses.is_dataclass(cfg):
+    return dataclasses.replace(cfg, policy=policy)
+  return types.SimpleNamespace(**{**vars(cfg), "policy": policy})
+
+
+def system_for_trace(trace: SelectionTrace, cfg: Any, *, policy: str | None = None) -> Ula:
+  """A validated one-rank ``Ula`` sized by ``cfg`` (the ``memory`` section) for ``trace``."""
+  if policy is not None:
+    cfg = _with_policy(cfg, policy)
+  per_row = -(-trace.num_logical // trace.max_batch)
+  system = Ula(cfg, trace.geometry(), MeshInfo(1, 1), max_batch=trace.max_batch,
+               page_size=trace.page_size, max_context=per_row)
+  system.validate()
+  _check_fits(trace, system)
+  return system
+
+
+def compare_policies(trace: SelectionTrace, cfg: Any,
+                     policies: tuple[str, ...] = ("pb_lru", "lru")) -> dict:
+  """Replays ``trace`` under each policy with ``cfg``'s pool sizes.
+
+  returns {policy: ReplayResult.as_dict(), ..., "hit_rate_gap_pp": first minus second
+           policy's hit rate in percentage points}
+  """
+  return compare_policies_per_rank([trace], cfg, policies)[0]
+
+
+def compare_policies_per_rank(traces, cfg: Any,
+                              policies: tuple[str, ...] = ("pb_lru", "lru")) -> list[dict]:
+  """``compare_policies`` of each trace (the ranks of one run). Traces of the same
+  geometry and size replay on one system per policy, so they share its compiled replay."""
+  systems: dict = {}
+  out = []
+  for trace in traces:
+    sizes = (trace.geometry(), trace.num_logical, trace.max_batch, trace.page_size)
+    res: dict = {}
+    for p in policies:
+      if (p, sizes) not in systems:
+        systems[p, sizes] = system_for_trace(trace, cfg, policy=p)
+      res[p] = replay(trace, systems[p, sizes]).as_dict()
+    if len(policies) >= 2:
+      a, b = res[policies[0]]["hit_rate"], res[policies[1]]["hit_rate"]
+      res["hit_rate_gap_pp"] = 100.0 * (a - b)
+    out.append(res)
+  return out
