@@ -9,6 +9,7 @@ import types
 import pytest
 
 from ula_jax.bench import resolve
+from ula_jax.memory.ula.resolve.pallas import FUSED_CONFIG, ResolveConfig
 
 
 def test_resolve_benchmark_at_tiny_sizes(tmp_path, capsys):
@@ -42,6 +43,10 @@ def test_resolve_benchmark_at_tiny_sizes(tmp_path, capsys):
   assert count(rows[(64, "jnp")]) == count(rows[(64, "pallas")])
   assert count(rows[(64, "jnp")]) == count(rows[(64, "pallas[fused]")])
   assert rows[(64, "pallas[fused]")]["fused"] and not rows[(64, "pallas")]["fused"]
+  # --quick's blocks replace both launch forms' own (interpreted: one program)
+  assert rows[(64, "pallas[fused]")]["config"] == dict(block_elems=32, block_place=16,
+                                                       num_warps=4, fuse=True, per_sm=None)
+  assert rows[(64, "jnp")]["config"] is None
   assert rows[(64, "pallas[fused]")]["work"]["launches"] == "1 + fill"
   assert rows[(64, "pallas")]["work"]["launches"] == 5
   assert rows[(64, "pallas")]["kernels"] == [] and rows[(64, "pallas")]["device_us"] is None
@@ -107,6 +112,37 @@ def test_work_model_counts():
   for w in (lru, pb):
     assert w["bytes"] == 4 * (w["table_lookups"] + w["bitmap_words"] + w["pyramid_reads"]
                               + w["ranked"] + w["scratch_words"]) + 5 * M
+
+
+def test_pallas_launch_forms():
+  """``--pallas-fuse`` picks the launch forms ``kernels.resolve`` runs; the sweep flags
+  replace their fields, and the fused launch keeps three programs per SM only with
+  ``FUSED_CONFIG``'s own blocks (or when asked)."""
+  parse = lambda *argv: resolve._pallas_configs(resolve._parser().parse_args(list(argv)))
+  assert parse() == [("pallas", ResolveConfig())]
+  assert parse("--pallas-fuse", "off,on") == [("pallas", ResolveConfig()),
+                                              ("pallas[fused]", FUSED_CONFIG)]
+  swept = dict(parse("--pallas-fuse", "on", "--pallas-block-elems", "128,256"))
+  assert swept["pallas[e128,p8,w4,fused]"] == FUSED_CONFIG
+  assert swept["pallas[e256,p8,w4,fused]"] == ResolveConfig(fuse=True, block_elems=256,
+                                                            block_place=8)
+  (_, config), = parse("--pallas-fuse", "on", "--pallas-block-elems", "256",
+                       "--pallas-per-sm", "2")
+  assert (config.block_elems, config.per_sm, config.fuse) == (256, 2, True)
+  with pytest.raises(ValueError, match=r"--pallas-fuse='maybe'"):
+    parse("--pallas-fuse", "maybe")
+
+
+def test_summary_columns_per_launch_form(capsys):
+  rows = [dict(pool=64, batch=2, policy=p, impl=i, us=us) for p, i, us in (
+      ("pb_lru", "jnp", 30.0), ("lru", "jnp", 60.0), ("pb_lru", "pallas", 10.0),
+      ("lru", "pallas", 20.0), ("pb_lru", "pallas[e128,p8,w4,fused]", 8.0),
+      ("pb_lru", "pallas[e256,p8,w4,fused]", 9.0))]
+  assert [resolve._form(r["impl"]) for r in rows[2:]] == ["pallas", "pallas",
+                                                           "pallas_fused", "pallas_fused"]
+  resolve.print_summary({"rows": rows, "stream": {"k": 16}, "targets": []})
+  out = capsys.readouterr().out
+  assert "pallas_fused pb_lru" in out and "8.0" in out and "9.0" not in out
 
 
 def test_unknown_implementation_flag():

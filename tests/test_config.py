@@ -44,7 +44,7 @@ def cfg_of(**sections) -> ExperimentConfig:
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.parent.name)
 def test_every_experiment_file_validates_and_round_trips(path, tmp_path):
   cfg = load_config(path)
-  assert cfg.experiment.name == path.stem
+  assert cfg.experiment.name == path.parent.name
   resolved = write(tmp_path, config_to_yaml(cfg), "config.yaml")
   assert load_config(resolved) == cfg
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace as NS
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests.test_hisparse import W, Workload, local_state, prefill_fn, put_dp, step_fn
+from ula_jax.config.schema import FarTierConfig, MemoryConfig
 from ula_jax.core.compat import shard_map
 from ula_jax.memory import build_memory_system
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
@@ -21,9 +20,14 @@ GEO = KVGeometry(num_layers=3, group_size=2, entry_width=W, index_dim=4, top_k=4
 MODES = ("on_demand", "full_prefetch")
 
 
-def make_cfg(mode="on_demand", link="cxl", far_devices=1, far_pool=None, device_pool=None):
-  return NS(system="far_tier", device_pool=device_pool, host_pool=0,
-            far_tier=NS(mode=mode, link=link, num_far_devices=far_devices, far_pool=far_pool))
+def make_cfg(mode="on_demand", link="cxl", far_devices=1, far_pool=None, device_pool=None, *,
+             check=True) -> MemoryConfig:
+  """check=False: the far_tier values skip the schema's checks and reach FarTier as
+  given, so its own checks are the ones under test."""
+  far_tier = (FarTierConfig if check else FarTierConfig.model_construct)(
+      mode=mode, link=link, num_far_devices=far_devices, far_pool=far_pool)
+  return MemoryConfig(system="far_tier", device_pool=device_pool, host_pool=0,
+                      far_tier=far_tier)
 
 
 def make_system(cfg, dp=1, tp=1, max_batch=3, page_size=4, max_context=40):
@@ -206,10 +210,10 @@ def test_modeled_figures_from_a_run(rng):
 
 
 @pytest.mark.parametrize("cfg, match", [
-    (make_cfg(mode="lazy"), r"memory.far_tier.mode='lazy': expected one of "
-                            r"\['on_demand', 'full_prefetch'\]"),
-    (make_cfg(link="nvlink"), r"memory.far_tier.link='nvlink': expected one of"),
-    (make_cfg(far_devices=0), r"memory.far_tier.num_far_devices=0: must be >= 1"),
+    (make_cfg(mode="lazy", check=False), r"memory.far_tier.mode='lazy': expected one of "
+                                         r"\['on_demand', 'full_prefetch'\]"),
+    (make_cfg(link="nvlink", check=False), r"memory.far_tier.link='nvlink': expected one of"),
+    (make_cfg(far_devices=0, check=False), r"memory.far_tier.num_far_devices=0: must be >= 1"),
     (make_cfg(far_pool=3), r"far_tier \(on_demand\) holds 0 tokens per dp rank, fewer than "
                            r"one page \(engine.page_size=4\); raise memory.far_tier.far_pool"),
     (make_cfg("full_prefetch", far_pool=400, device_pool=3),

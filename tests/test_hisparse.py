@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace as NS
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ula_jax.config.schema import HiSparseConfig, MemoryConfig
 from ula_jax.core.compat import shard_map
 from ula_jax.memory import build_memory_system
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
@@ -21,9 +20,14 @@ GEO = KVGeometry(num_layers=3, group_size=2, entry_width=W, index_dim=4, top_k=4
                  kv_dtype="float32")
 
 
-def make_cfg(buffer=6, ratio=10.0, top_k=None, device_pool=None, host_pool=None):
-  return NS(system="hisparse", device_pool=device_pool, host_pool=host_pool,
-            hisparse=NS(top_k=top_k, device_buffer_size=buffer, host_to_device_ratio=ratio))
+def make_cfg(buffer=6, ratio=10.0, top_k=None, device_pool=None, host_pool=0, *,
+             check=True) -> MemoryConfig:
+  """check=False: the hisparse values skip the schema's checks and reach HiSparse as
+  given, so its own checks are the ones under test."""
+  hisparse = (HiSparseConfig if check else HiSparseConfig.model_construct)(
+      top_k=top_k, device_buffer_size=buffer, host_to_device_ratio=ratio)
+  return MemoryConfig(system="hisparse", device_pool=device_pool, host_pool=host_pool,
+                      hisparse=hisparse)
 
 
 def make_system(cfg=None, geo=GEO, dp=1, tp=1, max_batch=3, page_size=4, max_context=64):
@@ -334,8 +338,8 @@ def test_accounting_hand_case_against_resident():
   geo = KVGeometry(num_layers=4, group_size=2, entry_width=W, index_dim=4, top_k=2,
                    kv_dtype="float32")
   his = make_system(make_cfg(buffer=4, ratio=4.0), geo=geo, max_batch=2, page_size=4)
-  res_sys = Resident(NS(system="resident", device_pool=64), geo, MeshInfo(1, 1), max_batch=2,
-                     page_size=4, max_context=32)
+  res_sys = Resident(MemoryConfig(system="resident", device_pool=64), geo, MeshInfo(1, 1),
+                     max_batch=2, page_size=4, max_context=32)
   addrs = np.arange(8, dtype=np.int32)
   valid = addrs < 7
   entries = tuple(np.ones((8, W), np.float32) * l for l in range(4))
@@ -400,7 +404,7 @@ def test_sizes_follow_hisparse_config():
 @pytest.mark.parametrize("cfg, match", [
     (make_cfg(top_k=8), r"memory.hisparse.top_k=8: must equal the model's index_topk=4"),
     (make_cfg(buffer=3), r"memory.hisparse.device_buffer_size=3: must be >= top_k=4"),
-    (make_cfg(ratio=0.0), r"memory.hisparse.host_to_device_ratio=0.0: must be > 0"),
+    (make_cfg(ratio=0.0, check=False), r"memory.hisparse.host_to_device_ratio=0.0: must be > 0"),
     (make_cfg(device_pool=10), r"memory.device_pool holds 10 tokens per device, fewer than "
                                r"max_batch x \(device_buffer_size \+ 1\) = 3 x 7 = 21"),
     (make_cfg(host_pool=3), r"host pool holds 0 tokens per device, fewer than one page"),

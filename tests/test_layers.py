@@ -141,3 +141,11 @@ def test_registry_names_the_class_for_each_mesh():
   assert registry.system_class("resident", 1) is registry.system_class("resident", 4)
   with pytest.raises(ValueError, match=r"memory.system='nope': expected one of"):
     registry.system_class("nope")
+
+
+def test_every_package_folder_is_a_package():
+  # setuptools' find_packages skips a folder without __init__.py: a wheel would lack it.
+  missing = [str(d.relative_to(ROOT.parent)) for d in ROOT.rglob("*")
+             if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))
+             and not (d / "__init__.py").is_file()]
+  assert not missing, missing

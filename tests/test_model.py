@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh
 
+from ula_jax.config.schema import MemoryConfig
 from ula_jax.kernels.sparse_attention import sparse_mla_attention
 from ula_jax.core.addressing import addrs_of_positions, all_addrs
 from ula_jax.core.types import INVALID, MeshInfo
@@ -193,7 +194,7 @@ class Rig:
 def make_rig(cfg: ModelConfig, model: tfm.Transformer | None = None) -> Rig:
   model = tfm.Transformer(cfg) if model is None else model
   graphdef, _ = nnx.split(model)
-  mem = Resident(None, cfg.kv_geometry(), MeshInfo(dp=1, tp=1), max_batch=B,
+  mem = Resident(MemoryConfig(), cfg.kv_geometry(), MeshInfo(dp=1, tp=1), max_batch=B,
                  page_size=PAGE, max_context=T_MAX)
   mesh = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("dp", "tp"))
 

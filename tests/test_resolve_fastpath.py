@@ -12,7 +12,6 @@ both kinds of step must leave identical states with the fast path on and off.
 from __future__ import annotations
 
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 
 from tests.test_resolve_kernel import assert_identical, random_step
+from ula_jax.config.schema import MemoryConfig
 from ula_jax.config.schema import KernelsConfig
 from ula_jax.memory.ula.resolve import resolve_group
 from ula_jax.memory.ula.resolve.fastpath import all_hit, resolve_all_hit, resolve_speculative
@@ -36,8 +36,8 @@ PALLAS_CONFIG = ResolveConfig(block_elems=32, block_place=16)
 
 @functools.lru_cache(maxsize=None)
 def system_for(policy: str, device: int, host: int, B: int, k: int) -> Ula:
-  cfg = types.SimpleNamespace(system="ula", device_pool=device, host_pool=host,
-                              policy=policy, pb_lru_buckets=2)
+  cfg = MemoryConfig(system="ula", device_pool=device, host_pool=host,
+                     policy=policy, pb_lru_buckets=2)
   geo = KVGeometry(num_layers=1, group_size=1, entry_width=4, index_dim=2, top_k=k,
                    kv_dtype="float32")
   system = Ula(cfg, geo, MeshInfo(1, 1), max_batch=B, page_size=4, max_context=8)
@@ -275,8 +275,8 @@ def test_sequence_pallas_interpret(rng):
 
 def test_config_field_reaches_the_system():
   assert KernelsConfig().resolve_fast_path is True
-  cfg = types.SimpleNamespace(system="ula", device_pool=48, host_pool=24, policy="lru",
-                              pb_lru_buckets=2)
+  cfg = MemoryConfig(system="ula", device_pool=48, host_pool=24, policy="lru",
+                     pb_lru_buckets=2)
   geo = KVGeometry(num_layers=1, group_size=1, entry_width=4, index_dim=2, top_k=5,
                    kv_dtype="float32")
   build = functools.partial(build_memory_system, cfg, geo, MeshInfo(1, 1), max_batch=3,

@@ -6,8 +6,8 @@ across rows, invalid and out-of-range entries, addresses that are neither stored
 new, new tokens that are selected, repeated or already stored. Both implementations
 start each step from the same state and must return identical arrays: table, owners,
 host free bitmap, policy state (every summary level), slots, plan and stats. The
-kernels' fresh outputs are poisoned first (``ResolveConfig.poison``), so an element
-they fail to write shows up.
+kernels' fresh outputs are poisoned first (``resolve_group_pallas(poison=...)``), so an
+element they fail to write shows up.
 
 ``TestResolvePallasGpu`` runs the kernels through Triton (a GPU); its interpret-mode
 twin reruns every case on CPU. The reference itself is checked on a hand-computed step.
@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ula_jax.config.schema import MemoryConfig
 from ula_jax.memory.ula.resolve import IMPLS, resolve_group
 from ula_jax.memory.ula.resolve import pallas as pallas_module
-from ula_jax.memory.ula.resolve.pallas import FUSED_CONFIG, ResolveConfig, resolve_group_pallas
+from ula_jax.memory.ula.resolve.pallas import (FUSED_CONFIG, ResolveConfig, fused_programs,
+                                               resolve_group_pallas,
+                                               resolve_group_pallas_fused)
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
 from ula_jax.memory.ula.policies import bitmap
 from ula_jax.memory.ula.dp import Ula, UlaState
@@ -36,7 +38,8 @@ POISON = 1_234_567_891  # no slot, address, count or INVALID has this value
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One geometry: sizes, policy and kernel blocks (small blocks: several programs)."""
+  """One geometry: sizes, policy and kernel blocks (small blocks: several programs);
+  ``programs``: the fused launch's (None: every SM's resident share)."""
 
   policy: str
   device: int
@@ -45,13 +48,14 @@ class Case:
   k: int
   buckets: int = 2
   fill: float = 0.9  # fraction of the logical addresses stored before the steps
-  config: ResolveConfig = ResolveConfig(block_elems=32, block_place=16, poison=POISON)
+  config: ResolveConfig = ResolveConfig(block_elems=32, block_place=16)
+  programs: int | None = None
 
 
 @functools.lru_cache(maxsize=None)
 def system_for(case: Case) -> Ula:
-  cfg = types.SimpleNamespace(system="ula", device_pool=case.device, host_pool=case.host,
-                              policy=case.policy, pb_lru_buckets=case.buckets)
+  cfg = MemoryConfig(system="ula", device_pool=case.device, host_pool=case.host,
+                     policy=case.policy, pb_lru_buckets=case.buckets)
   geo = KVGeometry(num_layers=1, group_size=1, entry_width=4, index_dim=2, top_k=case.k,
                    kv_dtype="float32")
   system = Ula(cfg, geo, MeshInfo(1, 1), max_batch=case.B, page_size=4, max_context=8)
@@ -126,7 +130,7 @@ CASES = {
     # the same in one launch (kernels.resolve=pallas_fused)
     "pb_lru_fused": Case("pb_lru", device=40000, host=3000, B=3, k=37, buckets=3,
                          fill=0.95, config=ResolveConfig(block_elems=32, block_place=16,
-                                                         fuse=True, poison=POISON)),
+                                                         fuse=True)),
     "lru": Case("lru", device=150, host=250, B=3, k=37),
     # batch 1, k far from the block, a 4-slot device pool
     "batch1": Case("pb_lru", device=4, host=4, B=1, k=3, fill=0.75),
@@ -139,7 +143,8 @@ class ResolvePallasCases:
   INTERPRET = False
 
   def resolve(self, case: Case, system: Ula, *args):
-    return resolve_group_pallas(system, *args, config=case.config, interpret=self.INTERPRET)
+    return resolve_group_pallas(system, *args, config=case.config, interpret=self.INTERPRET,
+                                programs=case.programs, poison=POISON)
 
   def check_steps(self, case: Case, rng: np.random.Generator, steps: int, step_fn=None):
     system = system_for(case)
@@ -184,20 +189,15 @@ class ResolvePallasCases:
 class TestResolvePallasGpu(ResolvePallasCases):
   INTERPRET = False
 
-  @pytest.mark.parametrize("policy,fuse", [("pb_lru", True), ("pb_lru", False),
-                                           ("lru", False)])
-  def test_full_size(self, policy, fuse, rng):
-    """Batch 64, k = 2048, a 256K-slot device pool, default blocks."""
+  @pytest.mark.parametrize("policy,config", [
+      ("pb_lru", FUSED_CONFIG),  # kernels.resolve=pallas_fused: three programs per SM
+      ("pb_lru", ResolveConfig(fuse=True)),  # one launch, the blocks of four, two per SM
+      ("pb_lru", ResolveConfig()),  # kernels.resolve=pallas
+      ("lru", ResolveConfig())], ids=["fused", "fused_default_blocks", "pb_lru", "lru"])
+  def test_full_size(self, policy, config, rng):
+    """Batch 64, k = 2048, a 256K-slot device pool, the launches ``kernels.resolve``
+    runs (the one launch also with the four launches' blocks)."""
     case = Case(policy, device=1 << 18, host=1 << 18, B=64, k=2048, buckets=4, fill=0.9,
-                config=ResolveConfig(fuse=fuse, poison=POISON))
-    assert self.check_steps(case, rng, steps=2) > 0
-
-  def test_full_size_fused_three_per_sm(self, rng):
-    """The one launch with 128-entry mark blocks and 8-entry place blocks, three
-    programs per SM (what its 168 registers per thread allow)."""
-    config = ResolveConfig(fuse=True, block_elems=128, block_place=8, per_sm=3,
-                           poison=POISON)
-    case = Case("pb_lru", device=1 << 18, host=1 << 18, B=64, k=2048, buckets=4, fill=0.9,
                 config=config)
     assert self.check_steps(case, rng, steps=2) > 0
 
@@ -205,20 +205,17 @@ class TestResolvePallasGpu(ResolvePallasCases):
   def test_fused_few_programs(self, programs, rng):
     """The fused launch with fewer programs than virtual ones: every program loops
     over several blocks of each stage (one program: no barrier at all)."""
-    base = CASES["pb_lru_fused"]
-    case = dataclasses.replace(base, config=dataclasses.replace(base.config,
-                                                                programs=programs))
+    case = dataclasses.replace(CASES["pb_lru_fused"], programs=programs)
     assert self.check_steps(case, rng, steps=2) > 0
 
   def test_fused_programs_must_be_resident(self):
     case = CASES["pb_lru_fused"]
-    config = dataclasses.replace(case.config, programs=100_000)
     system = system_for(case)
     meta = system.init_group_meta()
     sel = jnp.zeros((case.B, case.k), jnp.int32)
     with pytest.raises(ValueError, match="programs=100000.*resident"):
       resolve_group_pallas(system, meta, sel, sel >= 0, sel[:, 0], sel[:, 0] >= 0,
-                           config=config, interpret=False)
+                           config=case.config, interpret=False, programs=100_000)
 
 
 class TestResolvePallasInterpret(ResolvePallasCases):
@@ -323,7 +320,6 @@ def test_pallas_rejects_bad_shapes(shapes, match):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(programs=0), r"ResolveConfig.programs=0: expected a positive integer"),
     (dict(fuse="yes"), r"ResolveConfig.fuse='yes': expected true or false"),
     (dict(per_sm=0), r"ResolveConfig.per_sm=0: expected None or an integer in \[1, 16\]"),
     (dict(per_sm=2.5), r"ResolveConfig.per_sm=2.5: expected None"),
@@ -342,9 +338,30 @@ def test_fused_launch_programs_per_sm():
   assert (FUSED_CONFIG.block_elems, FUSED_CONFIG.block_place) == (128, 8)
 
 
-def test_interpreted_fused_launch_is_one_program():
+def test_fused_programs():
   """Interpreted programs run one after another: a grid barrier between two of them
-  could never complete, so interpret mode takes one program and rejects more."""
-  assert ResolveConfig().fused_programs(interpret=True) == 1
-  with pytest.raises(ValueError, match=r"ResolveConfig.programs=4: interpret mode"):
-    ResolveConfig(programs=4).fused_programs(interpret=True)
+  could never complete, so interpret mode takes one program and rejects more. A device
+  that does not report its SMs (this CPU) needs the count given."""
+  assert fused_programs(FUSED_CONFIG, interpret=True) == 1
+  assert fused_programs(FUSED_CONFIG, interpret=True, programs=1) == 1
+  with pytest.raises(ValueError, match=r"programs=4: interpret mode"):
+    fused_programs(FUSED_CONFIG, interpret=True, programs=4)
+  with pytest.raises(ValueError, match=r"programs=0: expected a positive integer"):
+    fused_programs(FUSED_CONFIG, interpret=True, programs=0)
+  if getattr(jax.local_devices()[0], "core_count", None) is None:
+    assert fused_programs(FUSED_CONFIG, interpret=False, programs=8) == 8
+    with pytest.raises(ValueError, match=r"programs=None: the device does not report"):
+      fused_programs(FUSED_CONFIG, interpret=False)
+
+
+def test_fused_entry_passes_programs_and_checks_poison():
+  """``kernels.resolve=pallas_fused``'s entry takes ``FUSED_CONFIG`` and hands its
+  ``programs`` to the launch (interpreted: one, checked before anything is traced)."""
+  case = CASES["pb_lru_fused"]
+  system = system_for(case)
+  sel = jnp.zeros((case.B, case.k), jnp.int32)
+  args = (system.init_group_meta(), sel, sel >= 0, sel[:, 0], sel[:, 0] >= 0)
+  with pytest.raises(ValueError, match=r"programs=4: interpret mode"):
+    resolve_group_pallas_fused(system, *args, interpret=True, programs=4)
+  with pytest.raises(ValueError, match=r"poison=True: expected None or an int32 value"):
+    resolve_group_pallas(system, *args, config=case.config, interpret=True, poison=True)

@@ -1,11 +1,11 @@
-"""The warp-specialised Mosaic GPU sparse MLA attention against the jnp reference.
+"""The Mosaic GPU sparse MLA attention against the jnp reference.
 
 ``TestSparseAttentionMosaicGpu`` runs the kernel on a Hopper GPU (fresh random inputs,
 invalid and out-of-range slots, an empty row, every output checked finite and against
 the reference). Mosaic GPU's interpret mode cannot run this kernel (no transposed
 shared-memory operand, register operand or layout cast, and the producer is inline
 Mosaic GPU code), so on CPU the tests check what can be checked there: that it lowers
-for CUDA for every launch, and its configuration errors.
+for CUDA for every launch, its inputs' preparation and its configuration errors.
 """
 
 from __future__ import annotations
@@ -20,17 +20,10 @@ from ula_jax.kernels.sparse_attention.mosaic import (MosaicAttentionConfig,
                                                      sparse_mla_attention_mosaic)
 
 H, DL, DR = mosaic.HEADS, mosaic.LATENT, mosaic.ROPE
-CONFIGS = [MosaicAttentionConfig(producer=True),
-           MosaicAttentionConfig(num_splits=1, producer=True),
-           MosaicAttentionConfig(num_splits=3, producer=True), MosaicAttentionConfig(),
-           MosaicAttentionConfig(num_splits=3), MosaicAttentionConfig(block_k=32),
-           MosaicAttentionConfig(num_splits=1, block_k=32), MosaicAttentionConfig(rows=True),
-           MosaicAttentionConfig(num_splits=3, rows=True),
-           MosaicAttentionConfig(rows=True, producer=True),
-           MosaicAttentionConfig(num_splits=3, rows=True, producer=True,
-                                 consumer_registers=240)]
-config_id = lambda c: (f"s{c.num_splits}{'' if c.producer else '-two'}-k{c.block_k}"
-                       f"{'-rows' if c.rows else ''}")
+CONFIGS = [MosaicAttentionConfig(), MosaicAttentionConfig(num_splits=1),
+           MosaicAttentionConfig(num_splits=3),
+           MosaicAttentionConfig(num_splits=3, consumer_registers=232)]
+config_id = lambda c: f"s{c.num_splits}-r{c.consumer_registers}"
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
@@ -58,63 +51,44 @@ def test_register_split_never_asks_for_more_than_the_launch_gives(consumer, prod
   # 384 threads launch with 168 registers each; a setmaxnreg increase waits for free
   # registers, so the consumers' increase must be covered by the producer's decrease
   # (232 for the consumers with 48 for the producer hung on an H200).
-  config = MosaicAttentionConfig(consumer_registers=consumer, producer=True)
+  config = MosaicAttentionConfig(consumer_registers=consumer)
   assert config.producer_registers() == producer
   assert 2 * 128 * consumer + 128 * producer <= 168 * 3 * 128
 
 
-def test_block_k_needs_no_producer_for_32_rows():
-  with pytest.raises(ValueError, match="block_k=32: expected 64, or 32 without a producer"):
-    MosaicAttentionConfig(block_k=32, producer=True)
-  with pytest.raises(ValueError, match="block_k=16"):
-    MosaicAttentionConfig(block_k=16)
-  assert MosaicAttentionConfig(block_k=32).ring() == (32, 4, 64)
-  assert not MosaicAttentionConfig().producer  # the faster form on an H200
-
-
-def test_rows_form_takes_64_row_tiles():
-  with pytest.raises(ValueError, match=r"rows=True takes block_k=64 \(got block_k=32\)"):
-    MosaicAttentionConfig(rows=True, block_k=32)
-  assert MosaicAttentionConfig(rows=True, producer=True).producer_registers() == 40
-  with pytest.raises(ValueError, match="rows=1: expected true or false"):
-    MosaicAttentionConfig(rows=1)
-  # Queries and two ring tiles (72 KB each), both warpgroups' probabilities (4 KB each)
-  # and the meta buffer (slot lists, maxima, validity bits: 1 KB).
-  assert mosaic.smem_bytes(MosaicAttentionConfig(rows=True)) == 3 * 72 * 1024 + 9 * 1024
-  # A producer leaves a split its whole k (batch 128, k 2048: 64 more words of bits).
-  rows = MosaicAttentionConfig(rows=True, producer=True)
-  assert mosaic.smem_bytes(rows, split_rows=2048) == 3 * 72 * 1024 + 9 * 1024 + 128
+def test_defaults_are_the_engine_launch():
+  assert mosaic.FASTEST == MosaicAttentionConfig()
+  assert mosaic.FASTEST.consumer_registers == 240 and mosaic.FASTEST.producer_registers() == 24
+  assert MosaicAttentionConfig().splits(64) == 2 and MosaicAttentionConfig().splits(128) == 1
+  assert MosaicAttentionConfig(num_splits=3).splits(256) == 3
 
 
 def test_shared_memory_fits_an_h200_block():
-  for config in CONFIGS:
-    assert mosaic.smem_bytes(config) <= 227 * 1024
-  assert MosaicAttentionConfig().splits(64) == 2 and MosaicAttentionConfig().splits(128) == 1
+  # Queries and two ring tiles (72 KB each), both warpgroups' probabilities (4 KB each)
+  # and the meta buffer (slot lists, maxima, validity bits: 1 KB).
+  assert mosaic.smem_bytes(1024) == 3 * 72 * 1024 + 9 * 1024
+  # One split of the whole k (batch 128, k 2048): 64 more words of bits.
+  assert mosaic.smem_bytes(2048) == 3 * 72 * 1024 + 9 * 1024 + 128
+  assert mosaic.smem_bytes(16384) <= 227 * 1024
 
 
-@pytest.mark.parametrize("config", [MosaicAttentionConfig(rows=True, producer=True),
+@pytest.mark.parametrize("config", [MosaicAttentionConfig(),
                                     MosaicAttentionConfig(num_splits=3)], ids=config_id)
-@pytest.mark.parametrize("parts", [False, True], ids=["concatenated", "parts"])
-def test_prepared_inputs(rng, monkeypatch, config, parts):
-  """The kernel's inputs: slot lists clamped, 0 where not valid and padded to whole
-  rounds of the ring per split (with ``_QUERY_PARTS`` the rows forms' queries in their
-  two parts as given); bit i of word w the validity of entry 32 w + i."""
-  monkeypatch.setattr(mosaic, "_QUERY_PARTS", parts)
-  parts = parts and config.rows
+def test_prepared_inputs(rng, config):
+  """The kernel's inputs: the queries' latent and rope parts as given (bf16), slot lists
+  clamped, 0 where not valid and padded to whole rounds of the ring per split; bit i of
+  word w the validity of entry 32 w + i."""
   B, k, S = 2, 200, 50
   slots = rng.integers(-10, 2 * S, (B, k)).astype(np.int32)
   valid = rng.random((B, k)) < 0.7
-  q, sl, bits = mosaic._prepare(jnp.ones((B, H, DL)), jnp.zeros((B, H, DR)), S,
-                                jnp.asarray(slots), jnp.asarray(valid), config)
-  splits, (bk, stages, _) = config.splits(B), config.ring()
-  tiles = stages * -(-k // (stages * bk * splits))
-  if parts:  # the latent and rope parts as they are
-    q_lat, q_rope = q
-    assert q_lat.dtype == q_rope.dtype == jnp.bfloat16
-    assert q_lat.shape == (B, H, DL) and q_rope.shape == (B, H, DR)
-    q = jnp.concatenate([q_lat, q_rope], axis=-1)
-  assert q.dtype == jnp.bfloat16 and q.shape == (B, H, DL + DR)
-  assert not np.asarray(q[..., DL:]).any() and np.asarray(q[..., :DL] == 1).all()
+  (q_lat, q_rope), sl, bits = mosaic._prepare(
+      jnp.ones((B, H, DL)), jnp.zeros((B, H, DR)), S, jnp.asarray(slots),
+      jnp.asarray(valid), config)
+  splits, bk = config.splits(B), mosaic.BLOCK_K
+  tiles = mosaic.STAGES * -(-k // (mosaic.STAGES * bk * splits))
+  assert q_lat.dtype == q_rope.dtype == jnp.bfloat16
+  assert q_lat.shape == (B, H, DL) and q_rope.shape == (B, H, DR)
+  assert not np.asarray(q_rope).any() and np.asarray(q_lat == 1).all()
   assert sl.shape == (B, splits, tiles, bk)
   kp = splits * tiles * bk
   want = np.zeros((B, kp), np.int32)
@@ -137,6 +111,25 @@ def test_shapes_are_checked():
                                 jnp.zeros((8, DL + DR), jnp.bfloat16),
                                 jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4), bool),
                                 scale=0.1)
+  with pytest.raises(ValueError, match="pool.dtype=float32: the Mosaic kernel takes "
+                     "bfloat16 pools"):
+    sparse_mla_attention_mosaic(jnp.zeros((1, H, DL)), jnp.zeros((1, H, DR)),
+                                jnp.zeros((8, DL + DR), jnp.float32),
+                                jnp.zeros((1, 4), jnp.int32), jnp.ones((1, 4), bool),
+                                scale=0.1)
+
+
+def test_probe_diagnostics_are_arguments():
+  """The probes' diagnostics lower as arguments of ``sparse_mla_attention_probe``; the
+  production entry points take none of them."""
+  import inspect
+  for fn in (mosaic.sparse_mla_attention_mosaic, mosaic.sparse_mla_attention_fastest):
+    assert not {"ablation", "tile_step", "profile"} & set(inspect.signature(fn).parameters)
+  for ablation in mosaic.ABLATIONS:
+    assert "mosaic_gpu" in mosaic.lower_for_cuda(ablation=ablation)
+  with pytest.raises(ValueError, match=r"ablation='noload': expected None or one of "
+                     r"\['compute', 'gather'\]"):
+    mosaic.lower_for_cuda(ablation="noload")
 
 
 @pytest.mark.gpu
@@ -151,18 +144,14 @@ class TestSparseAttentionMosaicGpu:
     assert_close(got, reference(*args, scale=scale), jnp.bfloat16)
     assert not np.asarray(got[1]).any()  # the empty row
 
-  @pytest.mark.parametrize("parts", [True, False], ids=["parts", "concatenated"])
   @pytest.mark.parametrize("B, k, S", [(3, 200, 300), (8, 2048, 20000)])
-  def test_query_parts(self, rng, monkeypatch, parts, B, k, S):
-    """The row form with a producer, its queries in two parts or concatenated, junk
-    anywhere in int32 where not valid."""
-    monkeypatch.setattr(mosaic, "_QUERY_PARTS", parts)
+  def test_junk_where_not_valid(self, rng, B, k, S):
+    """The engine's launch (``FASTEST``) with junk anywhere in int32 where not valid."""
     q_lat, q_rope, pool, slots, valid = make_inputs(rng, B, H, DL, DR, S, k, jnp.bfloat16)
     junk = rng.choice(np.asarray([-1, S, 2**31 - 1, -2**31, 1 << 20], np.int32), (B, k))
     slots = jnp.where(valid, slots, jnp.asarray(junk))
     args = (q_lat, q_rope, pool, slots, valid)
-    config = MosaicAttentionConfig(rows=True, producer=True, consumer_registers=240)
-    got = sparse_mla_attention_mosaic(*args, scale=0.05, config=config)
+    got = sparse_mla_attention_mosaic(*args, scale=0.05, config=mosaic.FASTEST)
     assert_close(got, reference(*args, scale=0.05), jnp.bfloat16)
     assert not np.asarray(got[1]).any()  # the empty row
 
@@ -176,7 +165,7 @@ class TestSparseAttentionMosaicGpu:
 def _script(name: str):
   import importlib.util
   import pathlib
-  path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "probes" / f"{name}.py"
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -185,34 +174,21 @@ def _script(name: str):
 
 def test_gpu_diagnostic_scripts_lower_for_cuda():
   """The probe's partial tile steps and the TMA row gathers lower for CUDA; their modes
-  and variants are checked."""
+  and variants are checked. The probe sets nothing in the kernel's module."""
   import jax
   probe = _script("gpu_mosaic_probe")
-  rows = MosaicAttentionConfig(rows=True, producer=True)
-  try:
-    for variant in probe.VARIANTS:
-      mosaic._tile_step = probe._tile_step(variant)
-      mosaic._rows_tile_step = probe._rows_tile_step(variant)
-      assert "mosaic_gpu" in mosaic.lower_for_cuda(config=MosaicAttentionConfig())
-      assert "mosaic_gpu" in mosaic.lower_for_cuda(config=rows)
-    mosaic._IN_FLIGHT, mosaic._VOLATILE_BASE, mosaic._DYNAMIC_DESCRIPTORS = 2, False, False
-    assert "mosaic_gpu" in mosaic.lower_for_cuda(config=rows)
-    mosaic._QUERY_PARTS = not probe._PARTS
-    for config in (rows, MosaicAttentionConfig(rows=True)):
-      assert "mosaic_gpu" in mosaic.lower_for_cuda(config=config)
-  finally:
-    mosaic._QUERY_PARTS = probe._PARTS
-    mosaic._tile_step, mosaic._rows_tile_step = probe._TILE_STEP, probe._ROWS_TILE_STEP
-    mosaic._IN_FLIGHT, mosaic._VOLATILE_BASE = probe._IN_FLIGHT, probe._VOLATILE
-    mosaic._DYNAMIC_DESCRIPTORS = probe._DYNAMIC
-  assert probe._parse_variant("scores_only+c+f3+nz+k16+dd") == (
-      "scores_only", True, False, 3, True, True, True, False)
-  assert probe._parse_variant("full+sd")[6] is False
-  assert probe._parse_variant("full")[6] is None
-  assert probe._parse_variant("full+qc") == ("full", False, False, None, False, False, None,
-                                             True)
-  with pytest.raises(ValueError, match="expected one of"):
-    probe._parse_variant("full+dd+sd")
+  before = dict(vars(mosaic))
+  assert probe.tile_step("full") is None  # the kernel's own
+  for variant in probe.VARIANTS[1:]:
+    for ablation in (None, "compute"):
+      assert "mosaic_gpu" in mosaic.lower_for_cuda(tile_step=probe.tile_step(variant),
+                                                   ablation=ablation)
+  assert dict(vars(mosaic)) == before
+  assert probe._parse_variant("scores_only+c") == ("scores_only", True)
+  assert probe._parse_variant("full") == ("full", False)
+  for bad in ("full+c+c", "full+qc", "full+f2", "rows"):
+    with pytest.raises(ValueError, match="expected one of"):
+      probe._parse_variant(bad)
   rate = _script("gpu_wgmma_rate")
   for source in ("rs", "ss"):
     f = jax.jit(rate.rate_kernel(source, 64, 2, calls=8, in_flight=1))
@@ -243,13 +219,13 @@ def test_gpu_diagnostic_scripts_lower_for_cuda():
 
 def test_probe_timeline_and_modes(capsys):
   """The probe's trace summary (``--timeline``) on a two-warpgroup trace, and its
-  ``--cupti`` options' errors."""
+  options' errors."""
   probe = _script("gpu_mosaic_probe")
   ev = lambda tid, name, ph, ts: {"tid": tid, "name": name, "ph": ph, "ts": ts, "pid": 1}
   events = [ev(1, "c_wait", "B", 100.0), ev(1, "c_wait", "E", 100.5),
             ev(1, "c_wait", "B", 101.0), ev(1, "c_wait", "E", 101.25),
             ev(2, "c_wait", "B", 100.002), ev(2, "c_wait", "E", 100.102)]
-  rows = {r["scope"]: r for r in probe.trace_rows("t1p1r240", 64, 2048, events)}
+  rows = {r["scope"]: r for r in probe.trace_rows("auto", 64, 2048, events)}
   assert rows["(start spread)"]["ns"] == pytest.approx(2.0)
   wait = rows["c_wait"]
   assert wait["count"] == 3
@@ -257,10 +233,11 @@ def test_probe_timeline_and_modes(capsys):
       (100, 250, 500))
   assert wait["cycles_per_warpgroup_max"] == pytest.approx(750)
   assert "c_wait" in capsys.readouterr().out
-  for argv, match in ((["--cupti", "64", "--paths", "both"], "--paths='both'"),
-                      (["--cupti", "64", "--issuers", "3"], "--issuers='3'")):
+  for argv, match in ((["--cupti", "64", "--ks", "0"], "--ks='0'"),
+                      (["--variants", "full+nw"], "'full\\+nw': expected one of"),
+                      (["--configs", "t1p1r240"], "--mosaic-configs: 't1p1r240'")):
     with pytest.raises(ValueError, match=match):
-      probe.main(["--configs", "t1p1r240", *argv])
+      probe.main(argv)
 
 
 def test_engine_dispatch_refuses_mosaic_off_a_gpu():

@@ -121,28 +121,6 @@ class SparseAttentionPallasCases:
     assert_close(got, merge_splits(o, lse), jnp.float32)
     assert not np.asarray(got[1, 4]).any()
 
-  def test_ablations(self, rng):
-    """'compute' attends over the first block at every step: attention over repeated
-    keys is attention over one copy of them. 'gather' only reads each block, for the
-    mean over blocks of its largest latent plus its largest rope value."""
-    B, H, Dl, Dr, S, k, bk = 2, 16, 32, 16, 50, 48, 16
-    q_lat, q_rope, pool, slots, valid = make_inputs(rng, B, H, Dl, Dr, S, k, jnp.bfloat16,
-                                                    p_valid=1.0, empty_row=False)
-    run = lambda ablation, splits: jax.jit(functools.partial(
-        sparse_mla_attention_pallas, scale=0.2, interpret=self.INTERPRET,
-        config=AttentionConfig(num_splits=splits, block_k=bk), ablation=ablation))(
-            q_lat, q_rope, pool, slots, valid)
-    want = reference(q_lat, q_rope, pool, slots[:, :bk], valid[:, :bk], scale=0.2)
-    assert_close(run("compute", 1), want, jnp.bfloat16)
-    rows = np.asarray(pool, np.float32)[np.asarray(slots)].reshape(B, k // bk, bk, Dl + Dr)
-    seen = rows[..., :Dl].max(axis=(2, 3)) + rows[..., Dl:].max(axis=(2, 3))  # [B, blocks]
-    want = np.broadcast_to(seen.mean(axis=1)[:, None, None], (B, H, Dl))
-    for splits in (1, 3):
-      assert_close(run("gather", splits), want, jnp.float32)
-    with pytest.raises(ValueError, match=r"ablation='noload': expected None or one of "
-                       r"\['compute', 'gather'\]"):
-      run("noload", 1)
-
   @pytest.mark.parametrize("B, k", [(0, 8), (2, 0)])
   def test_empty_batch_or_selection(self, rng, B, k):
     args = make_inputs(rng, B, 4, 32, 16, 10, k, jnp.bfloat16)

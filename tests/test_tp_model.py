@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ula_jax.core import compat
-from ula_jax.config import load_config
+from ula_jax.config import MemoryConfig, load_config
 from ula_jax.engine import Engine
 from ula_jax.memory import MeshInfo
 from ula_jax.memory.resident import Resident
@@ -145,7 +145,7 @@ def _decode_inputs(rng, mem: Resident, mesh):
 
 def test_decode_step_with_split_heads_matches_unsplit(rng):
   graphdef, params = nnx.split(_model())
-  mem = Resident(None, CFG.kv_geometry(), MeshInfo(dp=1, tp=1), max_batch=B,
+  mem = Resident(MemoryConfig(), CFG.kv_geometry(), MeshInfo(dp=1, tp=1), max_batch=B,
                  page_size=PAGE, max_context=T_MAX)
   state, *step = _decode_inputs(rng, mem, mesh_for(1, 1))
 

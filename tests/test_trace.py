@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import numpy as np
 import pytest
 
+from ula_jax.config.schema import MemoryConfig
 from ula_jax.core.addressing import PageAllocator
 from ula_jax.core.types import INVALID, KVGeometry
 from ula_jax.memory.ula.oracle import RefGroup, make_ref_policy
@@ -21,15 +21,10 @@ GEO = KVGeometry(num_layers=2, group_size=1, entry_width=4, index_dim=2, top_k=4
 B, PAGE, N = 2, 4, 48
 
 
-@dataclasses.dataclass(frozen=True)
-class MemCfg:
-  """Stands in for the ``memory`` config section."""
-
-  system: str = "ula"
-  device_pool: int | str | None = 12
-  host_pool: int | str = 36
-  policy: str = "pb_lru"
-  pb_lru_buckets: int = 2
+def mem_cfg(**kw) -> MemoryConfig:
+  """The ``memory`` section the replays are sized by: a tight device pool."""
+  base = dict(system="ula", device_pool=12, host_pool=36, policy="pb_lru", pb_lru_buckets=2)
+  return MemoryConfig(**{**base, **kw})
 
 
 def make_trace(seed: int, steps: int = 30) -> SelectionTrace:
@@ -82,7 +77,7 @@ def make_trace(seed: int, steps: int = 30) -> SelectionTrace:
 @functools.lru_cache(maxsize=None)
 def trace_and_systems():
   trace = make_trace(7)
-  systems = {p: system_for_trace(trace, MemCfg(), policy=p) for p in ("pb_lru", "lru")}
+  systems = {p: system_for_trace(trace, mem_cfg(), policy=p) for p in ("pb_lru", "lru")}
   return trace, systems
 
 
@@ -180,7 +175,7 @@ def test_trace_must_fit_the_system():
   trace, systems = trace_and_systems()
   with pytest.raises(ValueError, match=r"hold 12 logical addresses; the trace needs "
                      r"trace\.num_logical=48"):
-    system_for_trace(trace, MemCfg(device_pool=12, host_pool=0))
+    system_for_trace(trace, mem_cfg(device_pool=12, host_pool=0))
   other = KVGeometry(num_layers=3, group_size=1, entry_width=4, index_dim=2, top_k=4)
   rec = TraceRecorder(other, max_batch=B, num_logical=N, page_size=PAGE)
   with pytest.raises(ValueError, match=r"trace has 3 layer groups; the system has 2"):
@@ -214,7 +209,7 @@ def test_replay_matches_reference(policy):
 
 def test_compare_policies_side_by_side():
   trace, systems = trace_and_systems()
-  out = compare_policies(trace, MemCfg())
+  out = compare_policies(trace, mem_cfg())
   for p in ("pb_lru", "lru"):
     want = ref_replay(trace, systems[p]).sum(axis=(0, 1))
     assert [out[p]["hits"], out[p]["misses"], out[p]["evictions"]] == want.tolist()
@@ -225,8 +220,7 @@ def test_compare_policies_side_by_side():
 
 def test_device_pool_holding_everything_never_misses():
   trace, _ = trace_and_systems()
-  cfg = types.SimpleNamespace(system="ula", device_pool=N, host_pool=0, policy="lru",
-                              pb_lru_buckets=1)
+  cfg = MemoryConfig(system="ula", device_pool=N, host_pool=0, policy="lru", pb_lru_buckets=1)
   out = compare_policies(trace, cfg, policies=("lru",))
   assert out["lru"]["misses"] == 0 and out["lru"]["evictions"] == 0
   assert out["lru"]["hit_rate"] == 1.0 and "hit_rate_gap_pp" not in out

@@ -13,7 +13,7 @@ from tests.test_resolve_kernel import CASES, system_for
 from ula_jax.kernels import triton_ir
 from ula_jax.memory.ula import atomics as triton_atomics
 from ula_jax.memory.ula.resolve import pallas as resolve_pallas
-from ula_jax.memory.ula.resolve.pallas import ResolveConfig
+from ula_jax.memory.ula.resolve.pallas import FUSED_CONFIG, ResolveConfig
 
 
 def lowered_kernels(config: ResolveConfig, programs: int = 8) -> dict[str, tuple[int, int]]:
@@ -37,7 +37,7 @@ def lowered_kernels(config: ResolveConfig, programs: int = 8) -> dict[str, tuple
 def test_resolve_atomics_are_relaxed_and_barriers_acquire_release():
   # Fails loudly if a jax version no longer lets the relaxed primitive lower.
   assert triton_atomics.RELAXED_AVAILABLE
-  fused = lowered_kernels(ResolveConfig(fuse=True))
+  fused = lowered_kernels(FUSED_CONFIG)
   assert list(fused) == ["ula_resolve_fused"]
   relaxed, acq_rel = fused["ula_resolve_fused"]
   assert relaxed > 0 and acq_rel == 2 * resolve_pallas._BARRIERS  # arrive + poll each
@@ -45,8 +45,6 @@ def test_resolve_atomics_are_relaxed_and_barriers_acquire_release():
   assert sorted(staged) == ["ula_resolve_mark", "ula_resolve_place", "ula_resolve_publish",
                             "ula_resolve_round"]
   assert all(r > 0 and a == 0 for r, a in staged.values())
-  ordered = lowered_kernels(ResolveConfig(relaxed_atomics=False))
-  assert all(r == 0 and a > 0 for r, a in ordered.values())
 
 
 def test_atomic_kind_is_checked():

@@ -4,7 +4,6 @@ accounting, equality with ``resident``'s rows, and a sharded step on 8 devices."
 from __future__ import annotations
 
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ula_jax.config.schema import MemoryConfig
 from ula_jax.core import compat
 from ula_jax.memory import build_memory_system, system_class
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
@@ -23,10 +23,17 @@ GEO = KVGeometry(num_layers=3, group_size=2, entry_width=4, index_dim=2, top_k=3
                  kv_dtype="float32")  # groups: layers (0, 1) and (2,)
 
 
-def make_cfg(**kw):
-  base = dict(system="ula", device_pool=9, host_pool=7, policy="pb_lru", pb_lru_buckets=2)
-  base.update(kw)
-  return types.SimpleNamespace(**base)
+CFG = dict(system="ula", device_pool=9, host_pool=7, policy="pb_lru", pb_lru_buckets=2)
+
+
+def make_cfg(**kw) -> MemoryConfig:
+  return MemoryConfig(**{**CFG, **kw})
+
+
+def unchecked_cfg(**kw) -> MemoryConfig:
+  """``make_cfg`` without the schema's checks: the values reach Ula as given, so its
+  own checks are the ones under test."""
+  return MemoryConfig.model_construct(**{**CFG, **kw})
 
 
 def build(cfg=None, *, geo=GEO, mesh_info=MeshInfo(1, 1), max_batch=2, page_size=4,
@@ -85,7 +92,7 @@ def test_sizes_in_bytes():
 
 
 def test_defaults():
-  cfg = types.SimpleNamespace(system="ula", device_pool=None)  # no host_pool, policy, R
+  cfg = MemoryConfig(system="ula")  # the schema's defaults: no device_pool, host_pool, ...
   s = build(cfg, max_batch=2, max_context=8)
   assert (s.device_slots, s.host_slots) == (16, 0)
   assert (s.policy_name, s.buckets) == ("pb_lru", 4)
@@ -117,7 +124,7 @@ def test_registry_builds_and_validates():
 ])
 def test_validate_rejects(kw, match):
   with pytest.raises(ValueError, match=match):
-    build(make_cfg(**kw)).validate()
+    build(unchecked_cfg(**kw)).validate()
 
 
 def test_validate_rejects_capacity_below_a_page():
@@ -321,7 +328,7 @@ def test_reads_the_same_rows_as_resident():
   9 of 16 entries per group: for every selection, ``read_pool(l)[slots]`` agree."""
   rng = np.random.default_rng(2)
   ula = default_system()
-  res_sys = Resident(types.SimpleNamespace(system="resident", device_pool=16), GEO,
+  res_sys = Resident(MemoryConfig(system="resident", device_pool=16), GEO,
                      MeshInfo(1, 1), max_batch=2, page_size=4, max_context=8)
   systems = [ula, res_sys]
   states = [local(x.init_state(one_device_mesh())) for x in systems]

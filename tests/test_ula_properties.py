@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
+from ula_jax.config.schema import MemoryConfig
 from ula_jax.core.addressing import PageAllocator
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
 from ula_jax.memory.ula.policies import FREE, PbLru
@@ -33,8 +33,8 @@ from ula_jax.memory.ula.dp import Ula
 def make_system(*, policy: str, buckets: int = 2, device: int, host: int, max_batch: int,
                 top_k: int, page_size: int, num_layers: int = 3, group_size: int = 2,
                 width: int = 4) -> Ula:
-  cfg = types.SimpleNamespace(system="ula", device_pool=device, host_pool=host, policy=policy,
-                              pb_lru_buckets=buckets)
+  cfg = MemoryConfig(system="ula", device_pool=device, host_pool=host, policy=policy,
+                     pb_lru_buckets=buckets)
   geo = KVGeometry(num_layers=num_layers, group_size=group_size, entry_width=width,
                    index_dim=2, top_k=top_k, kv_dtype="float32")
   system = Ula(cfg, geo, MeshInfo(1, 1), max_batch=max_batch, page_size=page_size,

@@ -9,7 +9,6 @@ on every tp rank, for every layout, with and without a host pool.
 from __future__ import annotations
 
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from ula_jax.config.schema import MemoryConfig
 from ula_jax.core import compat
 from ula_jax.memory import build_memory_system
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
@@ -31,11 +31,18 @@ B, PAGE = 2, 4  # decode rows per dp rank, page size
 STEP = B * (GEO.top_k + 1)  # 8: one decode step's entries
 
 
-def make_cfg(**kw):
-  base = dict(system="ula", device_pool=STEP + 8, host_pool=0, policy="pb_lru",
-              pb_lru_buckets=2, layout="mod", local_buffer=None, index_scoring="aligned")
-  base.update(kw)
-  return types.SimpleNamespace(**base)
+CFG = dict(system="ula", device_pool=STEP + 8, host_pool=0, policy="pb_lru", pb_lru_buckets=2,
+           layout="mod", local_buffer=None, index_scoring="aligned")
+
+
+def make_cfg(**kw) -> MemoryConfig:
+  return MemoryConfig(**{**CFG, **kw})
+
+
+def unchecked_cfg(**kw) -> MemoryConfig:
+  """``make_cfg`` without the schema's checks: the values reach UlaTP as given, so its
+  own checks are the ones under test."""
+  return MemoryConfig.model_construct(**{**CFG, **kw})
 
 
 def build(cfg=None, *, dp=1, tp=4, geo=GEO, max_batch=B, page_size=PAGE, max_context=16):
@@ -194,7 +201,7 @@ def test_registry_picks_tp_mode_only_with_tp_above_one():
 ])
 def test_validate_rejects(kw, match):
   with pytest.raises(ValueError, match=match):
-    build(make_cfg(**kw)).validate()
+    build(unchecked_cfg(**kw)).validate()
 
 
 def test_validate_rejects_capacity_below_a_page():

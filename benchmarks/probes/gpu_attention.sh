@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU sweep of the Pallas sparse MLA attention: ula_jax.bench.attention over batch sizes
 # and launch configurations (ATTN_CONFIGS, ATTN_BATCH; further benchmark flags in
-# ATTN_ARGS, e.g. "--ablations compute,gather"), then the kernel's GPU tests (SKIP_TESTS=1
+# ATTN_ARGS, e.g. "--impls pallas,mosaic"), then the kernel's GPU tests (SKIP_TESTS=1
 # leaves them out).
 # Run from the repository root on a CUDA machine:
 #
@@ -11,7 +11,7 @@
 # (default 420) bounds the whole run.
 
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # shellcheck source=benchmarks/probes/gpu_steps.sh
 source benchmarks/probes/gpu_steps.sh
 gpu_setup gpu_attention 420

@@ -12,7 +12,7 @@
 # STEPS: a comma list of these (default all). Results under $OUT: exact.txt,
 # exact_mosaic.txt, step_cost.json, summary.txt (printed last).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_engine_out}
 mkdir -p "$OUT"
 RUNS=${RUNS:-/tmp/gpu_engine_runs}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU check and benchmark of the Pallas resolve's launches (four launches, the default,
-# against one fused launch), run from the repository root on a CUDA machine, with the
-# config dependencies carried as wheels in .whl/ when the machine lacks them:
+# GPU check and benchmark of the Pallas resolve's launch forms (four launches,
+# kernels.resolve=pallas, against one, kernels.resolve=pallas_fused with FUSED_CONFIG),
+# run from the repository root on a CUDA machine, with the config dependencies carried as
+# wheels in .whl/ when the machine lacks them:
 #
 #     OUT=/some/dir bash benchmarks/probes/gpu_fused.sh
 #
@@ -9,7 +10,8 @@
 #   tests     the GPU tests of tests/test_resolve_kernel.py (both launches array for
 #             array against the jnp resolve, full size, the fused launch with few programs)
 #   bench     ula_jax.bench.resolve at 1M slots, batch 64/32/128, PB-LRU and exact LRU,
-#             four launches and one, with each resolve's device operations (--profile)
+#             four launches and one (--pallas-fuse off,on), with each resolve's device
+#             operations (--profile)
 #   unrolled  batch 64 as straight-line code (--loop unrolled, as a decode step runs its
 #             groups' resolves)
 #   exact     greedy tokens of ula (small device pool, most steps evict) with
@@ -17,7 +19,7 @@
 # Results under $OUT: tests.log, bench_fused.json, bench_unrolled.json, exact.txt; the
 # last lines printed are one line per benchmark row and the token comparisons.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_fused_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}

@@ -26,7 +26,7 @@
 # step's time limit is clipped to what is left of it.
 
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # shellcheck source=benchmarks/probes/gpu_steps.sh
 source benchmarks/probes/gpu_steps.sh
 gpu_setup gpu_kernels 480

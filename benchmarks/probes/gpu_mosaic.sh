@@ -3,19 +3,19 @@
 #
 #     OUT=/some/dir bash benchmarks/probes/gpu_mosaic.sh
 #
-# Steps: tests (tests/test_sparse_attention_mosaic.py -m gpu: every launch form against
-# the reference), ptxas (registers and spills of each launch form at batch 64, k 2048, from
-# MOSAIC_GPU_DUMP_PTXAS), bench (ula_jax.bench.attention at batch 64 and 128: the Triton
-# kernel and the Mosaic launch forms MOSAIC_CONFIGS, default auto,k32,p1,t1,t1p1r240, with
-# --ablations compute,gather); MOSAIC_TESTS: a pytest -k expression choosing the tests
-# (default: all). Results under $OUT: bench_mosaic.json and the logs; the
-# last lines printed are the steps' table and the benchmark's rows.
+# Steps: tests (tests/test_sparse_attention_mosaic.py -m gpu: every launch against the
+# reference), ptxas (registers and spills of each launch at batch 64, k 2048, from
+# MOSAIC_GPU_DUMP_PTXAS), bench (ula_jax.bench.attention at batch 64, 128 and 256: the
+# Triton kernel and the Mosaic launches MOSAIC_CONFIGS, default auto,r232); MOSAIC_TESTS:
+# a pytest -k expression choosing the tests (default: all). Results under $OUT:
+# bench_mosaic.json and the logs; the last lines printed are the steps' table and the
+# benchmark's rows.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # shellcheck source=benchmarks/probes/gpu_steps.sh
 source benchmarks/probes/gpu_steps.sh
 gpu_setup gpu_mosaic 540
-CONFIGS=${MOSAIC_CONFIGS:-auto,k32,p1,t1,t1p1r240}
+CONFIGS=${MOSAIC_CONFIGS:-auto,r232}
 step tests 150 "$PY" -m pytest -m gpu tests/test_sparse_attention_mosaic.py -q \
   -p no:cacheprovider -W ignore::DeprecationWarning -o addopts="" ${MOSAIC_TESTS:+-k "$MOSAIC_TESTS"}
 MOSAIC_GPU_DUMP_PTXAS=1 step ptxas 120 "$PY" -c "
@@ -34,8 +34,7 @@ grep -E "CONFIG|RAN|registers|spill" "$WORK/ptxas.log"
 step bench 240 "$PY" -c "
 import sys
 from ula_jax.bench import attention
-sys.exit(attention.main(sys.argv[1:]))" --batch 64,128 --impls pallas,mosaic \
-  --mosaic-configs "$CONFIGS" --ablations compute,gather --reps 2 \
-  --out "$OUT/bench_mosaic.json"
+sys.exit(attention.main(sys.argv[1:]))" --batch 64,128,256 --impls pallas,mosaic \
+  --mosaic-configs "$CONFIGS" --reps 2 --out "$OUT/bench_mosaic.json"
 print_steps
-grep -E "│ +(64|128) │" "$WORK/bench.log" | cut -c1-150
+grep -E "│ +(64|128|256) │" "$WORK/bench.log" | cut -c1-150

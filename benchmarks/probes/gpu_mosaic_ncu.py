@@ -1,10 +1,11 @@
 """One Mosaic GPU sparse attention launch to profile with Nsight Compute (Hopper GPU).
 
-Runs ``sparse_mla_attention_mosaic`` three times at batch 64, k 2048 (the benchmark's
-shape) with a launch token and one of ``gpu_mosaic_probe``'s tile-step variants, so that
+Runs the kernel (``mosaic.sparse_mla_attention_probe``) three times at batch 64, k 2048
+(the benchmark's shape) with a launch token and one of ``gpu_mosaic_probe``'s tile-step
+variants, so that
 
     ncu -k regex:mosaic --launch-skip 2 --launch-count 1 --set full -o rows \\
-        python3 benchmarks/probes/gpu_mosaic_ncu.py t1p1r240 full compute
+        python3 benchmarks/probes/gpu_mosaic_ncu.py auto full compute
 
 profiles the third (compiled, warm) launch; ``benchmarks/probes/ncu_summary.py`` reads the
 report's CSV pages. Arguments: TOKEN VARIANT [ABLATION] (ablation: compute or gather).
@@ -29,11 +30,10 @@ def main(argv: list[str]) -> int:
   token, variant = argv[:2]
   ablation = argv[2] if len(argv) == 3 else None
   name = probe._parse_variant(variant)[0]
-  M._tile_step, M._rows_tile_step = probe._tile_step(name), probe._rows_tile_step(name)
   inputs = probe.make_inputs(64, 2048, 262144)
   config = parse_mosaic_config(token)
-  f = jax.jit(lambda *a: M.sparse_mla_attention_mosaic(
-      *a, scale=0.1, config=config, merge=False, ablation=ablation)[0])
+  f = jax.jit(lambda *a: M.sparse_mla_attention_probe(
+      *a, scale=0.1, config=config, tile_step=probe.tile_step(name), ablation=ablation)[0])
   for _ in range(3):
     jax.block_until_ready(f(*inputs))
   return 0

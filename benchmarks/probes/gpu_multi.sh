@@ -32,7 +32,7 @@
 # the probe, RUN_EXACT=0 exact_kern. PLATFORM=cpu runs the same steps at toy sizes on
 # simulated CPU devices (a dry run).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$PWD
 PART=${PART:-a}
 OUT=${OUT:-$ROOT/gpu_multi_out}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of the fused resolve (ula_jax/kernels/resolve) and its benchmark, run from the
-# repository root on a CUDA machine:
+# GPU check of the Pallas resolve (ula_jax/memory/ula/resolve) and its benchmark, run from
+# the repository root on a CUDA machine:
 #
 #     OUT=/some/dir bash benchmarks/probes/gpu_resolve.sh
 #
@@ -8,11 +8,13 @@
 #   env          jax/GPU facts
 #   tests_gpu    the GPU-marked tests of tests/test_resolve_kernel.py (Triton kernels
 #                against the jnp resolve, array for array; full size: batch 64, k 2048)
-#   launches     the kernels each implementation's compiled resolve runs (HLO op counts)
+#   launches     the kernels each implementation's compiled resolve runs (HLO op counts:
+#                jnp, pallas, pallas_fused)
 #   bench        ula_jax.bench.resolve at full size: batch 1..128, k 2048, device pools
 #                of 64K and 1M slots, PB-LRU and exact LRU, jnp and Pallas (the JSON is
 #                rewritten after every row)
-#   sweep        Pallas block sizes at batch 64, 1M pool, PB-LRU and exact LRU
+#   sweep        Pallas block sizes of the four launches at batch 64, 1M pool, PB-LRU and
+#                exact LRU
 #   tests_rest   the interpret-mode twins and the other tests of the two test files
 # Results under $OUT: summary.txt, bench_resolve.json, bench_resolve_sweep.json,
 # junit_resolve_gpu.xml, logs.tar.gz (every log and HLO dump). The last lines printed are
@@ -20,7 +22,7 @@
 # 570) bounds the whole run. No config package is needed (no pydantic/omegaconf).
 
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # shellcheck source=benchmarks/probes/gpu_steps.sh
 source benchmarks/probes/gpu_steps.sh
 gpu_setup gpu_resolve 570
@@ -56,7 +58,7 @@ for policy in ("pb_lru", "lru"):
   args = (meta, jax.ShapeDtypeStruct((64, 2048), jnp.int32),
           jax.ShapeDtypeStruct((64, 2048), jnp.bool_), jax.ShapeDtypeStruct((64,), jnp.int32),
           jax.ShapeDtypeStruct((64,), jnp.bool_))
-  for impl in ("jnp", "pallas"):
+  for impl in ("jnp", "pallas", "pallas_fused"):
     try:
       fn = jax.jit(functools.partial(resolve_group, system, impl=impl), donate_argnums=0)
       text = fn.lower(*args).compile().as_text()
@@ -65,9 +67,9 @@ for policy in ("pb_lru", "lru"):
       entry = entry[:entry.index("\n}")]
       ops = collections.Counter(m for m in re.findall(r"= [^ ]+ ([a-z\-]+)\(", entry)
                                 if m not in skip)
-      print(f"{policy:6s} {impl:6s} entry ops {sum(ops.values()):3d}: {dict(ops.most_common())}")
+      print(f"{policy:6s} {impl:12s} entry ops {sum(ops.values()):3d}: {dict(ops.most_common())}")
     except Exception:
-      print(f"{policy:6s} {impl:6s} FAILED")
+      print(f"{policy:6s} {impl:12s} FAILED")
       traceback.print_exc()
 EOF
 

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The Pallas resolve's kernels, launch by launch: batch 64, 1M slots, PB-LRU, one launch
-# and four, in the benchmark's device loop and as straight-line code (segments of 32,
-# 16, 8 and 4 resolves),
-# under the profiler; each launch's time and the device's idle time before it
-# (Row.launches). Run from the repository root on a CUDA machine:
+# (FUSED_CONFIG, --pallas-fuse on) and four (the defaults), in the benchmark's device loop
+# and as straight-line code (segments of 32, 16, 8 and 4 resolves), under the profiler;
+# each launch's time and the device's idle time before it (Row.launches). Run from the repository root on a CUDA machine:
 #
 #     OUT=/some/dir bash benchmarks/probes/gpu_resolve_launches.sh
 #
@@ -15,7 +14,7 @@
 # device and after back-to-back work, the first launches, and the profiled resolves'
 # misses.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # shellcheck source=benchmarks/probes/gpu_steps.sh
 source benchmarks/probes/gpu_steps.sh
 gpu_setup gpu_resolve_launches 540

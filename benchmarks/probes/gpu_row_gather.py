@@ -1,9 +1,10 @@
 """How fast Hopper's tensor memory accelerator gathers pool rows by slot (Hopper GPU).
 
 The sparse attention must read ``B x k`` rows of 1152 bytes (576 bf16) at random slots.
-The kernels here issue those reads as 16-byte ``cp.async`` copies from the threads that
-then compute (``RESULTS.md``: the issue stalls them). This measures the alternative that
-leaves the threads free: TMA copies, issued by one thread each and tracked by a
+The Mosaic kernel's first forms issued those reads as 16-byte ``cp.async`` copies from
+the threads that then compute, and the issue stalled them
+(``docs/kernels/sparse_attention.md``). This measures what leaves the threads free, and
+what the kernel now does: TMA copies, issued by one thread each and tracked by a
 barrier's transaction count, in a program per (request, k split) like the attention's,
 with a ring of two 64-row tiles and nothing computed:
 

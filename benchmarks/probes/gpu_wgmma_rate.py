@@ -2,10 +2,10 @@
 
 One program per SM, one or two warpgroups, each issuing ``--calls`` ``wgmma`` calls of
 M 64, K 64 (four ``HGMMA.64xNx16`` instructions each) on one accumulator, with the A
-operand in registers (``rs``: a WGMMA-layout array, as the Mosaic row form's rows) or in
+operand in registers (``rs``: a WGMMA-layout array, as the Mosaic kernel's rows) or in
 shared memory (``ss``, as the Triton kernel's queries), and B ([K, N], bf16, read
-transposed like the row form's queries) in shared memory; ``--in-flight`` calls left in
-flight before the next is issued. Prints, per (source, N, warpgroups), microseconds and
+transposed like the Mosaic kernel's queries) in shared memory; ``--in-flight`` calls left
+in flight before the next is issued. Prints, per (source, N, warpgroups), microseconds and
 the cycles per instruction per SM at the clock given (``--clock-ghz``), against the N / 2
 cycles that the tensor cores' peak (2,048 bf16 multiply-adds per cycle per SM: 989
 TFLOP/s over 132 SMs at 1.83 GHz) would take, and writes them to ``--out``.

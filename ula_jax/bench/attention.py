@@ -12,14 +12,11 @@ repeated ``--reps`` times, interleaved; ``fraction`` compares the fastest repeti
 reference. Each Pallas row also records its launch (head block, splits, programs), what it
 moves and computes beyond the must-read bytes (split partials, re-gathered rows, FLOPs)
 and the launch model's estimate, which is what explains a rate below the target.
-
-``--ablations compute,gather`` adds, for each Pallas or Mosaic launch, the same launch
-with its row gathers left out (one block gathered and reused) and with everything but the
-gathers left out: when the launch takes about the sum of the two, its gathers and its
-arithmetic do not overlap.
+``--impls mosaic`` adds the Mosaic GPU kernel (Hopper GPUs, 64 heads of 512 + 64
+columns), ``--mosaic-configs`` its launches.
 
     ula-jax bench attention [--batch 1,8,32,64,128,256] [--heads 64] [--k 2048]
-                            [--configs auto,h64k64w8,h32k64w8s1] [--ablations compute,gather]
+                            [--configs auto,h64k64w8,h32k64w8s1] [--impls xla,pallas,mosaic]
                             [--out FILE]
 """
 
@@ -39,14 +36,13 @@ import numpy as np
 from ula_jax.bench import common
 from ula_jax.bench.common import (add_timing_args, best_and_median, environment, fmt,
                                   parse_list, parse_sizes, time_calls, write_json)
-from ula_jax.kernels.sparse_attention.pallas import (ABLATIONS, AttentionConfig,
-                                                     attention_cost, bytes_read,
-                                                     sparse_mla_attention_pallas)
+from ula_jax.kernels.sparse_attention.pallas import (AttentionConfig, attention_cost,
+                                                     bytes_read, sparse_mla_attention_pallas)
 from ula_jax.kernels.sparse_attention.mosaic import (MosaicAttentionConfig,
                                                      sparse_mla_attention_mosaic)
 from ula_jax.kernels.sparse_attention.reference import sparse_mla_attention_reference
 
-IMPLS = ("xla", "pallas", "mosaic")  # mosaic: the warp-specialised kernel (Hopper GPUs)
+IMPLS = ("xla", "pallas", "mosaic")  # mosaic: the Mosaic GPU kernel (Hopper GPUs)
 DEFAULT_IMPLS = ("xla", "pallas")
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 COPY = "device copy"  # impl label of the ceiling rows
@@ -77,7 +73,6 @@ class Row:
   row_reads: int | None = None
   flops: int | None = None
   model_us: float | None = None  # the launch model's estimate (what the launch was chosen by)
-  ablation: str | None = None  # --ablations: the launch with part of its work left out
   error: str | None = None
 
 
@@ -106,15 +101,14 @@ def parse_config(token: str) -> AttentionConfig:
                        example="h64k64w8")
 
 
-_MOSAIC_FIELDS = {"s": "num_splits", "r": "consumer_registers", "p": "producer",
-                  "k": "block_k", "t": "rows"}
+_MOSAIC_FIELDS = {"s": "num_splits", "r": "consumer_registers"}
 
 
 def parse_mosaic_config(token: str) -> MosaicAttentionConfig:
-  """'auto' -> MosaicAttentionConfig(); 'p1s2r208' -> producer=True, num_splits=2,
-  consumer_registers=208; 'k32' -> block_k=32; 't1' -> rows=True (TMA row copies)."""
+  """'auto' -> MosaicAttentionConfig() (the launch ``kernels.attention='mosaic'`` runs);
+  's2r232' -> num_splits=2, consumer_registers=232 (any subset, any order)."""
   return _parse_tokens(token, MosaicAttentionConfig, _MOSAIC_FIELDS,
-                       flag="--mosaic-configs", example="p1r208")
+                       flag="--mosaic-configs", example="s1r232")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -135,13 +129,8 @@ def _parser() -> argparse.ArgumentParser:
                       "(h block_h, k block_k, w num_warps, s num_splits, n num_stages, "
                       "p preload_slots)")
   p.add_argument("--mosaic-configs", default="auto",
-                 help="Mosaic configurations, comma list of 'auto' or e.g. k32, p1r208, t1 (s "
-                 "num_splits, r consumer_registers, p producer warpgroup 1/0, k block_k, "
-                 "t TMA row copies 1/0)")
-  p.add_argument("--ablations", default="",
-                 help=f"also time each Pallas or Mosaic launch with part of its work left "
-                 f"out, comma list of {list(ABLATIONS)}: 'compute' reuses one gathered block (the "
-                 "arithmetic alone), 'gather' only gathers (the row reads alone)")
+                 help="Mosaic configurations, comma list of 'auto' or e.g. s1r232 (s "
+                 "num_splits, r consumer_registers)")
   p.add_argument("--loop", type=int, default=16, help="steps per jitted loop")
   add_timing_args(p, max_iters=200, target_ms=100.0)
   p.add_argument("--warmup", type=int, default=1)
@@ -197,8 +186,6 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   batches = parse_sizes(args.batch)
   names = parse_list(args.impls, IMPLS, flag="--impls")
   configs = [(t.strip(), parse_config(t)) for t in args.configs.split(",") if t.strip()]
-  ablations = (parse_list(args.ablations, ABLATIONS, flag="--ablations")
-               if args.ablations else [])
   if args.loop < 1 or args.reps < 1:
     raise ValueError(f"--loop={args.loop}, --reps={args.reps}: expected both >= 1")
   dtype = DTYPES[args.dtype]
@@ -209,23 +196,21 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   timing = dict(min_iters=args.min_iters, max_iters=args.max_iters,
                 target_s=args.target_ms / 1e3, warmup=args.warmup)
   reference = jax.jit(functools.partial(sparse_mla_attention_reference, scale=scale))
-  impls: list[tuple[str, AttentionConfig | None, str | None, Any]] = []
+  impls: list[tuple[str, AttentionConfig | None, Any]] = []
   mosaic_configs = [(t.strip(), parse_mosaic_config(t))
                     for t in args.mosaic_configs.split(",") if t.strip()]
   kernels = {"pallas": (sparse_mla_attention_pallas, configs),
              "mosaic": (sparse_mla_attention_mosaic, mosaic_configs)}
   for name in names:
     if name == "xla":
-      impls.append(("xla", None, None, looped(reference, steps)))
+      impls.append(("xla", None, looped(reference, steps)))
       continue
     kernel, launches = kernels[name]
     for token, cfg in launches:
-      for ablation in (None, *ablations):
-        tags = ([token] if len(launches) > 1 else []) + ([ablation] if ablation else [])
-        label = f"{name}[{','.join(tags)}]" if tags else name
-        fn = functools.partial(kernel, scale=scale, config=cfg, ablation=ablation)
-        # The launch's cost model is the Triton kernel's (attention_cost).
-        impls.append((label, cfg if name == "pallas" else None, ablation, looped(fn, steps)))
+      label = f"{name}[{token}]" if len(launches) > 1 else name
+      fn = functools.partial(kernel, scale=scale, config=cfg)
+      # The launch's cost model is the Triton kernel's (attention_cost).
+      impls.append((label, cfg if name == "pallas" else None, looped(fn, steps)))
   copy = copy_loop(steps)
 
   # Inputs from numpy: eager jax.random calls would each compile a small program.
@@ -259,8 +244,8 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
 
     measured.append(_Measured(copy_row, copy_rep))
     want = np.asarray(reference(*args_b))
-    for label, cfg, ablation, fn in impls:
-      row = Row(B, label, nbytes, ablation=ablation)
+    for label, cfg, fn in impls:
+      row = Row(B, label, nbytes)
       rows.append(row)
       if cfg is not None:
         cost = attention_cost(B, H, k, Dl, Dr, dtype, dtype, cfg)
@@ -271,8 +256,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
         row.flops = 2 * B * H * k * (2 * Dl + Dr)
       try:
         out = np.asarray(fn(*args_b))  # compiles, and checks the result
-        if ablation is None:  # an ablation computes something else
-          row.max_err = float(np.max(np.abs(out - want))) if want.size else 0.0
+        row.max_err = float(np.max(np.abs(out - want))) if want.size else 0.0
       except Exception as e:  # keep measuring the others; the table shows the error
         row.error = _error(e)
         continue
@@ -293,7 +277,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
       m.row.seconds, m.row.median_seconds = best_and_median(m.times)
       m.row.reps = len(m.times)
     _rates([m.row for m in measured], copy_row)
-    del buf
+    buf.clear()  # the copy's buffer freed before the next batch's
     if checkpoint is not None:
       checkpoint(result())
   return result()

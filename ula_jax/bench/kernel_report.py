@@ -89,9 +89,10 @@ def resolve_reports(B: int, k: int, pool: int, fuse: bool,
 
   system = build_system(Setup(pool=pool, batch=B, k=k, buckets=4, steps_total=8), "pb_lru")
   config = FUSED_CONFIG if fuse else ResolveConfig()  # what kernels.resolve launches
-  if fuse:
-    config = dataclasses.replace(config, programs=num_sms * config.resident_per_sm())
-  f = functools.partial(resolve_group_pallas, system, config=config, interpret=False)
+  # Lowered without the GPU: no device to count SMs on, so the count is given.
+  programs = num_sms * config.resident_per_sm() if fuse else None
+  f = functools.partial(resolve_group_pallas, system, config=config, interpret=False,
+                        programs=programs)
   spec = jax.ShapeDtypeStruct
   kernels = lowered_kernels(f, jax.eval_shape(system.init_group_meta),
                             spec((B, k), jnp.int32), spec((B, k), jnp.bool_),

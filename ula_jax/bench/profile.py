@@ -24,7 +24,6 @@ import gzip
 import json
 import pathlib
 import statistics
-from typing import Any
 
 # Host-side events that stand for the host waiting on the device.
 HOST_WAIT_WORDS = ("BlockHostUntilDone", "Synchronize", "ConditionalThunk", "WhileThunk",

@@ -1,7 +1,8 @@
 """Benchmark: resolve of one layer group (dedupe, hits, victims, table update).
 
 For each device pool size, batch size, policy (PB-LRU, exact LRU) and implementation
-(the jnp resolve, the fused Pallas kernels), a synthetic selection stream is resolved in
+(the jnp resolve; the Pallas kernels as four launches, ``kernels.resolve=pallas``, or as
+one, ``pallas_fused``: ``--pallas-fuse off,on``), a synthetic selection stream is resolved in
 segments of ``--steps`` resolves, each one jitted call, and the time per resolve is
 reported in microseconds (compile and warm-up excluded; the median of several timed
 segments). A segment's resolves run as a device loop (``--loop unrolled``: as
@@ -38,17 +39,17 @@ import itertools
 import math
 import statistics
 import time
-import types
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ula_jax.config.schema import MemoryConfig
 from ula_jax.bench import common
 from ula_jax.bench.common import environment, fmt, parse_list, parse_sizes, write_json
 from ula_jax.memory.ula.resolve import resolve_group
-from ula_jax.memory.ula.resolve.pallas import ResolveConfig, default_interpret
+from ula_jax.memory.ula.resolve.pallas import FUSED_CONFIG, ResolveConfig, default_interpret
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
 from ula_jax.memory.ula.policies import bitmap
 from ula_jax.memory.ula.dp import Ula
@@ -81,6 +82,7 @@ class Row:
   kernels: list | None = None  # --profile: [name, launches, us] per resolve, slowest first
   device_us: float | None = None  # --profile: the device's operations per resolve, summed
   fused: bool = False  # Pallas PB-LRU in one launch
+  config: dict | None = None  # Pallas: the ResolveConfig launched
   kernel_us: float | None = None  # --profile: the resolve's own kernels per resolve
   # --profile: per kernel of the resolve's own, its launches' time and the device's idle
   # time before each, in launch order: {name: {"us": [...], "idle_before_us": [...],
@@ -120,23 +122,23 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--segments", type=int, default=3, help="timed segments (median reported)")
   p.add_argument("--warmup", type=int, default=2,
                  help="untimed segments first (the pool reaches its steady state)")
-  p.add_argument("--pallas-block-elems", default="256",
-                 help="Pallas sweep: entries per program (mark, publish), comma list")
-  p.add_argument("--pallas-block-place", default="16",
-                 help="Pallas sweep: entries per program (place), comma list")
-  p.add_argument("--pallas-warps", default="4", help="Pallas sweep: warps per program")
   p.add_argument("--pallas-fuse", default="off",
-                 help="Pallas sweep: PB-LRU's resolve as one launch (on) or four (off), "
-                 "comma list; exact LRU always takes four")
-  p.add_argument("--pallas-relaxed", default="on",
-                 help="Pallas sweep: relaxed atomics (on) or acquire-release (off), comma "
-                 "list")
-  p.add_argument("--pallas-programs", type=int, default=None,
-                 help="programs of the fused launch (default: all that are surely "
-                 "resident: --pallas-per-sm or 8 / warps per SM)")
+                 help="Pallas launch forms, comma list: four launches (off, "
+                 "kernels.resolve=pallas: ResolveConfig()) or PB-LRU's in one (on, "
+                 "kernels.resolve=pallas_fused: FUSED_CONFIG); exact LRU always takes four")
+  p.add_argument("--pallas-block-elems", default=None,
+                 help="Pallas sweep: entries per program (mark, publish), comma list "
+                 "(default: the launch form's)")
+  p.add_argument("--pallas-block-place", default=None,
+                 help="Pallas sweep: entries per program (place), comma list (default: the "
+                 "launch form's)")
+  p.add_argument("--pallas-warps", default=None,
+                 help="Pallas sweep: warps per program, comma list (default: the launch "
+                 "form's)")
   p.add_argument("--pallas-per-sm", type=int, default=None,
-                 help="programs of the fused launch resident per SM (default: 8 / warps; "
-                 "more only where the compiled registers allow it, see ResolveConfig)")
+                 help="programs of the fused launch resident per SM (default: "
+                 "FUSED_CONFIG's with its own blocks and warps, else 8 / warps; more only "
+                 "where the compiled registers allow it, see ResolveConfig)")
   p.add_argument("--interpret", choices=("auto", "on", "off"), default="auto",
                  help="Pallas interpret mode (auto: on everywhere but on GPU)")
   p.add_argument("--seed", type=int, default=0)
@@ -184,9 +186,9 @@ class Setup:
 
 
 def build_system(setup: Setup, policy: str) -> Ula:
-  """A one-rank ``Ula`` (memory config as a namespace: no config package needed)."""
-  cfg = types.SimpleNamespace(system="ula", device_pool=setup.pool, host_pool=setup.host,
-                              policy=policy, pb_lru_buckets=setup.buckets)
+  """A one-rank ``Ula`` for the benchmark's sizes."""
+  cfg = MemoryConfig(system="ula", device_pool=setup.pool, host_pool=setup.host,
+                     policy=policy, pb_lru_buckets=setup.buckets)
   geo = KVGeometry(num_layers=1, group_size=1, entry_width=576, index_dim=128,
                    top_k=setup.k, kv_dtype="bfloat16")
   system = Ula(cfg, geo, MeshInfo(1, 1), max_batch=setup.batch, page_size=PAGE,
@@ -344,27 +346,38 @@ def work_model(impl: str, policy: str, system: Ula, B: int, k: int,
 # ----------------------------------------------------------------------------------
 
 
+def _pallas_configs(args) -> list[tuple[str, ResolveConfig]]:
+  """(label, config) per Pallas launch of the sweep: each launch form's production config
+  (``ResolveConfig()``, ``FUSED_CONFIG``) with the swept fields replaced."""
+  fuse = [x == "on" for x in parse_list(args.pallas_fuse, ("on", "off"),
+                                        flag="--pallas-fuse")]
+  sizes = lambda text, default: parse_sizes(text) if text else [default]
+  out = []
+  for f in fuse:
+    base = FUSED_CONFIG if f else ResolveConfig()
+    blocks = list(itertools.product(sizes(args.pallas_block_elems, base.block_elems),
+                                    sizes(args.pallas_block_place, base.block_place),
+                                    sizes(args.pallas_warps, base.num_warps)))
+    for e, p, w in blocks:
+      per_sm = args.pallas_per_sm
+      if per_sm is None and (e, p, w) == (base.block_elems, base.block_place, base.num_warps):
+        # FUSED_CONFIG's three per SM hold for the registers its own blocks compile to;
+        # other blocks keep None, the residency that holds at any register count.
+        per_sm = base.per_sm
+      tags = ([f"e{e},p{p},w{w}"] if len(blocks) > 1 else []) + (["fused"] if f else [])
+      label = f"pallas[{','.join(tags)}]" if tags else "pallas"
+      out.append((label, ResolveConfig(block_elems=e, block_place=p, num_warps=w, fuse=f,
+                                       per_sm=per_sm)))
+  return out
+
+
 def _impls(names: list[str], args) -> list[tuple[str, str, ResolveConfig | None]]:
   out = []
   for name in names:
-    if name != "pallas":
+    if name == "pallas":
+      out += [(label, "pallas", config) for label, config in _pallas_configs(args)]
+    else:
       out.append((name, name, None))
-      continue
-    on_off = lambda flag, text: [x == "on" for x in parse_list(text, ("on", "off"),
-                                                                flag=flag)]
-    fuse = on_off("--pallas-fuse", args.pallas_fuse)
-    relaxed = on_off("--pallas-relaxed", args.pallas_relaxed)
-    blocks = list(itertools.product(parse_sizes(args.pallas_block_elems),
-                                    parse_sizes(args.pallas_block_place),
-                                    parse_sizes(args.pallas_warps)))
-    for (e, p, w), f, x in itertools.product(blocks, fuse, relaxed):
-      tags = ([f"e{e},p{p},w{w}"] if len(blocks) > 1 else []) + (
-          ["fused"] if f else []) + (["acq_rel"] if not x else [])
-      label = f"pallas[{','.join(tags)}]" if tags else "pallas"
-      out.append((label, "pallas", ResolveConfig(block_elems=e, block_place=p, num_warps=w,
-                                                 fuse=f, relaxed_atomics=x,
-                                                 programs=args.pallas_programs,
-                                                 per_sm=args.pallas_per_sm)))
   return out
 
 
@@ -394,6 +407,7 @@ def measure(row: Row, setup: Setup, system: Ula, fill: Callable, stream: tuple, 
   row.placed = row.misses + setup.batch  # each step places one new token per request
   row.fused = (impl == "pallas" and row.policy == "pb_lru"
                and (config or ResolveConfig()).fuse)
+  row.config = dataclasses.asdict(config) if config is not None else None
   row.work = work_model(impl, row.policy, system, setup.batch, setup.k, row.placed,
                         fused=row.fused)
   if args.profile:
@@ -568,24 +582,33 @@ def print_table(result: dict) -> None:
           f"{'met' if t['met'] else 'MISSED'}")
 
 
+def _form(label: str) -> str:
+  """A row's implementation as ``kernels.resolve`` names it ('pallas[e128,...,fused]' ->
+  'pallas_fused')."""
+  base, _, tags = label.partition("[")
+  return base + ("_fused" if "fused" in tags.rstrip("]").split(",") else "")
+
+
 def print_summary(result: dict) -> None:
   """A short table from a result (the JSON): per pool and batch, each policy's time under
-  each implementation and the PB-LRU speedup over exact LRU; then the targets."""
+  each implementation (jnp, pallas, pallas_fused: the best configuration of each) and the
+  PB-LRU speedup over exact LRU; then the targets."""
   best: dict[tuple, float] = {}
   for r in result["rows"]:
     if r["us"] is not None:
-      key = (r["pool"], r["batch"], r["policy"], r["impl"].split("[")[0])
+      key = (r["pool"], r["batch"], r["policy"], _form(r["impl"]))
       best[key] = min(best.get(key, math.inf), r["us"])
+  forms = [f for f in ("jnp", "pallas", "pallas_fused") if any(k[3] == f for k in best)]
   cells = []
   for pool, batch in sorted({k[:2] for k in best}):
     line = [str(pool), str(batch)]
-    for impl in IMPLS:
-      pb, lru = best.get((pool, batch, "pb_lru", impl)), best.get((pool, batch, "lru", impl))
+    for form in forms:
+      pb, lru = best.get((pool, batch, "pb_lru", form)), best.get((pool, batch, "lru", form))
       line += [fmt(pb, 1), fmt(lru, 1), fmt(lru / pb if pb and lru else None)]
     cells.append(line)
+  columns = [f"{form} {c}" for form in forms for c in ("pb_lru", "lru", "x")]
   common.print_table(f"resolve: us per layer group (k={result['stream']['k']}; Pallas: best "
-                     "configuration)", ("pool", "batch", "jnp pb_lru", "jnp lru", "jnp x",
-                                        "pallas pb_lru", "pallas lru", "pallas x"), cells)
+                     "configuration)", ("pool", "batch", *columns), cells)
   for t in result["targets"]:
     print(f"{'met   ' if t['met'] else 'MISSED'} {t['target']}: pool {t['pool']} batch "
           f"{t['batch']} {t['impl']}{' ' + t['policy'] if 'policy' in t else ''}"

@@ -46,10 +46,13 @@ import math
 import pathlib
 import statistics
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ula_jax.bench.common import (environment, fmt, parse_list, parse_sizes, print_table,
                                   same_length_requests)
+
+if TYPE_CHECKING:  # the config package pulls in jax; imported where it runs
+  from ula_jax.config import ExperimentConfig
 
 DEFAULT_CONFIG = "experiments/quickstart/config.yaml"
 SYSTEMS = ("resident_tp", "resident_dp", "hisparse", "ula_dp", "ula_tp")
@@ -93,7 +96,8 @@ def setup(name: str, devices: int, *, device_budget: str, host_budget: str,
   return Setup(name, dp, tp, tuple([f"mesh.dp={dp}", f"mesh.tp={tp}"] + over))
 
 
-def _load(args: argparse.Namespace, s: Setup, rows: int, extra: list[str] = ()) -> Any:
+def _load(args: argparse.Namespace, s: Setup, rows: int,
+          extra: list[str] = ()) -> ExperimentConfig:
   from ula_jax.config import load_config
   return load_config(args.config, list(args.overrides) + list(s.overrides) + [
       f"engine.max_batch={rows}", f"engine.max_context={args.context}",

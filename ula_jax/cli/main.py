@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import itertools
 import json
 import re
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ula_jax.config import (ConfigError, config_to_yaml, load_config, parse_value,
                             split_override)
@@ -121,13 +120,13 @@ def _sweep(args: argparse.Namespace) -> int:
   name = cfgs[0].experiment.name
   out = Path(args.out or Path(cfgs[0].experiment.out_dir) / f"{name}-sweep-{timestamp()}")
   out.mkdir(parents=True, exist_ok=True)
-  console = console()
+  con = console()
   rows = []
   for i, (combo, cfg) in enumerate(zip(combos, cfgs)):
-    console.print(f"[{i + 1}/{len(combos)}] " + " ".join(f"{k}={v}" for k, v in combo.items()))
+    con.print(f"[{i + 1}/{len(combos)}] " + " ".join(f"{k}={v}" for k, v in combo.items()))
     result, run_dir = run_experiment(cfg, out_dir=out / combination_dirname(i, combo),
                                      progress=not args.no_progress, show=False,
-                                     console=console)
+                                     console=con)
     stats = run_stats(result)
     rows.append({**{k: parse_value(v) for k, v in combo.items()}, **stats,
                  "run_dir": str(run_dir)})
@@ -143,8 +142,8 @@ def _sweep(args: argparse.Namespace) -> int:
   if len(keys) == 1 and all(isinstance(r[keys[0]], (int, float))
                             and not isinstance(r[keys[0]], bool) for r in rows):
     plot_sweep(rows, keys[0], out / "sweep.png")
-  console.print(sweep_table(rows, keys, title=f"sweep of {name}"))
-  console.print(f"sweep directory: {out}")
+  con.print(sweep_table(rows, keys, title=f"sweep of {name}"))
+  con.print(f"sweep directory: {out}")
   return EXIT_OK
 
 
@@ -169,14 +168,14 @@ def _compare(args: argparse.Namespace) -> int:
   from ula_jax.report.tables import compare_table
 
   cmp = compare_runs(args.run_a, args.run_b)
-  console = console()
-  console.print(compare_table(cmp.rows, title=f"A = {args.run_a}\nB = {args.run_b}"))
+  con = console()
+  con.print(compare_table(cmp.rows, title=f"A = {args.run_a}\nB = {args.run_b}"))
   if cmp.ok:
-    console.print(f"all {len(cmp.rows)} requests match token by token")
+    con.print(f"all {len(cmp.rows)} requests match token by token")
     return EXIT_OK
   for row in cmp.mismatches:
-    console.print(f"{row['id']}: {row['result']}", highlight=False)
-  console.print(f"{len(cmp.mismatches)} of {len(cmp.rows)} requests differ")
+    con.print(f"{row['id']}: {row['result']}", highlight=False)
+  con.print(f"{len(cmp.mismatches)} of {len(cmp.rows)} requests differ")
   return EXIT_MISMATCH
 
 

@@ -42,6 +42,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ula_jax.config.schema import ExperimentConfig
 from ula_jax.core import compat
 from ula_jax.engine.packing import StatePacking, pack_jit, split_jit
 from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
@@ -51,7 +52,7 @@ from ula_jax.core.addressing import PageAllocator, addrs_of_positions, all_addrs
 from ula_jax.models import transformer as tfm
 
 
-def resolve_max_context(cfg: Any, requests: list[Request] | None = None) -> int:
+def resolve_max_context(cfg: ExperimentConfig, requests: list[Request] | None = None) -> int:
   """Tokens per request the engine is built for (``engine.max_context`` or derived).
 
   Derived: the longest request of the workload (given requests, else the synthetic
@@ -195,7 +196,7 @@ class Engine:
   the same Engine and calls ``run`` with the same requests.
   """
 
-  def __init__(self, cfg: Any, mesh: Mesh, *, max_context: int | None = None):
+  def __init__(self, cfg: ExperimentConfig, mesh: Mesh, *, max_context: int | None = None):
     self.cfg = cfg
     self.mesh = mesh
     ecfg = cfg.engine
@@ -217,12 +218,12 @@ class Engine:
     self.attention_impl = cfg.kernels.attention
     # kernels.fast_path_mode: 'speculate' runs decode steps optimistically (see
     # _build_steps) on systems that support it (``MemorySystem.speculative``).
-    self.fast_path_mode = getattr(cfg.kernels, "fast_path_mode", "cond")
+    self.fast_path_mode = cfg.kernels.fast_path_mode
     self._try_speculate = True
     self._stat_keys: list[str] = []  # a decode step's stats, in its host output's order
-    self.report_every = max(1, int(getattr(ecfg, "report_every", 1)))
+    self.report_every = ecfg.report_every
     # engine.record_trace: keep every rank's selections (memory.trace) in the RunResult.
-    self.record_trace = bool(getattr(ecfg, "record_trace", False))
+    self.record_trace = ecfg.record_trace
     self._recorders = None
 
     model = tfm.Transformer(cfg.model, rngs=nnx.Rngs(cfg.model.param_seed))
@@ -233,7 +234,7 @@ class Engine:
     self._state_specs = self.mem.state_specs(state)
     # engine.pack_state: the state's small leaves travel between steps in a few buffers.
     self._packing = (StatePacking.plan(state, self._state_specs)
-                     if getattr(ecfg, "pack_state", True) else None)
+                     if ecfg.pack_state else None)
     self.state = state
     self.workspace = self._init_workspace()
     self._build_steps()

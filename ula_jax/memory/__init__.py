@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from ula_jax.config.schema import MemoryConfig
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
 from ula_jax.memory.base import CapacityReport, MemorySystem
 from ula_jax.memory.registry import REGISTRY, SYSTEM_NAMES, lookup, system_class
 
 
-def build_memory_system(cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
+def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: MeshInfo, *,
                         max_batch: int, page_size: int, max_context: int,
                         fetch_impl: str = "xla", resolve_impl: str = "jnp",
                         resolve_fast_path: bool = True,

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ula_jax.config.schema import MemoryConfig
 from ula_jax.core.types import KVGeometry, MeshInfo, Resolution
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +132,7 @@ class MemorySystem(abc.ABC):
   # no conditional and reports ``stats['spec_fail']``.
   speculate: bool = False
 
-  def __init__(self, cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *,
+  def __init__(self, cfg: MemoryConfig, geometry: KVGeometry, mesh_info: MeshInfo, *,
                max_batch: int, page_size: int, max_context: int):
     """cfg: the ``memory`` config section; max_batch: decode rows per dp rank;
     page_size: logical addresses per page; max_context: tokens per request at most."""
@@ -143,6 +144,11 @@ class MemorySystem(abc.ABC):
     self.max_context = max_context
     self.num_logical: int = 0
     self.capacity_tokens: int = 0
+    self.setup()
+
+  def setup(self) -> None:
+    """Sizes the system from ``self.cfg`` and the arguments above (subclasses set
+    ``num_logical`` and ``capacity_tokens`` here); checks come later, in ``validate``."""
 
   # -- layout ----------------------------------------------------------------------
 

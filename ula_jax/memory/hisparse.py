@@ -45,8 +45,6 @@ Host <-> device row copies go through ``ula_jax.kernels.fetch`` (``fetch_rows`` 
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,8 +52,9 @@ from flax import struct
 from jax.sharding import Mesh
 
 from ula_jax.core.sizes import parse_size
-from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
-from ula_jax.memory.base import CapacityReport, MemorySystem, device_zeros, replace_at, tp_replicated
+from ula_jax.core.types import INVALID, Resolution
+from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, replace_at,
+                                 tp_replicated)
 
 _BIG = np.iinfo(np.int32).max
 
@@ -90,30 +89,27 @@ class HiSparsePlan:
 class HiSparse(MemorySystem):
   name = "hisparse"
 
-  def __init__(self, cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *, max_batch: int,
-               page_size: int, max_context: int):
-    super().__init__(cfg, geometry, mesh_info, max_batch=max_batch, page_size=page_size,
-                     max_context=max_context)
-    hs = getattr(cfg, "hisparse", None)
-    self.top_k_cfg = getattr(hs, "top_k", None)
-    self.top_k = geometry.top_k if self.top_k_cfg is None else int(self.top_k_cfg)
-    self.buffer_size = int(getattr(hs, "device_buffer_size", 4096))
-    self.ratio = float(getattr(hs, "host_to_device_ratio", 2.0))
+  def setup(self) -> None:
+    hs = self.cfg.hisparse
+    self.top_k_cfg = hs.top_k
+    self.top_k = self.geo.top_k if self.top_k_cfg is None else self.top_k_cfg
+    self.buffer_size = hs.device_buffer_size
+    self.ratio = hs.host_to_device_ratio
     self.quota = self.buffer_size + 1  # Q: slots per (row, group)
-    self.device_slots = max_batch * self.quota  # per group
-    budget = getattr(cfg, "device_pool", None)
+    self.device_slots = self.max_batch * self.quota  # per group
+    budget = self.cfg.device_pool
     self.device_budget = (self.device_slots if budget is None else parse_size(
-        budget, field="memory.device_pool", token_bytes=geometry.token_bytes))
-    host = getattr(cfg, "host_pool", None)
-    if not host:  # unset (None or 0): sized from the device pool, as SGLang does
+        budget, field="memory.device_pool", token_bytes=self.geo.token_bytes))
+    host = self.cfg.host_pool
+    if not host:  # 0, the default: sized from the device pool, as SGLang does
       host_tokens = int(self.ratio * self.device_budget)
     else:
-      host_tokens = parse_size(host, field="memory.host_pool", token_bytes=geometry.token_bytes)
-    self.capacity_tokens = max(host_tokens // page_size, 0) * page_size
+      host_tokens = parse_size(host, field="memory.host_pool", token_bytes=self.geo.token_bytes)
+    self.capacity_tokens = max(host_tokens // self.page_size, 0) * self.page_size
     self.num_logical = self.capacity_tokens
 
   def validate(self) -> None:
-    if self.top_k_cfg is not None and int(self.top_k_cfg) != self.geo.top_k:
+    if self.top_k_cfg is not None and self.top_k_cfg != self.geo.top_k:
       raise ValueError(f"memory.hisparse.top_k={self.top_k_cfg}: must equal the model's "
                        f"index_topk={self.geo.top_k} (or be left unset)")
     if self.buffer_size < self.top_k:

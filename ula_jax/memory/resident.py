@@ -9,8 +9,6 @@ physical copy per tp rank: 8-way TP holds 12.5% distinct history.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +17,8 @@ from jax.sharding import Mesh
 
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
-from ula_jax.memory.base import CapacityReport, MemorySystem, device_zeros, replace_at, tp_replicated
+from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, replace_at,
+                                 tp_replicated)
 
 
 @struct.dataclass
@@ -32,16 +31,13 @@ class ResidentState:
 class Resident(MemorySystem):
   name = "resident"
 
-  def __init__(self, cfg: Any, geometry, mesh_info, *, max_batch: int, page_size: int,
-               max_context: int):
-    super().__init__(cfg, geometry, mesh_info, max_batch=max_batch, page_size=page_size,
-                     max_context=max_context)
-    pool = getattr(cfg, "device_pool", None)
+  def setup(self) -> None:
+    pool = self.cfg.device_pool
     if pool is None:
-      tokens = max_batch * max_context
+      tokens = self.max_batch * self.max_context
     else:
-      tokens = parse_size(pool, field="memory.device_pool", token_bytes=geometry.token_bytes)
-    self.capacity_tokens = (tokens // page_size) * page_size
+      tokens = parse_size(pool, field="memory.device_pool", token_bytes=self.geo.token_bytes)
+    self.capacity_tokens = (tokens // self.page_size) * self.page_size
     self.num_logical = self.capacity_tokens
 
   def validate(self) -> None:

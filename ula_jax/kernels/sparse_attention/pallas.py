@@ -33,8 +33,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 _LOG2E = math.log2(math.e)
-# Benchmark ablations of the launch (``sparse_mla_attention_pallas(ablation=...)``).
-ABLATIONS = ("compute", "gather")
 
 
 def _pow2(n: int) -> bool:
@@ -171,7 +169,7 @@ def launch_seconds(config: AttentionConfig, B: int, H: int, k: int, Dl: int, Dr:
 def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: int,
                       k: int, Dl: int, Dr: int, block_h: int, block_k: int,
                       blocks_per_split: int, slot_blocks: int, scale: float,
-                      split_out: bool, ablation: str | None):
+                      split_out: bool):
   # q_lat_ref: [B, H, Dl]; q_rope_ref: [B, H, Dr]; pool_ref: [S, Dl + Dr]
   # slots_ref: [B, k] int32, -1 where not valid
   # out_refs: (o [B, H, Dl] f32,) or (o [B, NS, H, Dl] f32, lse [B, NS, H] f32)
@@ -217,18 +215,9 @@ def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: 
     kr = plgpu.load(pool_ref.at[rows, rope_cols[None, :]], mask=ok[:, None], other=0)
     return ok, c, kr
 
-  if ablation == "compute":
-    first = tile(0)
-
   def body(i, carry):
     m, l, acc = carry  # [bh], [bh], [bh, Dl] float32
-    ok, c, kr = first if ablation == "compute" else tile(i)
-    if ablation == "gather":
-      # Every gather consumed at little cost, in a way that reaches the output: the mean
-      # over blocks of each block's largest value (its scores stay 0, so splits merge
-      # by their block counts).
-      seen = jnp.max(c.astype(jnp.float32)) + jnp.max(kr.astype(jnp.float32))
-      return jnp.zeros_like(m), l + 1.0, acc + seen
+    ok, c, kr = tile(i)
     c = c.astype(compute)  # [bk, Dl]
     s = (plgpu.dot(q_lat, c, trans_b=True, precision=precision)
          + plgpu.dot(q_rope, kr.astype(compute), trans_b=True, precision=precision))
@@ -372,8 +361,7 @@ def attention_cost(B: int, H: int, k: int, Dl: int, Dr: int, pool_dtype, q_dtype
 def sparse_mla_attention_pallas(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
                                 slots: jax.Array, valid: jax.Array, *, scale: float,
                                 config: AttentionConfig | None = None,
-                                interpret: bool | None = None,
-                                ablation: str | None = None) -> jax.Array:
+                                interpret: bool | None = None) -> jax.Array:
   """Attention of every head over the selected pool rows (Pallas).
 
   q_lat:  [B, H, Dl] latent queries; q_rope: [B, H, Dr] rotary queries
@@ -382,17 +370,10 @@ def sparse_mla_attention_pallas(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   valid:  [B, k] bool
   scale:  softmax scale; config: tuning (``AttentionConfig``)
   interpret: Pallas interpret mode (None: interpret everywhere but on GPU)
-  ablation: for benchmarks only, the launch with part of its work left out (its output
-          is not attention): 'compute' gathers each split's first block once and
-          computes on it at every step (the arithmetic alone), 'gather' gathers every
-          block and only takes its largest latent and rope values (the row gathers
-          alone; every output is the mean over blocks of their sum)
   Dl and Dr must be powers of 2 (Triton block shapes), >= 16 on GPU.
   returns o_lat: [B, H, Dl] float32
   """
   config = config or AttentionConfig()
-  if ablation not in (None, *ABLATIONS):
-    raise ValueError(f"ablation={ablation!r}: expected None or one of {list(ABLATIONS)}")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   B, H, Dl = q_lat.shape
@@ -419,7 +400,7 @@ def sparse_mla_attention_pallas(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   kernel = functools.partial(
       _attention_kernel, H=H, k=k, Dl=Dl, Dr=Dr, block_h=block_h, block_k=config.block_k,
       blocks_per_split=blocks_per_split, slot_blocks=slot_blocks, scale=float(scale),
-      split_out=split_out, ablation=ablation)
+      split_out=split_out)
   if split_out:
     out_shape = (jax.ShapeDtypeStruct((B, splits, H, Dl), jnp.float32),
                  jax.ShapeDtypeStruct((B, splits, H), jnp.float32))
@@ -449,6 +430,6 @@ def bytes_read(B: int, H: int, k: int, Dl: int, Dr: int, pool_dtype, q_dtype) ->
   return B * k * row + B * H * (Dl + Dr) * jnp.dtype(q_dtype).itemsize
 
 
-__all__ = ["ABLATIONS", "AttentionConfig", "AttentionCost", "attention_cost", "bytes_read",
+__all__ = ["AttentionConfig", "AttentionCost", "attention_cost", "bytes_read",
            "launch_seconds", "merge_splits", "merge_splits_pallas",
            "sparse_mla_attention_pallas"]

@@ -179,10 +179,9 @@ def transfer_time(link: LinkSpec, topo: FarTopology, counters: Mapping[str, Any]
   return float(per_rank.max()) if dp else 0.0
 
 
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-  if isinstance(obj, Mapping):
-    return obj.get(name, default)
-  return getattr(obj, name, default)
+def _field(record: Any, name: str) -> Any:
+  """``record[name]`` of a mapping, else the attribute (e.g. a ``RequestResult``)."""
+  return record[name] if isinstance(record, Mapping) else getattr(record, name)
 
 
 def modeled_run(steps: Sequence[Mapping[str, Any]], link: LinkSpec, topo: FarTopology,
@@ -203,11 +202,11 @@ def modeled_run(steps: Sequence[Mapping[str, Any]], link: LinkSpec, topo: FarTop
   step time of decode steps: every running request gets one token per step.
   """
   transfer = np.array([transfer_time(link, topo, s, row_bytes) for s in steps], np.float64)
-  compute = np.array([float(_get(s, "compute_s", 0.0)) for s in steps], np.float64)
-  tokens = np.array([float(_get(s, "decode_tokens", 0)) for s in steps], np.float64)
+  compute = np.array([float(s["compute_s"]) for s in steps], np.float64)
+  tokens = np.array([float(s["decode_tokens"]) for s in steps], np.float64)
   step_s = compute + transfer
   end = np.cumsum(step_s)
-  numbers = [int(_get(s, "step", i)) for i, s in enumerate(steps)]
+  numbers = [int(s.get("step", i)) for i, s in enumerate(steps)]
   total = float(end[-1]) if len(end) else 0.0
   out = {
       "modeled_step_s": step_s.tolist(),
@@ -219,7 +218,7 @@ def modeled_run(steps: Sequence[Mapping[str, Any]], link: LinkSpec, topo: FarTop
   }
   ttft = []
   for r in requests:
-    first, arrival = _get(r, "first_token_step"), _get(r, "arrival_step", 0)
+    first, arrival = _field(r, "first_token_step"), _field(r, "arrival_step")
     if first is None:
       continue
     i_end = int(np.searchsorted(numbers, first, side="right")) - 1

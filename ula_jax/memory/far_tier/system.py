@@ -42,7 +42,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from ula_jax.core.sizes import parse_size
-from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
+from ula_jax.core.types import INVALID, Resolution
 from ula_jax.memory.base import CapacityReport, MemorySystem, device_zeros, replace_at
 from ula_jax.memory.far_tier.link_model import (COUNTER_KEYS, FarTopology, LinkSpec, link_preset,
                                        modeled_run)
@@ -70,28 +70,26 @@ class FarTierPlan:
 class FarTier(MemorySystem):
   name = "far_tier"
 
-  def __init__(self, cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *, max_batch: int,
-               page_size: int, max_context: int):
-    super().__init__(cfg, geometry, mesh_info, max_batch=max_batch, page_size=page_size,
-                     max_context=max_context)
-    ft = getattr(cfg, "far_tier", None)
-    self.mode = getattr(ft, "mode", "on_demand")
-    self.link_name = getattr(ft, "link", "cxl")
-    self.num_far_devices = int(getattr(ft, "num_far_devices", 1))
-    far = getattr(ft, "far_pool", None)
-    tb = geometry.token_bytes
+  def setup(self) -> None:
+    ft = self.cfg.far_tier
+    self.mode = ft.mode
+    self.link_name = ft.link
+    self.num_far_devices = ft.num_far_devices
+    far = ft.far_pool
+    tb = self.geo.token_bytes
     if far is None:
-      far_rank = max_batch * max_context
+      far_rank = self.max_batch * self.max_context
     else:
-      far_rank = parse_size(far, field="memory.far_tier.far_pool", token_bytes=tb) // mesh_info.dp
+      far_rank = (parse_size(far, field="memory.far_tier.far_pool", token_bytes=tb)
+                  // self.mesh_info.dp)
     self.far_tokens = far_rank  # per dp rank
-    local = getattr(cfg, "device_pool", None)
-    self.local_tokens = (max_batch * max_context if local is None else
+    local = self.cfg.device_pool
+    self.local_tokens = (self.max_batch * self.max_context if local is None else
                          parse_size(local, field="memory.device_pool", token_bytes=tb))
     tokens = far_rank if self.mode != "full_prefetch" else min(far_rank, self.local_tokens)
-    self.capacity_tokens = (tokens // page_size) * page_size
+    self.capacity_tokens = (tokens // self.page_size) * self.page_size
     self.num_logical = self.capacity_tokens
-    self.stage_width = geometry.top_k + 1  # slots per row in the staging area
+    self.stage_width = self.geo.top_k + 1  # slots per row in the staging area
 
   def validate(self) -> None:
     if self.mode not in MODES:

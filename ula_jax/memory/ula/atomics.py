@@ -5,11 +5,12 @@ orders every earlier and later memory access of its thread (on Hopper a memory b
 before the atomic and an L1 invalidation after it). Kernels that use atomics only for
 their atomicity -- setting bits and counting, with the old value naming the first lane
 -- need none of that ordering; their results are ordered by launch boundaries or by an
-explicit grid barrier. ``atomic(kind, ref, idx, val, mask=..., relaxed=True)`` emits
-Triton's ``atomic_rmw`` with relaxed semantics through a primitive of its own; with
-``relaxed=False``, or where this jax's Pallas internals differ from what the primitive
-needs (``RELAXED_AVAILABLE``), it is Pallas' public atomic. GPU only: interpret mode has
-no lowering for it (kernels emulate atomics there).
+explicit grid barrier. ``atomic(kind, ref, idx, val, mask=...)`` emits Triton's
+``atomic_rmw`` with relaxed semantics through a primitive of its own; only where this
+jax's Pallas internals differ from what the primitive needs (``RELAXED_AVAILABLE``) is it
+Pallas' public atomic, so that the kernels still lower. GPU only: interpret mode has no
+lowering for it (kernels emulate atomics there). A grid barrier needs the ordering, so it
+calls Pallas' atomics itself.
 """
 
 from __future__ import annotations
@@ -66,12 +67,12 @@ except (ImportError, AttributeError):  # pragma: no cover - other jax versions
   RELAXED_AVAILABLE = False
 
 
-def atomic(kind: str, ref, idx: tuple, val, *, mask: Any = None, relaxed: bool = True):
-  """``ref[idx] (kind)= val`` atomically (``kind``: 'or', 'and' or 'add', integer refs);
-  returns the old values. ``relaxed``: no ordering of the thread's other accesses."""
+def atomic(kind: str, ref, idx: tuple, val, *, mask: Any = None):
+  """``ref[idx] (kind)= val`` atomically, with no ordering of the thread's other accesses
+  (``kind``: 'or', 'and' or 'add', integer refs); returns the old values."""
   if kind not in _PUBLIC:
     raise ValueError(f"atomic kind={kind!r}: expected one of {sorted(_PUBLIC)}")
-  if relaxed and RELAXED_AVAILABLE:
+  if RELAXED_AVAILABLE:
     return _relaxed(kind, ref, idx, val, mask)
   return _PUBLIC[kind](ref, idx, val, mask=mask)
 

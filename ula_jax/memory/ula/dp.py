@@ -41,7 +41,6 @@ counts (``UlaPlan``).
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +52,8 @@ from ula_jax.memory.ula.resolve import fastpath, resolve_group
 from ula_jax.memory.ula.resolve.fastpath import resolve_speculative
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
-from ula_jax.memory.base import CapacityReport, MemorySystem, device_zeros, replace_at, tp_replicated
+from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, replace_at,
+                                 tp_replicated)
 from ula_jax.memory.ula.policies import bitmap, make_policy, policy_fields
 from ula_jax.memory.ula.state import GroupMeta, UlaPlan, UlaState, _compact, stage_selection
 
@@ -63,14 +63,11 @@ _I32 = jnp.int32
 class Ula(MemorySystem):
   name = "ula"
 
-  def __init__(self, cfg: Any, geometry, mesh_info, *, max_batch: int, page_size: int,
-               max_context: int):
-    super().__init__(cfg, geometry, mesh_info, max_batch=max_batch, page_size=page_size,
-                     max_context=max_context)
+  def setup(self) -> None:
     self.device_slots, self.host_slots = self._pool_sizes()
     self.policy_name, self.buckets = self._policy_fields()
     total = self.device_slots + self.host_slots
-    self.capacity_tokens = (total // page_size) * page_size
+    self.capacity_tokens = (total // self.page_size) * self.page_size
     self.num_logical = self.capacity_tokens
     # A host pool of 0 tokens still gets one (never used) row so every gather has a shape.
     self.host_rows = max(self.host_slots, 1)
@@ -83,13 +80,12 @@ class Ula(MemorySystem):
 
   def _pool_sizes(self) -> tuple[int, int]:
     tb = self.geo.token_bytes
-    dev = getattr(self.cfg, "device_pool", None)
+    dev = self.cfg.device_pool
     if dev is None:
       dev_tokens = self.max_batch * self.max_context
     else:
       dev_tokens = parse_size(dev, field="memory.device_pool", token_bytes=tb)
-    host = getattr(self.cfg, "host_pool", 0)
-    host_tokens = parse_size(host, field="memory.host_pool", token_bytes=tb)
+    host_tokens = parse_size(self.cfg.host_pool, field="memory.host_pool", token_bytes=tb)
     return dev_tokens, host_tokens
 
   def _policy_fields(self) -> tuple[str, int]:
@@ -113,7 +109,7 @@ class Ula(MemorySystem):
     need = self.step_entries
     if self.device_slots < need:
       raise ValueError(
-          f"memory.device_pool={getattr(self.cfg, 'device_pool', None)!r} holds "
+          f"memory.device_pool={self.cfg.device_pool!r} holds "
           f"{self.device_slots} tokens per device and layer group, fewer than one decode "
           f"step needs on the device: engine.max_batch * (top_k + 1) = {self.max_batch} * "
           f"({self.geo.top_k} + 1) = {need}; use memory.device_pool >= {need} tokens "

@@ -59,7 +59,6 @@ host pool, ``host_fetches``/``host_evictions`` of the owners (summed over ranks)
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import jax
@@ -68,6 +67,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ula_jax.config.schema import MemoryConfig
 from ula_jax.core.addressing import all_addrs
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
@@ -370,32 +370,29 @@ class UlaTP(MemorySystem):
 
   name = "ula"
 
-  def __init__(self, cfg: Any, geometry: KVGeometry, mesh_info: MeshInfo, *, max_batch: int,
-               page_size: int, max_context: int):
-    super().__init__(cfg, geometry, mesh_info, max_batch=max_batch, page_size=page_size,
-                     max_context=max_context)
-    self.tp = mesh_info.tp
-    self.layout_name = getattr(cfg, "layout", "mod")
-    self.index_scoring = getattr(cfg, "index_scoring", "aligned")
+  def setup(self) -> None:
+    self.tp = self.mesh_info.tp
+    self.layout_name = self.cfg.layout
+    self.index_scoring = self.cfg.index_scoring
     self.policy_name, self.buckets = self._policy_fields()
     self.buffer_slots, self.device_budget, self.device_slots, self.host_slots = self._sizes()
     self.rank_capacity = self.device_slots + self.host_slots  # C: local addresses per rank
     self.layout: Layout | None = None
     self.store: DirectStore | TieredStore | None = None
     if self.layout_name in LAYOUTS and self.device_slots > 0:
-      self.layout = make_layout(self.layout_name, self.tp, self.rank_capacity, page_size,
-                                max_batch)
+      self.layout = make_layout(self.layout_name, self.tp, self.rank_capacity, self.page_size,
+                                self.max_batch)
       self.num_logical = self.layout.num_logical
       self.capacity_tokens = self.num_logical
       if self.host_slots:
         # A DP-mode ula over the rank's local addresses keeps its two tiers exclusive.
-        owner_cfg = types.SimpleNamespace(
+        owner_cfg = MemoryConfig(
             system="ula", device_pool=self.device_slots, host_pool=self.host_slots,
             policy=self.policy_name, pb_lru_buckets=self.buckets)
-        self.store = TieredStore(Ula(owner_cfg, geometry, MeshInfo(1, 1), max_batch=max_batch,
-                                     page_size=1, max_context=max_context))
+        self.store = TieredStore(Ula(owner_cfg, self.geo, MeshInfo(1, 1), max_batch=self.max_batch,
+                                     page_size=1, max_context=self.max_context))
       else:
-        self.store = DirectStore(geometry, self.rank_capacity)
+        self.store = DirectStore(self.geo, self.rank_capacity)
     self.policy = make_policy(self.policy_name, self.buffer_slots, buckets=self.buckets)
 
   # -- configuration ---------------------------------------------------------------
@@ -411,7 +408,7 @@ class UlaTP(MemorySystem):
   def _sizes(self) -> tuple[int, int, int, int]:
     """(L buffer slots, D device budget, Sd device-pool slots, H host slots) per device."""
     tb = self.geo.token_bytes
-    buf = getattr(self.cfg, "local_buffer", None)
+    buf = self.cfg.local_buffer
     if buf is None:
       L = self.step_entries
     elif isinstance(buf, bool) or not isinstance(buf, (int, np.integer)):
@@ -419,14 +416,14 @@ class UlaTP(MemorySystem):
                        f"(max_batch * (top_k + 1) = {self.step_entries})")
     else:
       L = int(buf)
-    dev = getattr(self.cfg, "device_pool", None)
+    dev = self.cfg.device_pool
     if dev is None:
       share = -(-self.max_batch * self.max_context // self.tp)
       share = -(-share // self.page_size) * self.page_size
       D = share + L
     else:
       D = parse_size(dev, field="memory.device_pool", token_bytes=tb)
-    H = parse_size(getattr(self.cfg, "host_pool", 0), field="memory.host_pool", token_bytes=tb)
+    H = parse_size(self.cfg.host_pool, field="memory.host_pool", token_bytes=tb)
     return L, D, D - L, H
 
   def validate(self) -> None:
@@ -443,12 +440,12 @@ class UlaTP(MemorySystem):
           f"+ 1) = {need}; use memory.local_buffer >= {need} (or null)")
     if self.device_slots < 1:
       raise ValueError(
-          f"memory.device_pool={getattr(self.cfg, 'device_pool', None)!r} ({self.device_budget}"
+          f"memory.device_pool={self.cfg.device_pool!r} ({self.device_budget}"
           f" tokens per device) leaves no device pool beside memory.local_buffer="
           f"{self.buffer_slots} tokens; raise memory.device_pool above the local buffer")
     if self.host_slots and self.device_slots < need:
       raise ValueError(
-          f"memory.device_pool={getattr(self.cfg, 'device_pool', None)!r} leaves "
+          f"memory.device_pool={self.cfg.device_pool!r} leaves "
           f"{self.device_slots} device-pool tokens per device beside memory.local_buffer="
           f"{self.buffer_slots}; with memory.host_pool > 0 an owner must hold one step's "
           f"entries on device: use memory.device_pool >= local_buffer + {need} = "

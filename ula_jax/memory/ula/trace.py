@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import types
 import weakref
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ula_jax.config.schema import MemoryConfig
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
 from ula_jax.memory.ula.dp import Ula
 
@@ -363,19 +362,13 @@ def replay(trace: SelectionTrace, system: Ula, *, chunk: int = 256) -> ReplayRes
                       resolve_seconds=seconds)
 
 
-def _with_policy(cfg: Any, policy: str) -> Any:
-  """A copy of the memory config with ``policy`` set (pydantic, dataclass or namespace)."""
-  if hasattr(cfg, "model_copy"):
-    return cfg.model_copy(update={"policy": policy})
-  if dataclasses.is_dataclass(cfg):
-    return dataclasses.replace(cfg, policy=policy)
-  return types.SimpleNamespace(**{**vars(cfg), "policy": policy})
-
-
-def system_for_trace(trace: SelectionTrace, cfg: Any, *, policy: str | None = None) -> Ula:
-  """A validated one-rank ``Ula`` sized by ``cfg`` (the ``memory`` section) for ``trace``."""
+def system_for_trace(trace: SelectionTrace, cfg: MemoryConfig, *,
+                     policy: str | None = None) -> Ula:
+  """A validated one-rank ``Ula`` sized by ``cfg`` (the ``memory`` section) for ``trace``;
+  ``policy`` replaces ``cfg.policy`` when given."""
   if policy is not None:
-    cfg = _with_policy(cfg, policy)
+    # Not validated again: Ula checks the policy (policies.policy_fields).
+    cfg = cfg.model_copy(update={"policy": policy})
   per_row = -(-trace.num_logical // trace.max_batch)
   system = Ula(cfg, trace.geometry(), MeshInfo(1, 1), max_batch=trace.max_batch,
                page_size=trace.page_size, max_context=per_row)
@@ -384,7 +377,7 @@ def system_for_trace(trace: SelectionTrace, cfg: Any, *, policy: str | None = No
   return system
 
 
-def compare_policies(trace: SelectionTrace, cfg: Any,
+def compare_policies(trace: SelectionTrace, cfg: MemoryConfig,
                      policies: tuple[str, ...] = ("pb_lru", "lru")) -> dict:
   """Replays ``trace`` under each policy with ``cfg``'s pool sizes.
 
@@ -394,7 +387,7 @@ def compare_policies(trace: SelectionTrace, cfg: Any,
   return compare_policies_per_rank([trace], cfg, policies)[0]
 
 
-def compare_policies_per_rank(traces, cfg: Any,
+def compare_policies_per_rank(traces, cfg: MemoryConfig,
                               policies: tuple[str, ...] = ("pb_lru", "lru")) -> list[dict]:
   """``compare_policies`` of each trace (the ranks of one run). Traces of the same
   geometry and size replay on one system per policy, so they share its compiled replay."""

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
+from ula_jax.config.schema import MemoryConfig
 from ula_jax.memory.ula.policies.base import FREE, Policy
 from ula_jax.memory.ula.policies.lru import Lru, LruState
 from ula_jax.memory.ula.policies.pb_lru import COLD, PbLru, PbLruState
@@ -22,12 +21,13 @@ def make_policy(name: str, num_slots: int, *, buckets: int) -> Policy:
   raise ValueError(f"memory.policy={name!r}: expected one of {list(POLICIES)}")
 
 
-def policy_fields(cfg: Any) -> tuple[str, int]:
-  """(``memory.policy``, ``memory.pb_lru_buckets``) of a memory config, checked."""
-  policy = getattr(cfg, "policy", "pb_lru")
+def policy_fields(cfg: MemoryConfig) -> tuple[str, int]:
+  """(``memory.policy``, ``memory.pb_lru_buckets``) of a memory config, checked again
+  here: a config made without validation (``model_construct``) reaches the system as is."""
+  policy = cfg.policy
   if policy not in POLICIES:
     raise ValueError(f"memory.policy={policy!r}: expected one of {list(POLICIES)}")
-  r = getattr(cfg, "pb_lru_buckets", 4)
+  r = cfg.pb_lru_buckets
   if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 1:
     raise ValueError(f"memory.pb_lru_buckets={r!r}: expected an integer >= 1 (recent "
                      f"buckets in the PB-LRU ring, besides the cold bucket)")

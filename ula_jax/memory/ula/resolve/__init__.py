@@ -18,7 +18,8 @@ enough free device slots for them -- takes the all-hit fast path (``fastpath.py`
 same arrays from ``O(B * k)`` gathers and ``O(Sd / 32)``-word reductions, chosen per call
 on device with ``jax.lax.cond``; any other step runs ``impl`` in full.
 
-Implementations are imported on first use.
+Implementations are imported on first use. ``docs/kernels/resolve.md`` describes the
+stages, the production forms and the variants measured against them.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def resolve_group(system: Any, meta: Any, sel_addr: jax.Array, sel_valid: jax.Ar
   new_addr:  [B] int32 the tokens being decoded; active: [B] bool
   impl:      'jnp' | 'pallas' | 'pallas_fused'
   interpret: Pallas interpret mode (None: on everywhere but on GPU); 'jnp' ignores it
-  config:    ``pallas.ResolveConfig`` for the Pallas impls (None: defaults)
+  config:    ``pallas.ResolveConfig`` for the Pallas impls (None: the impl's own,
+             ``ResolveConfig()`` for 'pallas', ``FUSED_CONFIG`` for 'pallas_fused')
   fast_path: take the all-hit fast path (``fastpath.py``) when the step moves nothing;
              the result is the same either way
   returns (meta, slots [B, k] int32, new_slot [B] int32, plan ``UlaPlan``, stats dict

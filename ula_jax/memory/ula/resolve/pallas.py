@@ -35,18 +35,19 @@ Plus one XLA fill that zeroes the kernels' scratch buffer. With ``memory.policy=
 the pick (the ``n`` oldest of all slots, an ``O(S)`` ranking) is XLA's ``top_k``
 between launches 2 and 3, as in the jnp resolve; every other stage is the same.
 
-``ResolveConfig.fuse`` (``kernels.resolve=pallas_fused``) runs PB-LRU's four stages in
-one launch, ``ula_resolve_fused``: a grid of persistent programs, all resident at once
-(``ResolveConfig.fused_programs``), takes each stage's blocks in turn (block ``v`` by
-program ``v mod programs``) and meets at a grid barrier between stages: every program
-counts its arrival in a zeroed scratch word and polls it until all have arrived. The
-stages' code is the launches' code; only who runs which block differs.
-``kernels.resolve=pallas_fused`` launches ``FUSED_CONFIG`` (three programs per SM, which
-its 168 registers per thread allow).
+``kernels.resolve=pallas_fused`` runs PB-LRU's four stages in one launch,
+``ula_resolve_fused``, with ``FUSED_CONFIG``: a grid of persistent programs, all resident
+at once (three per SM, which its 168 registers per thread allow), takes each stage's
+blocks in turn (block ``v`` by program ``v mod programs``) and meets at a grid barrier
+between stages: every program counts its arrival in a zeroed scratch word and polls it
+until all have arrived. The stages' code is the launches' code; only who runs which
+block differs. ``docs/kernels/resolve.md`` has the measurements behind both forms and the
+variants that lost to them.
 
 Triton arrays must have power-of-2 sizes: lanes are padded to the block, bitmaps are
-read as ``[32, 32]`` word tiles. Atomics are Triton's, relaxed
-(``ula_jax.memory.ula.atomics``; a grid barrier's are acquire-release); in interpret
+read as ``[32, 32]`` word tiles. The bitmap and counter atomics are Triton's, relaxed
+(``ula_jax.memory.ula.atomics``: each orders nothing but itself; launch boundaries and
+grid barriers order the stages), a grid barrier's are acquire-release; in interpret
 mode (CPU) they are emulated with lanes serialized in lane order, which has the same
 results (the kernels only use an atomic's old value to name the first lane to set a bit).
 
@@ -56,7 +57,6 @@ in one int32 scratch buffer, zero-filled per call, laid out by ``_Geometry``.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -83,8 +83,6 @@ POLICIES = ("pb_lru", "lru")
 _N_HIT, _N_MISS, _N_FRESH, _N_FETCH, _N_EVICT, _N_LISTED, _TOT_HOST = range(7)
 _TOT_POLICY = 7  # + b for policy bitmap b (0 free, 1 cold, 2 + r ring bucket r)
 _BARRIERS = 3  # grid barriers of the fused launch (between its four stages)
-# Whether the kernel being traced uses relaxed atomics (``ResolveConfig.relaxed_atomics``).
-_RELAXED: contextvars.ContextVar[bool] = contextvars.ContextVar("relaxed", default=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,17 +96,6 @@ class ResolveConfig:
   fuse:        PB-LRU's resolve as one launch (``ula_resolve_fused``): persistent
                programs run the four stages, with a grid barrier between stages (exact
                LRU's pick is XLA's ``top_k``, so its resolve is always four launches)
-  programs:    persistent programs of the fused launch (None: as many as are surely
-               resident at once, ``resident_per_sm()`` per SM; one in interpret mode).
-               A grid barrier needs every program resident: more would deadlock, and
-               so could two fused launches run side by side on one GPU (a decode step's
-               resolves run one after another: each group's selection needs the layers
-               before it)
-  relaxed_atomics: the bitmap and counter atomics without memory ordering (each one
-               orders nothing but itself; launch boundaries and grid barriers order the
-               stages); False: Pallas' acquire-release atomics
-  poison:      testing aid: when set, every array the kernels create is first filled
-               with this value, so an element a kernel fails to write shows up
   per_sm:      programs of the fused launch resident per SM (None: 8 / num_warps, which
                holds at any register count). More is only safe when the compiled kernel
                allows it (64K registers per SM: 3 programs of 4 warps at <= 168 registers
@@ -116,27 +103,19 @@ class ResolveConfig:
                ``ula-jax bench kernel_report`` shows both); a launch that is not all
                resident never passes its first grid barrier
 
-  The defaults are the fastest of sweeps on an H200 (1M-slot pool, batch 32 and 64, k
-  2048; ``RESULTS.md``). The place launch is bound by the latency of each program's
-  pyramid descents, so small programs that spread its entries over the SMs win (at batch
-  64, 6.6K entries to place: 256 per program 155 us, 32 per program 23 us, 16 per
-  program 17 us); the mark launch took 111 us with 1024 elements per program and
-  acquire-release atomics, 8.6 us with 256 and relaxed ones. Four launches are the
-  default: the fused launch's persistent programs hide less latency than the launches'
-  own programs (at batch 64 from a cold cache, per launch: the four launches' kernels
-  32-36 us, the one launch with these defaults -- two programs per SM, 250 registers --
-  50-52 us). ``kernels.resolve=pallas_fused`` launches ``FUSED_CONFIG`` instead: 128-entry
-  mark blocks (168 registers, three programs per SM) and 8-entry place blocks, 43.7-46.8
-  us from a cold cache and 40.2 us warm.
+  The defaults are ``kernels.resolve=pallas``, the fastest of sweeps on an H200 (1M-slot
+  pool, batch 32 and 64, k 2048): the place launch is bound by the latency of each
+  program's pyramid descents, so small programs that spread its entries over the SMs win.
+  ``kernels.resolve=pallas_fused`` launches ``FUSED_CONFIG``; its persistent programs hide
+  less memory latency than the four launches' own programs, which stay faster on the
+  device (32-36 us against 43.7-46.8 per resolve at batch 64 from a cold cache).
+  ``docs/kernels/resolve.md`` has the numbers.
   """
 
   block_elems: int = 256
   block_place: int = 16
   num_warps: int = 4
   fuse: bool = False
-  programs: int | None = None
-  relaxed_atomics: bool = True
-  poison: int | None = None
   per_sm: int | None = None
 
   def __post_init__(self):
@@ -145,21 +124,13 @@ class ResolveConfig:
       if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
         raise ValueError(f"ResolveConfig.{name}={v!r}: expected a power of 2 "
                          "(Triton arrays have power-of-2 sizes)")
-    for name in ("fuse", "relaxed_atomics"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"ResolveConfig.{name}={getattr(self, name)!r}: expected true "
-                         "or false")
+    if not isinstance(self.fuse, bool):
+      raise ValueError(f"ResolveConfig.fuse={self.fuse!r}: expected true or false")
     if self.per_sm is not None and (isinstance(self.per_sm, bool)
                                     or not isinstance(self.per_sm, int)
                                     or not 1 <= self.per_sm <= 16):
       raise ValueError(f"ResolveConfig.per_sm={self.per_sm!r}: expected None or an "
                        "integer in [1, 16] (programs resident per SM)")
-    if self.programs is not None and (isinstance(self.programs, bool)
-                                      or not isinstance(self.programs, int)
-                                      or self.programs < 1):
-      raise ValueError(f"ResolveConfig.programs={self.programs!r}: expected a positive "
-                       "integer or None (every SM's resident programs on GPU, one "
-                       "interpreted)")
 
   def resident_per_sm(self) -> int:
     """Programs of the fused launch resident on one SM at once: ``per_sm``, else those of
@@ -167,37 +138,46 @@ class ResolveConfig:
     at most, 64K per SM)."""
     return self.per_sm or max(1, 8 // self.num_warps)
 
-  def fused_programs(self, interpret: bool) -> int:
-    """Programs of the fused launch: ``programs``, else every SM's share of resident
-    programs (GPU) or one (interpreted: the grid runs one program after another, so a
-    grid barrier between two programs could never complete)."""
-    if interpret:
-      if self.programs not in (None, 1):
-        raise ValueError(f"ResolveConfig.programs={self.programs}: interpret mode runs "
-                         "the fused resolve as one program (set programs=1 or None, or "
-                         "fuse=False)")
-      return 1
-    sms = getattr(jax.local_devices()[0], "core_count", None)
-    if not sms:
-      if self.programs is None:
-        raise ValueError("ResolveConfig.programs=None: the device does not report its "
-                         "SM count; set ResolveConfig.programs (all of them must be "
-                         "resident at once) or fuse=False")
-      return self.programs
-    limit = sms * self.resident_per_sm()
-    if self.programs is not None and self.programs > limit:
-      raise ValueError(f"ResolveConfig.programs={self.programs}: the fused resolve's "
-                       f"programs must all be resident at once; at most {limit} on this "
-                       f"device ({sms} SMs x {self.resident_per_sm()} programs of "
-                       f"{self.num_warps} warps)")
-    return self.programs or limit
 
-
-# The one launch as measured fastest on an H200 (RESULTS.md): 128-entry mark blocks
-# compile to 168 registers per thread instead of 250, so three programs of 4 warps fit
-# on an SM instead of two, and 8-entry place blocks spread the place stage over them
+# The one launch as measured fastest on an H200 (docs/kernels/resolve.md): 128-entry mark
+# blocks compile to 168 registers per thread instead of 250, so three programs of 4 warps
+# fit on an SM instead of two, and 8-entry place blocks spread the place stage over them
 # (batch 64, 1M slots, cold cache: 43.7-46.8 us per launch against 50.0-51.6).
 FUSED_CONFIG = ResolveConfig(fuse=True, block_elems=128, block_place=8, per_sm=3)
+
+
+def fused_programs(config: ResolveConfig, interpret: bool,
+                   programs: int | None = None) -> int:
+  """Persistent programs of the fused launch: ``programs``, else every SM's share of
+  resident programs (GPU) or one (interpreted: the grid runs one program after another,
+  so a grid barrier between two programs could never complete).
+
+  A grid barrier needs every program resident: more would deadlock, and so could two
+  fused launches run side by side on one GPU (a decode step's resolves run one after
+  another: each group's selection needs the layers before it).
+  """
+  if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int)
+                               or programs < 1):
+    raise ValueError(f"programs={programs!r}: expected a positive integer or None (every "
+                     "SM's resident programs on GPU, one interpreted)")
+  if interpret:
+    if programs not in (None, 1):
+      raise ValueError(f"programs={programs}: interpret mode runs the fused resolve as "
+                       "one program (pass 1 or None, or ResolveConfig.fuse=False)")
+    return 1
+  sms = getattr(jax.local_devices()[0], "core_count", None)
+  if not sms:
+    if programs is None:
+      raise ValueError("programs=None: the device does not report its SM count; pass "
+                       "programs (all of them must be resident at once) or "
+                       "ResolveConfig.fuse=False")
+    return programs
+  limit = sms * config.resident_per_sm()
+  if programs is not None and programs > limit:
+    raise ValueError(f"programs={programs}: the fused resolve's programs must all be "
+                     f"resident at once; at most {limit} on this device ({sms} SMs x "
+                     f"{config.resident_per_sm()} programs of {config.num_warps} warps)")
+  return programs or limit
 
 
 def default_interpret() -> bool:
@@ -344,8 +324,7 @@ def _atomic(kind: str, ref, idx, val, mask, *, interpret: bool):
   a lane's old value includes the updates of the lanes before it to the same index.
   """
   if not interpret:
-    return atomic(kind, ref, (jnp.where(mask, idx, 0),), val, mask=mask,
-                  relaxed=_RELAXED.get())
+    return atomic(kind, ref, (jnp.where(mask, idx, 0),), val, mask=mask)
   n = idx.shape[0]
   lane = jnp.arange(n, dtype=_I32)
   same = mask[:, None] & mask[None, :] & (idx[:, None] == idx[None, :])
@@ -367,7 +346,7 @@ def _add_scalar(ref, i, val, *, interpret: bool):
   """``ref[i] += val`` by one program (atomic across programs on GPU); returns the old
   value (interpreted, programs run one after another)."""
   if not interpret:
-    return atomic("add", ref, (i,), val, relaxed=_RELAXED.get())
+    return atomic("add", ref, (i,), val)
   old = _get(ref, i)
   _put(ref, i, old + val)
   return old
@@ -376,7 +355,7 @@ def _add_scalar(ref, i, val, *, interpret: bool):
 def _or_scalar(ref, i, val, *, interpret: bool) -> None:
   """``ref[i] |= val`` by one program (atomic across programs on GPU)."""
   if not interpret:
-    atomic("or", ref, (i,), val, relaxed=_RELAXED.get())
+    atomic("or", ref, (i,), val)
     return
   _put(ref, i, _get(ref, i) | val)
 
@@ -955,16 +934,15 @@ def _fused_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
 
 
 def _launch(kernel: Callable, g: _Geometry, *, name: str, grid: int, inputs: dict,
-            aliased: dict, fresh: dict, interpret: bool) -> dict:
+            aliased: dict, fresh: dict, interpret: bool, poison: int | None) -> dict:
   """One ``pallas_call``; the kernel gets one dict of refs.
 
   inputs:  {name: array} read only
   aliased: {name: array} updated in place (read and written through the output ref)
-  fresh:   {name: ShapeDtypeStruct} new outputs; with ``config.poison`` they are
-           created filled with it and updated in place instead
+  fresh:   {name: ShapeDtypeStruct} new outputs; with ``poison`` (a testing aid) they
+           are created filled with it and updated in place instead
   returns {name: array} of the aliased and fresh outputs
   """
-  poison = g.config.poison
   if poison is not None:
     aliased = {**aliased, **{k: jnp.full(v.shape, poison, v.dtype) for k, v in fresh.items()}}
     fresh = {}
@@ -976,11 +954,7 @@ def _launch(kernel: Callable, g: _Geometry, *, name: str, grid: int, inputs: dic
   def body(*refs):
     d = dict(zip(list(inputs), refs[:len(inputs)]))
     d.update(zip(out_names, refs[len(in_names):]))
-    token = _RELAXED.set(g.config.relaxed_atomics)
-    try:
-      kernel(d, g, interpret)
-    finally:
-      _RELAXED.reset(token)
+    kernel(d, g, interpret)
 
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   outs = pl.pallas_call(
@@ -1006,9 +980,9 @@ def _i32_1(x) -> jax.Array:
   return jnp.asarray(x, _I32).reshape(1)
 
 
-@functools.partial(jax.jit, static_argnames=("g", "interpret"))
+@functools.partial(jax.jit, static_argnames=("g", "interpret", "poison"))
 def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geometry,
-             interpret: bool):
+             interpret: bool, poison: int | None = None):
   B, M = g.B, g.M
   i32 = lambda shape: jax.ShapeDtypeStruct(shape, _I32)
   pb_lru = g.policy == "pb_lru"
@@ -1033,7 +1007,7 @@ def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geom
            "slots": i32((g.BK,)), "new_slot": i32((B,)),
            **{n: i32((1,)) for n in ("hits", "misses", "n_fetch", "n_evict")}}
     o4 = _launch(_fused_kernel, g, name="ula_resolve_fused", grid=g.programs, inputs=ins,
-                 aliased=upd, fresh=new, interpret=interpret)
+                 aliased=upd, fresh=new, interpret=interpret, poison=poison)
     return _outputs(g, o4, o4, o4, None)
 
   # 1. mark
@@ -1045,7 +1019,7 @@ def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geom
     upd["stamp"] = pst.stamp
     new["clock1"] = i32((1,))
   o1 = _launch(_mark_kernel, g, name="ula_resolve_mark", grid=n_sel + n_new, inputs=ins,
-               aliased=upd, fresh=new, interpret=interpret)
+               aliased=upd, fresh=new, interpret=interpret, poison=poison)
 
   # 2. round
   upd = {"work": o1["work"], "host0": host["host0"],
@@ -1058,7 +1032,7 @@ def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geom
     new["cur1"] = i32((1,))
   blocks = (g.pol.blocks if pb_lru else 0) + g.host.blocks + g.addr.blocks
   o2 = _launch(_round_kernel, g, name="ula_resolve_round", grid=blocks, inputs=ins,
-               aliased=upd, fresh=new, interpret=interpret)
+               aliased=upd, fresh=new, interpret=interpret, poison=poison)
   host.update({n: o2[n] for n in host if n in o2})
   pol.update({n: o2[n] for n in pol if n in o2})
 
@@ -1081,7 +1055,7 @@ def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geom
   new = {n: i32((M,)) for n in ("fetch_src", "fetch_dst", "evict_src", "evict_dst")}
   o3 = _launch(_place_kernel, g, name="ula_resolve_place",
                grid=_cdiv(M, g.config.block_place), inputs=ins, aliased=upd, fresh=new,
-               interpret=interpret)
+               interpret=interpret, poison=poison)
 
   # 4. publish
   ins = {**sel, "table": o3["table"], "work": o3["work"]}
@@ -1095,7 +1069,7 @@ def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geom
   blocks = (g.pol.blocks if pb_lru else 0) + g.host.blocks
   o4 = _launch(_publish_kernel, g, name="ula_resolve_publish",
                grid=blocks + _cdiv(M, g.config.block_elems), inputs=ins, aliased=upd,
-               fresh=new, interpret=interpret)
+               fresh=new, interpret=interpret, poison=poison)
 
   return _outputs(g, o2, o3, o4, o1)
 
@@ -1128,7 +1102,8 @@ def _outputs(g: _Geometry, o2: dict, o3: dict, o4: dict, o1: dict | None):
 def resolve_group_pallas(system: Any, meta: GroupMeta, sel_addr: jax.Array,
                          sel_valid: jax.Array, new_addr: jax.Array, active: jax.Array, *,
                          config: ResolveConfig | None = None,
-                         interpret: bool | None = None):
+                         interpret: bool | None = None, programs: int | None = None,
+                         poison: int | None = None):
   """``system.resolve_meta`` as Pallas kernels (see the module doc); same signature.
 
   system: a ``ula.Ula`` (its sizes and policy are static); meta: its ``GroupMeta`` for
@@ -1136,6 +1111,11 @@ def resolve_group_pallas(system: Any, meta: GroupMeta, sel_addr: jax.Array,
   sel_addr: [B, k] int32; sel_valid: [B, k] bool; new_addr: [B] int32; active: [B] bool
   config: tuning (``ResolveConfig``); interpret: Pallas interpret mode (None: on
   everywhere but on GPU)
+  programs: persistent programs of the fused launch (None: ``fused_programs``' choice,
+  what ``kernels.resolve`` runs); for lowering without the GPU, and for tests of the
+  grid barriers at other counts
+  poison: testing aid: when set, every array the kernels create is first filled with
+  this value, so an element a kernel fails to write shows up
   returns (meta, slots [B, k] int32, new_slot [B] int32, plan, stats), identical to
   ``system.resolve_meta``
   """
@@ -1155,20 +1135,25 @@ def resolve_group_pallas(system: Any, meta: GroupMeta, sel_addr: jax.Array,
   if new_addr.shape != (B,) or active.shape != (B,):
     raise ValueError(f"new_addr.shape={tuple(new_addr.shape)}, active.shape="
                      f"{tuple(active.shape)}: expected [B] = [{B}]")
+  if poison is not None and (isinstance(poison, bool) or not isinstance(poison, int)):
+    raise ValueError(f"poison={poison!r}: expected None or an int32 value")
   fused = policy == "pb_lru" and config.fuse
   g = _Geometry.build(B=B, k=k, N=system.num_logical, Sd=system.device_slots,
                       Hr=system.host_rows, R=system.buckets if policy == "pb_lru" else 1,
                       policy=policy, config=config,
-                      programs=config.fused_programs(interpret) if fused else 1)
-  return _resolve(meta, sel_addr, sel_valid, new_addr, active, g=g, interpret=interpret)
+                      programs=fused_programs(config, interpret, programs) if fused else 1)
+  return _resolve(meta, sel_addr, sel_valid, new_addr, active, g=g, interpret=interpret,
+                  poison=poison)
 
 
 def resolve_group_pallas_fused(system: Any, meta: GroupMeta, sel_addr: jax.Array,
                                sel_valid: jax.Array, new_addr: jax.Array, active: jax.Array,
                                *, config: ResolveConfig | None = None,
-                               interpret: bool | None = None):
-  """``resolve_group_pallas`` with ``config.fuse`` set: PB-LRU's resolve in one launch
-  (``kernels.resolve=pallas_fused``)."""
+                               interpret: bool | None = None, programs: int | None = None,
+                               poison: int | None = None):
+  """``resolve_group_pallas`` with ``config.fuse`` set (``FUSED_CONFIG`` when None):
+  PB-LRU's resolve in one launch (``kernels.resolve=pallas_fused``)."""
   config = dataclasses.replace(config or FUSED_CONFIG, fuse=True)
   return resolve_group_pallas(system, meta, sel_addr, sel_valid, new_addr, active,
-                              config=config, interpret=interpret)
+                              config=config, interpret=interpret, programs=programs,
+                              poison=poison)
