@@ -77,7 +77,7 @@ def rng(seed) -> np.random.Generator:
 
 def pytest_collection_modifyitems(config, items):
   """``gpu``-marked tests need a CUDA device; on other machines they are deselected (not
-  skipped): they run through the device tool (``benchmarks/probes/gpu_kernels.sh``), and their
+  skipped): they run on a GPU host (``benchmarks/probes/gpu_kernels.sh``), and their
   interpret-mode twins run here."""
   if jax.default_backend() == "gpu":
     return
