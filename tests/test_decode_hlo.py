@@ -1,6 +1,7 @@
 """The engine's compiled decode step never copies a pool (GPU).
 
-``ula``'s ``move_layer`` reads a pool (the victims' rows, the misses' host rows) and
+The layer stack is a loop over layer groups with the pools in its carry, so one copy
+would be paid per group and step. ``ula``'s ``move_layer`` reads a pool (the victims' rows, the misses' host rows) and
 writes the same pool in place (the fetched rows, the written-back victims). Unless each
 write is ordered after the reads, XLA copies the whole pool per layer and step to let
 them run in either order: on an H200 with a 128K-token host pool that was 70 ms of a
@@ -29,7 +30,8 @@ def test_ula_decode_step_copies_no_pool(fetch):
       "memory.host_pool=4160", f"kernels.fetch={fetch}", "kernels.resolve=pallas"])
   engine = Engine(cfg, build_mesh(cfg), max_context=512)
   text = engine.decode_hlo()
-  shapes = {x.shape[1:] for x in (*engine.state.dev_pools, *engine.state.host_pools)}
-  assert shapes == {(1216, 48), (4160, 48)}
+  # Stacked pools: every layer's rows in one array per tier ([L * S, W], 4 layers).
+  shapes = {x.shape[1:] for x in (engine.state.dev_pool, engine.state.host_pool)}
+  assert shapes == {(4 * 1216, 48), (4 * 4160, 48)}
   found = [line for s in shapes for line in pool_materializations(text, s)]
   assert not found, found[:4]

@@ -118,7 +118,7 @@ def test_rope_depends_on_relative_position(rng):
 
 
 def test_moe_gates_pick_top_k_and_sum_to_one(model, rng):
-  moe = model.layers[CFG.num_dense_layers].ffn
+  moe = model.layer(CFG.num_dense_layers).ffn
   assert isinstance(moe, layers.MoE)
   gates = np.asarray(moe.gates(jnp.asarray(rng.standard_normal((6, CFG.hidden_size)),
                                            jnp.float32)))
@@ -127,7 +127,7 @@ def test_moe_gates_pick_top_k_and_sum_to_one(model, rng):
 
 
 def test_absorbed_mla_equals_naive(model, rng):
-  attn = model.layers[1].attn
+  attn = model.layer(1).attn
   T = 10
   x = jnp.asarray(rng.standard_normal((T, CFG.hidden_size)), jnp.float32)
   pos = jnp.arange(T, dtype=jnp.int32)
@@ -270,10 +270,10 @@ def test_decode_step_matches_dense_reference_with_inactive_rows(rig, rng):
     pos = pos + active
   # The inactive row wrote nothing: its pages are empty in every pool and key table.
   addrs = np.asarray(all_addrs(jnp.asarray(pt[3]), PAGE))
-  for table in (*state.pools, *state.index_keys):
-    np.testing.assert_array_equal(np.asarray(table)[addrs], 0.0)
-  for live in state.live:
-    assert not np.asarray(live)[addrs].any()
+  pools = np.asarray(state.pools).reshape(CFG.num_layers, rig.mem.num_logical, -1)
+  np.testing.assert_array_equal(pools[:, addrs], 0.0)
+  np.testing.assert_array_equal(np.asarray(state.index_keys)[:, addrs], 0.0)
+  assert not np.asarray(state.live)[:, addrs].any()
 
 
 def _generate(rig: Rig, prompts: list[np.ndarray], new_tokens: int) -> np.ndarray:
@@ -310,8 +310,8 @@ def test_bfloat16_decode_matches_prefill(rng):
                     index_share=1)
   bf = make_rig(cfg)
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(bf.model)))
-  assert all(x.dtype == jnp.bfloat16 for x in (*bf.fresh_state().pools,
-                                                 *bf.fresh_state().index_keys))
+  assert all(x.dtype == jnp.bfloat16 for x in (bf.fresh_state().pools,
+                                                 bf.fresh_state().index_keys))
   seqs = rng.integers(0, cfg.vocab_size, (B, T_MAX)).astype(np.int32)
   pt = _page_tables(rng, bf.mem)
   prompt_lens = np.asarray([1, 7, 12, 9])

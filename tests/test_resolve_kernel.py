@@ -273,7 +273,11 @@ def test_ula_resolve_dispatches_on_resolve_impl(rng, monkeypatch):
   system = system_for(case)
   meta = filled_meta(system, rng, case.fill)
   args = tuple(map(jnp.asarray, random_step(rng, np.asarray(meta.table), case.B, case.k)))
-  state = UlaState(dev_pools=(), host_pools=(), meta=(meta,), index_keys=())
+  # Only the metadata is read: one group's, stacked ([1, ...] leaves), and empty pools.
+  W = system.geo.entry_width
+  state = UlaState(dev_pool=jnp.zeros((0, W)), host_pool=jnp.zeros((0, W)),
+                   meta=jax.tree.map(lambda x: x[None], meta),
+                   index_keys=jnp.zeros((1, 0, system.geo.index_dim)))
   want_state, want = jax.jit(system.resolve, static_argnums=1)(state, 0, *args)
   pallas = Ula(system.cfg, system.geo, system.mesh_info, max_batch=case.B, page_size=4,
                max_context=8)

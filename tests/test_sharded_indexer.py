@@ -113,7 +113,7 @@ def test_each_rank_holds_only_its_keys(rng):
   d.state = d.sys.init_state(d.mesh)
   page_table, _, _, keys, _, _ = _inputs(rng, 1, ties=False)
   _store_keys(d, page_table, keys)
-  local = np.asarray(d.state.ranked.index_keys[d.group])[0]  # [tp, C, DI]
+  local = np.asarray(d.state.ranked.index_keys)[0, :, d.group]  # [tp, C, DI]
   addrs = np.asarray(all_addrs(jnp.asarray(page_table[0]), PAGE))  # [B, T]
   for b in range(B):
     for t in range(T):

@@ -153,7 +153,8 @@ def test_buffer_victim_is_the_least_recently_used_entry():
   _prefill(d, PROMPT0, row=0)
   for new, sel in STEPS:
     _step(d, new, sel)
-  held = [set(np.asarray(m.owner)[0].tolist()) - {INVALID} for m in d.state.shared.meta]
+  owner = np.asarray(d.state.shared.meta.owner)[0]  # [G, L]
+  held = [set(owner[g].tolist()) - {INVALID} for g in range(GEO.num_groups)]
   assert held == [{4, 13, 14, 15, 6, 7, 12, 24}] * 2
 
 

@@ -70,7 +70,7 @@ def test_split_heads_attention_equals_unsplit(rng, tp):
   inputs = _attention_inputs(rng)
 
   def attention(params, x, pos, pool, slots, valid, tp_axis):
-    layer = nnx.merge(graphdef, params).layers[layer_index]
+    layer = nnx.merge(graphdef, params).layer(layer_index)
     heads = None if tp_axis is None else tfm.tp_heads(CFG.num_heads, tp_axis)
     proj = layer.pre_attention(x, pos, heads)
     return tfm._absorbed_attention(layer, proj, pool, slots, valid, CFG.softmax_scale,
@@ -103,7 +103,7 @@ def test_rank_heads_cover_every_head_once():
 
 
 def test_head_range_slices_the_query_weights(rng):
-  attn = _model().layers[0].attn
+  attn = _model().layer(0).attn
   x = jnp.asarray(rng.standard_normal((3, CFG.hidden_size)), jnp.float32)
   pos = jnp.arange(3, dtype=jnp.int32)
   _, q_nope, q_rope, entry = attn.project(x, pos)
@@ -131,10 +131,8 @@ def _decode_inputs(rng, mem: Resident, mesh):
   state = jax.tree.map(lambda x: x[0], mem.init_state(mesh))
   S = mem.num_logical
   state = state.replace(
-      pools=tuple(jnp.asarray(rng.standard_normal((S, CFG.entry_width)), jnp.float32)
-                  for _ in state.pools),
-      index_keys=tuple(jnp.asarray(rng.standard_normal((S, CFG.index_head_dim)), jnp.float32)
-                       for _ in state.index_keys))
+      pools=jnp.asarray(rng.standard_normal(state.pools.shape), jnp.float32),
+      index_keys=jnp.asarray(rng.standard_normal(state.index_keys.shape), jnp.float32))
   pages = T_MAX // PAGE
   page_table = rng.permutation(S // PAGE)[:B * pages].reshape(B, pages).astype(np.int32)
   positions = np.asarray([0, 5, 17, 30], np.int32)  # below, at and past top-k
@@ -168,10 +166,9 @@ def test_decode_step_with_split_heads_matches_unsplit(rng):
   np.testing.assert_allclose(tp_logits[0][active], np.asarray(logits)[active], **TOL)
   # The entries written (layers after the first see the attention output) agree too,
   # and every rank wrote the same ones.
-  for pool_tp, pool in zip(tp_state.pools, new_state.pools):
-    pool_tp = np.asarray(pool_tp)
-    np.testing.assert_array_equal(pool_tp[7], pool_tp[0])
-    np.testing.assert_allclose(pool_tp[0], np.asarray(pool), **TOL)
+  pool_tp = np.asarray(tp_state.pools)  # [tp, L * S, W]
+  np.testing.assert_array_equal(pool_tp[7], pool_tp[0])
+  np.testing.assert_allclose(pool_tp[0], np.asarray(new_state.pools), **TOL)
 
 
 # ----------------------------------------------------------------------------------

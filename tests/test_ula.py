@@ -51,7 +51,20 @@ def local(state):
 
 
 def rows(rng, n, L=3, W=4):
-  return tuple(rng.standard_normal((n, W)).astype(np.float32) for _ in range(L))
+  """[L, n, W] float32: one row per layer and entry (layer-major, as prefill takes them)."""
+  return rng.standard_normal((L, n, W)).astype(np.float32)
+
+
+def layer_view(pool_base, size):
+  """``read_pool``'s / ``read_host_pool``'s ``(pool, base)`` -> that layer's [size, W]."""
+  pool, base = pool_base
+  return np.asarray(pool)[int(base):int(base) + size]
+
+
+def gather(pool_base, slots):
+  """The rows attention reads: ``pool[base + slots]``."""
+  pool, base = pool_base
+  return np.asarray(pool)[int(base) + np.asarray(slots)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,24 +157,26 @@ def test_init_state_layout_and_memory_kinds():
   s = build(mesh_info=MeshInfo(2, 1))
   mesh = jax.make_mesh((2, 1), ("dp", "tp"), devices=jax.devices()[:2])
   state = s.init_state(mesh)
-  assert len(state.dev_pools) == len(state.host_pools) == 3 and len(state.meta) == 2
-  for p in state.dev_pools:
-    assert p.shape == (2, 9, 4) and p.sharding.memory_kind == "device"
-    assert p.sharding.spec == P("dp")
-  for p in state.host_pools:
-    assert p.shape == (2, 7, 4) and p.sharding.memory_kind == "pinned_host"
-    assert p.sharding.spec == P("dp")
-  m = state.meta[0]
-  assert m.table.shape == (2, 16) and (np.asarray(m.table) == INVALID).all()
-  assert m.dev_owner.shape == (2, 9) and m.host_owner.shape == (2, 7)
-  assert m.policy.ring[0].shape == (2, 2, 1) and m.policy.cur.shape == (2,)
+  # 3 layers of 9 device / 7 host rows each, flat; 2 groups of metadata, stacked.
+  p = state.dev_pool
+  assert p.shape == (2, 3 * 9, 4) and p.sharding.memory_kind == "device"
+  assert p.sharding.spec == P("dp")
+  p = state.host_pool
+  assert p.shape == (2, 3 * 7, 4) and p.sharding.memory_kind == "pinned_host"
+  assert p.sharding.spec == P("dp")
+  m = state.meta
+  assert m.table.shape == (2, 2, 16) and (np.asarray(m.table) == INVALID).all()
+  assert m.dev_owner.shape == (2, 2, 9) and m.host_owner.shape == (2, 2, 7)
+  assert m.policy.ring[0].shape == (2, 2, 2, 1) and m.policy.cur.shape == (2, 2)
+  assert state.index_keys.shape == (2, 2, 16, 2)
   for leaf in jax.tree.leaves(state.meta):
+    assert leaf.shape[:2] == (2, 2)
     assert leaf.sharding.memory_kind == "device" and leaf.sharding.spec[0] == "dp"
   assert all(spec == P("dp") for spec in jax.tree.leaves(s.state_specs(state)))
   # Stripping the dp axis (one rank's view) keeps every leaf in its memory space.
   loc = local(build().init_state(one_device_mesh()))
-  assert {p.sharding.memory_kind for p in loc.host_pools} == {"pinned_host"}
-  assert {p.sharding.memory_kind for p in loc.dev_pools} == {"device"}
+  assert loc.host_pool.sharding.memory_kind == "pinned_host"
+  assert loc.dev_pool.sharding.memory_kind == "device"
 
 
 # ----------------------------------------------------------------------------------
@@ -183,7 +198,7 @@ def _scenario():
   state = local(s.init_state(one_device_mesh()))
   data = rows(rng, 12)
   state = f["prefill"](state, jnp.arange(12, dtype=jnp.int32), jnp.ones(12, bool),
-                       tuple(map(jnp.asarray, data)), jnp.int32(0))
+                       jnp.asarray(data), jnp.int32(0))
   sel = jnp.asarray([[10, 11, 0], [1, 2, 12]], jnp.int32)
   new, active = jnp.asarray([12, 13], jnp.int32), jnp.ones(2, bool)
   state, res = f["resolve"](state, 0, sel, jnp.ones((2, 3), bool), new, active)
@@ -204,11 +219,11 @@ def test_hand_checked_step():
   np.testing.assert_array_equal(np.asarray(p.evict_dst)[:4], [1, 2, 3, 4])
   assert (np.asarray(p.fetch_src)[2:] == INVALID).all()
   Sd = 9
-  table = np.asarray(state.meta[0].table)
+  table = np.asarray(state.meta.table[0])
   np.testing.assert_array_equal(
       table[:14], [0, 1, 2, Sd + 1, Sd + 2, Sd + 3, Sd + 4, 7, 8, Sd + 0, 3, 4, 5, 6])
   # Group 1 has its own table: still as prefill left it.
-  np.testing.assert_array_equal(np.asarray(state.meta[1].table)[:12],
+  np.testing.assert_array_equal(np.asarray(state.meta.table[1])[:12],
                                 list(range(9)) + [Sd, Sd + 1, Sd + 2])
 
   new_rows = rows(rng, 2)
@@ -217,17 +232,18 @@ def test_hand_checked_step():
   for l in (0, 1):
     state = f["write"](state, l, res, jnp.asarray(new_rows[l]), jnp.ones(2, bool))
   for l in (0, 1):
-    dev = np.asarray(s.read_pool(state, l))
-    host = np.asarray(s.read_host_pool(state, l))
+    dev = layer_view(s.read_pool(state, l), 9)
+    host = layer_view(s.read_host_pool(state, l), 7)
     want = {a: data[l][a] for a in range(12)} | {12: new_rows[l][0], 13: new_rows[l][1]}
     for b, i in np.ndindex(2, 3):
       a = int(np.asarray([[10, 11, 0], [1, 2, 12]])[b, i])
       np.testing.assert_array_equal(dev[int(res.slots[b, i])], want[a])
     for h, a in zip([1, 2, 3, 4], [3, 4, 5, 6]):
       np.testing.assert_array_equal(host[h], want[a])
-    assert state.host_pools[l].sharding.memory_kind == "pinned_host"
+  assert state.host_pool.sharding.memory_kind == "pinned_host"
   # Layer 2 (group 1) did not move.
-  np.testing.assert_array_equal(np.asarray(s.read_pool(state, 2)), data[2][:9])
+  np.testing.assert_array_equal(layer_view(s.read_pool(state, 2), 9), data[2][:9])
+  np.testing.assert_array_equal(layer_view(s.read_host_pool(state, 2), 7)[:3], data[2][9:])
 
 
 def test_report_counts_each_entry_once():
@@ -245,14 +261,15 @@ def test_report_counts_each_entry_once():
 def test_report_counts_tp_copies():
   s = build(mesh_info=MeshInfo(1, 2))
   state = s.init_state(jax.make_mesh((1, 2), ("dp", "tp"), devices=jax.devices()[:2]))
-  table = np.asarray(state.meta[0].table).copy()
-  table[0, :3] = [0, 1, 9]
-  owner = np.asarray(state.meta[0].dev_owner).copy()
-  owner[0, :2] = [0, 1]
-  host_owner = np.asarray(state.meta[0].host_owner).copy()
-  host_owner[0, 0] = 2
-  meta0 = state.meta[0].replace(table=table, dev_owner=owner, host_owner=host_owner)
-  rep = s.report(state.replace(meta=(meta0,) + state.meta[1:]))
+  # Group 0 of dp rank 0 holds three entries.
+  table = np.asarray(state.meta.table).copy()
+  table[0, 0, :3] = [0, 1, 9]
+  owner = np.asarray(state.meta.dev_owner).copy()
+  owner[0, 0, :2] = [0, 1]
+  host_owner = np.asarray(state.meta.host_owner).copy()
+  host_owner[0, 0, 0] = 2
+  meta = state.meta.replace(table=table, dev_owner=owner, host_owner=host_owner)
+  rep = s.report(state.replace(meta=meta))
   assert rep.device_used.tolist() == [[2, 2]] and rep.host_used.tolist() == [[1, 1]]
   assert rep.distinct.tolist() == [3] and rep.duplicates == 3
   assert rep.extra["layout"] == "dp_replicated"
@@ -262,7 +279,8 @@ def test_release_frees_every_slot():
   s, f, state, res, _, _ = _scenario()
   addrs = jnp.arange(16, dtype=jnp.int32)
   state = f["release"](state, addrs, addrs < 14, jnp.int32(0))
-  for m in state.meta:
+  for g in range(GEO.num_groups):
+    m = jax.tree.map(lambda x: x[g], state.meta)
     assert (np.asarray(m.table) == INVALID).all()
     assert (np.asarray(m.dev_owner) == INVALID).all()
     assert (np.asarray(m.host_owner) == INVALID).all()
@@ -276,18 +294,16 @@ def test_prefill_rewrites_in_place_and_unstored_selections_get_no_slot():
   state = local(s.init_state(one_device_mesh()))
   ones = jnp.ones(12, bool)
   state = f["prefill"](state, jnp.arange(12, dtype=jnp.int32), ones,
-                       tuple(map(jnp.asarray, rows(rng, 12))), jnp.int32(0))
-  before = [np.asarray(m.table) for m in state.meta]
+                       jnp.asarray(rows(rng, 12)), jnp.int32(0))
+  before = np.asarray(state.meta.table)
   # Rewriting stored addresses (10 on the host, 3 on the device) takes no new slot.
   again = rows(rng, 12)
   addrs = jnp.asarray([10, 3] + [INVALID] * 10, jnp.int32)
-  state = f["prefill"](state, addrs, jnp.arange(12) < 2, tuple(map(jnp.asarray, again)),
-                       jnp.int32(0))
-  for m, t in zip(state.meta, before):
-    np.testing.assert_array_equal(np.asarray(m.table), t)
+  state = f["prefill"](state, addrs, jnp.arange(12) < 2, jnp.asarray(again), jnp.int32(0))
+  np.testing.assert_array_equal(np.asarray(state.meta.table), before)
   for l in range(3):
-    np.testing.assert_array_equal(np.asarray(s.read_host_pool(state, l))[1], again[l][0])
-    np.testing.assert_array_equal(np.asarray(s.read_pool(state, l))[3], again[l][1])
+    np.testing.assert_array_equal(layer_view(s.read_host_pool(state, l), 7)[1], again[l][0])
+    np.testing.assert_array_equal(layer_view(s.read_pool(state, l), 9)[3], again[l][1])
   # Address 14 was never stored and is no new token: no slot, no placement, no count.
   sel = jnp.asarray([[14, 0, 1], [2, 14, 12]], jnp.int32)
   state, res = f["resolve"](state, 0, sel, jnp.ones((2, 3), bool),
@@ -295,7 +311,7 @@ def test_prefill_rewrites_in_place_and_unstored_selections_get_no_slot():
   slots = np.asarray(res.slots)
   assert slots[0, 0] == slots[1, 1] == INVALID and (slots[[0, 0, 1], [1, 2, 0]] >= 0).all()
   assert np.asarray(res.new_slot)[1] == INVALID and slots[1, 2] == np.asarray(res.new_slot)[0]
-  assert int(np.asarray(state.meta[0].table)[14]) == INVALID
+  assert int(np.asarray(state.meta.table[0])[14]) == INVALID
   assert {k: int(v) for k, v in res.stats.items()} == {"hits": 3, "misses": 0,
                                                         "evictions": 1}
 
@@ -308,7 +324,7 @@ def test_without_host_pool_nothing_moves():
   state = local(s.init_state(one_device_mesh()))
   data = rows(rng, 10)
   state = f["prefill"](state, jnp.arange(10, dtype=jnp.int32), jnp.ones(10, bool),
-                       tuple(map(jnp.asarray, data)), jnp.int32(0))
+                       jnp.asarray(data), jnp.int32(0))
   sel = jnp.asarray([[9, 3, 10], [0, 11, 5]], jnp.int32)
   state, res = f["resolve"](state, 0, sel, jnp.ones((2, 3), bool),
                             jnp.asarray([10, 11], jnp.int32), jnp.ones(2, bool))
@@ -339,7 +355,7 @@ def test_reads_the_same_rows_as_resident():
   for i, (x, f) in enumerate(zip(systems, fs)):
     for c in (slice(0, 5), slice(5, 10)):
       states[i] = f["prefill"](states[i], jnp.asarray(prompt[c]), jnp.ones(5, bool),
-                               tuple(jnp.asarray(d[c]) for d in data), jnp.int32(0))
+                               jnp.asarray(data[:, c]), jnp.int32(0))
   for t in range(3):
     pos = 5 + t
     new = jnp.asarray([pos, 8 + pos], jnp.int32)
@@ -356,10 +372,10 @@ def test_reads_the_same_rows_as_resident():
         got = []
         for l in GEO.group_layers(g):
           states[i] = f["write"](states[i], l, res, jnp.asarray(entries[l]), active)
-          got.append(np.asarray(x.read_pool(states[i], l))[np.asarray(res.slots)])
+          got.append(gather(x.read_pool(states[i], l), res.slots))
         read.append(np.where(np.asarray(valid)[None, :, :, None], np.stack(got), 0))
       np.testing.assert_array_equal(read[0], read[1])
-  assert int(np.asarray(states[0].meta[0].host_owner >= 0).sum()) > 0
+  assert int(np.asarray(states[0].meta.host_owner[0] >= 0).sum()) > 0
 
 
 # ----------------------------------------------------------------------------------
@@ -388,7 +404,8 @@ def test_sharded_step_on_eight_devices():
     out = []
     for l in range(2):
       st = s.write_token(st, l, res, tok[0, l], active[0])
-      out.append(s.read_pool(st, l)[res.slots])
+      pool, base = s.read_pool(st, l)
+      out.append(pool[base + res.slots])
     return ex(st), jnp.stack(out)[None], res.slots[None], ex(res.stats)
 
   f = jax.jit(compat.shard_map(
@@ -400,7 +417,7 @@ def test_sharded_step_on_eight_devices():
   # and selects both spilled ones: every rank fetches 2 and, its device being full,
   # evicts 4 (2 fetched + 2 new tokens).
   addrs = np.stack([rng.permutation(12)[:C] for _ in range(dp)]).astype(np.int32)
-  entries = tuple(rng.standard_normal((dp, C, 4)).astype(jnp.bfloat16) for _ in range(2))
+  entries = rng.standard_normal((dp, 2, C, 4)).astype(jnp.bfloat16)  # [dp, L, C, W]
   new = np.asarray([[12, 13]] * dp, np.int32)
   sel = np.stack([[[a[9], a[10], a[0]], [a[1], a[2], 12]] for a in addrs]).astype(np.int32)
   tok = rng.standard_normal((dp, 2, B, 4)).astype(jnp.bfloat16)
@@ -409,20 +426,19 @@ def test_sharded_step_on_eight_devices():
   put = lambda x: jax.device_put(x, NamedSharding(mesh, P("dp")))
   state, out, slots, stats = f(state, *jax.tree.map(put, args))
 
-  for pools, kind in ((state.host_pools, "pinned_host"), (state.dev_pools, "device")):
-    for p in pools:
-      assert p.sharding.is_equivalent_to(NamedSharding(mesh, P("dp"), memory_kind=kind), 3)
+  for p, kind in ((state.host_pool, "pinned_host"), (state.dev_pool, "device")):
+    assert p.sharding.is_equivalent_to(NamedSharding(mesh, P("dp"), memory_kind=kind), 3)
   out, slots = np.asarray(out), np.asarray(slots)
   for d in range(dp):
     ref = RefUla.like(s)
-    ref.write_prefill(addrs[d], np.ones(C, bool), tuple(e[d] for e in entries))
+    ref.write_prefill(addrs[d], np.ones(C, bool), entries[d])
     step_ref = ref.resolve(0, sel[d], np.ones((B, k), bool), new[d], np.ones(B, bool))
     np.testing.assert_array_equal(slots[d], step_ref.slots)
     assert {k_: int(np.asarray(v)[d]) for k_, v in stats.items()} == step_ref.stats
     for l in range(2):
       ref.move_layer(l, step_ref)
       ref.write_token(l, step_ref, tok[d, l], np.ones(B, bool))
-      want = {int(a): entries[l][d, i] for i, a in enumerate(addrs[d])}
+      want = {int(a): entries[d, l, i] for i, a in enumerate(addrs[d])}
       want |= {12: tok[d, l, 0], 13: tok[d, l, 1]}
       for b, i in np.ndindex(B, k):
         np.testing.assert_array_equal(out[d, l, b, i], want[int(sel[d, b, i])])

@@ -105,9 +105,9 @@ class Harness:
       a = np.full((C,), INVALID, np.int32)
       a[:len(part)] = part
       valid = np.arange(C) < len(part)
-      entries = tuple(rng.standard_normal((C, W)).astype(np.float32) for _ in range(L))
+      entries = rng.standard_normal((L, C, W)).astype(np.float32)  # layer-major
       self.state = self.f["prefill"](self.state, jnp.asarray(a), jnp.asarray(valid),
-                                     tuple(map(jnp.asarray, entries)), jnp.int32(0))
+                                     jnp.asarray(entries), jnp.int32(0))
       self.ref.write_prefill(a, valid, entries)
       for l in range(L):
         for j, addr in enumerate(part):
@@ -121,7 +121,7 @@ class Harness:
       layers = list(geo.group_layers(g))
       entries = tuple(rng.standard_normal((new_addr.shape[0], geo.entry_width))
                       .astype(np.float32) for _ in layers)
-      before = np.asarray(self.state.meta[g].dev_owner)
+      before = np.asarray(self.state.meta.dev_owner[g])
       self.state, res = self.f["decode_group"](
           self.state, g, jnp.asarray(sel_addr[g]), jnp.asarray(sel_valid[g]),
           jnp.asarray(new_addr), jnp.asarray(active), tuple(map(jnp.asarray, entries)))
@@ -152,9 +152,10 @@ class Harness:
       # Attention reads exactly what was written, for every resolved entry.
       slots = np.asarray(res.slots)
       for l in layers:
-        pool = np.asarray(self.sys.read_pool(self.state, l))
+        pool, base = self.sys.read_pool(self.state, l)
+        pool, base = np.asarray(pool), int(base)
         for b, i in zip(*np.nonzero(sel_valid[g])):
-          np.testing.assert_array_equal(pool[slots[b, i]],
+          np.testing.assert_array_equal(pool[base + slots[b, i]],
                                         self.written[(l, int(sel_addr[g][b, i]))])
     self.steps += 1
     return totals
@@ -172,11 +173,13 @@ class Harness:
   def check(self) -> None:
     sys_, state = self.sys, self.state
     Sd, Sh = sys_.device_slots, sys_.host_slots
-    for pool in state.dev_pools:
-      assert pool.sharding.memory_kind == "device"
-    for pool in state.host_pools:
-      assert pool.sharding.memory_kind == "pinned_host"
-    for g, (meta, ref) in enumerate(zip(state.meta, self.ref.groups)):
+    Hr, L = sys_.host_rows, sys_.geo.num_layers
+    assert state.dev_pool.sharding.memory_kind == "device"
+    assert state.host_pool.sharding.memory_kind == "pinned_host"
+    assert state.dev_pool.shape[0] == L * Sd and state.host_pool.shape[0] == L * Hr
+    dev_pool, host_pool = np.asarray(state.dev_pool), np.asarray(state.host_pool)
+    for g, ref in enumerate(self.ref.groups):
+      meta = jax.tree.map(lambda x: x[g], state.meta)
       table = np.asarray(meta.table)
       dev_owner, host_owner = np.asarray(meta.dev_owner), np.asarray(meta.host_owner)[:Sh]
       np.testing.assert_array_equal(table, ref.table_array())
@@ -207,8 +210,8 @@ class Harness:
 
       # Bytes: pools equal the reference's, and every live entry reads back as written.
       for l in sys_.geo.group_layers(g):
-        dev = np.asarray(state.dev_pools[l])
-        host = np.asarray(state.host_pools[l])[:Sh]
+        dev = dev_pool[l * Sd:(l + 1) * Sd]
+        host = host_pool[l * Hr:l * Hr + Sh]
         np.testing.assert_array_equal(dev, self.ref.dev_pools[l])
         np.testing.assert_array_equal(host, self.ref.host_pools[l])
         for a, loc in zip(live, locs):
@@ -216,9 +219,10 @@ class Harness:
           np.testing.assert_array_equal(row, self.written[(l, int(a))])
 
   def all_free(self) -> bool:
-    return all((np.asarray(m.table) == INVALID).all()
-               and (np.asarray(m.dev_owner) == INVALID).all()
-               and (np.asarray(m.host_owner) == INVALID).all() for m in self.state.meta)
+    m = self.state.meta  # every group at once: leaves [G, ...]
+    return bool((np.asarray(m.table) == INVALID).all()
+                and (np.asarray(m.dev_owner) == INVALID).all()
+                and (np.asarray(m.host_owner) == INVALID).all())
 
 
 class Workload:
@@ -371,7 +375,7 @@ def test_long_run_matches_reference(rng):
   for req in w.live():
     while req.written < req.prompt_len:
       w.prefill_chunk(req, 8, rng)
-  assert sum((np.asarray(m.host_owner) >= 0).sum() for m in h.state.meta) == 76 - 70
+  assert (np.asarray(h.state.meta.host_owner) >= 0).sum() == 76 - 70
   for _ in range(60):
     total = int(rng.integers(4, 40))
     if w.can_admit(total):

@@ -90,7 +90,7 @@ class TPDriver:
     s = self.sys
 
     def body(st, addrs, valid, entries, keys, row):
-      st = s.write_prefill(st, addrs, valid, entries, row)
+      st = s.write_prefill(st, addrs, valid, jnp.stack(entries), row)  # [L, C, W]
       for g in range(s.geo.num_groups):
         st = s.write_index_keys(st, g, jnp.where(valid, addrs, INVALID), keys[g])
       return st, jnp.int32(0)
@@ -113,7 +113,8 @@ class TPDriver:
           st = s.move_layer(st, l, res)
         for l in s.geo.group_layers(g):
           st = s.write_token(st, l, res, entries[l], active)
-          reads.append(s.read_pool(st, l)[jnp.clip(res.slots, 0, None)])
+          pool, base = s.read_pool(st, l)
+          reads.append(pool[base + jnp.clip(res.slots, 0, None)])
         slots.append(res.slots)
         stats.append(res.stats)
       return st, (tuple(reads), tuple(slots), tuple(stats))
@@ -276,20 +277,27 @@ def test_init_state_sharding_and_memory_kinds():
   dp, tp = 2, 4
   s = build(make_cfg(device_pool=STEP + 8, host_pool=8), dp=dp, tp=tp)
   state = s.init_state(mesh_of(dp, tp))
-  pool = state.ranked.dev_pools[0]
-  assert pool.shape == (dp, tp, 8, GEO.entry_width)
+  L, G = GEO.num_layers, GEO.num_groups
+  pool = state.ranked.dev_pool  # every layer's device pool, stacked
+  assert pool.shape == (dp, tp, L * 8, GEO.entry_width)
   assert pool.sharding.spec == P("dp", "tp") and pool.sharding.memory_kind == "device"
-  host = state.ranked.host_pools[0]
-  assert host.shape == (dp, tp, 8, GEO.entry_width)
-  assert host.sharding.memory_kind == "pinned_host"
-  assert state.ranked.index_keys[0].shape == (dp, tp, 16, GEO.index_dim)
-  buf = state.shared.buffers[0]
-  assert buf.shape == (dp, STEP, GEO.entry_width) and buf.sharding.spec == P("dp")
-  assert state.shared.meta[0].table.shape == (dp, s.num_logical)
+  host = state.ranked.host_pool
+  assert host.shape == (dp, tp, L * 8, GEO.entry_width)
+  assert host.sharding.spec == P("dp", "tp") and host.sharding.memory_kind == "pinned_host"
+  assert state.ranked.index_keys.shape == (dp, tp, G, 16, GEO.index_dim)
+  assert state.ranked.meta.table.shape == (dp, tp, G, 16)
+  buf = state.shared.buffers
+  assert buf.shape == (dp, L * STEP, GEO.entry_width) and buf.sharding.spec == P("dp")
+  assert buf.sharding.memory_kind == "device"
+  assert state.shared.meta.table.shape == (dp, G, s.num_logical)
+  assert state.shared.meta.owner.shape == (dp, G, STEP)
   # Without a host pool the owned entries sit at their local address.
   d = build(make_cfg(device_pool=STEP + 8), dp=dp, tp=tp).init_state(mesh_of(dp, tp))
   assert isinstance(d.ranked, DirectState)
-  assert d.ranked.pools[2].shape == (dp, tp, 8, GEO.entry_width)
+  assert d.ranked.pools.shape == (dp, tp, L * 8, GEO.entry_width)
+  assert d.ranked.pools.sharding.spec == P("dp", "tp")
+  assert d.ranked.live.shape == (dp, tp, G, 8)
+  assert d.ranked.index_keys.shape == (dp, tp, G, 8, GEO.index_dim)
 
 
 def test_capacity_classes_grow_by_a_quarter_to_the_whole_list():

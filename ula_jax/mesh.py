@@ -13,6 +13,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from ula_jax.config import ConfigError, ExperimentConfig, check_devices
+from ula_jax.core.compilation import enable_persistent_cache
 
 AXES = ("dp", "tp")
 _JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda"}
@@ -45,6 +46,8 @@ def configure_platform(cfg: ExperimentConfig, num_devices: int | None = None) ->
       jax.config.update("jax_num_cpu_devices", n)
   except RuntimeError:
     pass  # the backend has started: the devices are what they are
+  if cfg.engine.compilation_cache:
+    enable_persistent_cache(cfg.engine.compilation_cache_dir)
 
 
 def mesh_devices(cfg: ExperimentConfig) -> list:

@@ -10,6 +10,8 @@ JSON (``ula-jax bench NAME``; ``BENCHMARKS`` lists the module names).
 * ``kernel_report``: what the Pallas sparse attention compiles to for a Hopper GPU
   (shared memory, registers, spills, its main loop), read on any machine with the
   ``triton`` package (no GPU).
+* ``compile``: compile seconds and compiled-HLO operations of the decode step and a
+  prefill chunk against the model's depth (the layer stack is a loop over groups).
 * ``serving``: capacity and tokens/s against running batch of every system on every
   device of the host at equal device and host budgets (a table, JSON and a plot).
 
@@ -20,4 +22,4 @@ wherever jax does. ``summary`` condenses their JSON (``python -m ula_jax.bench.s
 from __future__ import annotations
 
 BENCHMARKS = ("fetch", "attention", "resolve", "step_cost", "tp_link", "serving",
-              "kernel_report")
+              "kernel_report", "compile")

@@ -226,6 +226,12 @@ class EngineConfig(Section):
       False, description="record every rank's selections (trace_rank{d}.npz in the run "
       "directory); for memory.system=ula the summary then compares pb_lru and lru hit "
       "rates on the recorded trace")
+  compilation_cache: bool = Field(
+      True, description="keep compiled programs in jax's persistent compilation cache, so "
+      "a second run of the same shapes compiles nothing")
+  compilation_cache_dir: str | None = Field(
+      None, description="folder of the persistent compilation cache; None = "
+      "$XDG_CACHE_HOME/ula_jax/xla (~/.cache/ula_jax/xla)")
 
 
 class KernelsConfig(Section):

@@ -44,12 +44,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax.config.schema import ExperimentConfig
 from ula_jax.core import compat
+from ula_jax.core.compilation import CompileLog
 from ula_jax.engine.packing import StatePacking, pack_jit, split_jit
 from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 from ula_jax.memory import INVALID, MeshInfo, build_memory_system
 from ula_jax.mesh import interpret_kernels
 from ula_jax.core.addressing import PageAllocator, addrs_of_positions, all_addrs
 from ula_jax.models import transformer as tfm
+
+
+# The jitted steps by the names compilations are logged under (``core.compilation``).
+STEP_PROGRAMS = ("decode", "speculate", "redo", "prefill", "release")
 
 
 def resolve_max_context(cfg: ExperimentConfig, requests: list[Request] | None = None) -> int:
@@ -199,6 +204,7 @@ class Engine:
   def __init__(self, cfg: ExperimentConfig, mesh: Mesh, *, max_context: int | None = None):
     self.cfg = cfg
     self.mesh = mesh
+    self.compile_log = CompileLog().start()  # read by the run's summary
     ecfg = cfg.engine
     self.dp, self.tp = mesh.shape["dp"], mesh.shape["tp"]
     check_tp_heads(cfg.model.num_heads, self.tp)
@@ -361,8 +367,11 @@ class Engine:
         valid = jnp.arange(tokens.shape[0]) < length
         addrs = jnp.where(valid, addrs_of_positions(page_row, pos, page_size), INVALID)
         state = mem.write_prefill(state, addrs, valid, entries, row)
-        for g in range(geo.num_groups):
-          state = mem.write_index_keys(state, g, addrs, keys[g])
+        # A loop on the device, not one write per group: the program stays the same size
+        # whatever the depth.
+        state = jax.lax.fori_loop(
+            0, geo.num_groups,
+            lambda g, st: mem.write_index_keys(st, g, addrs, keys[g]), state)
         return state, ws, jnp.argmax(last_logits).astype(jnp.int32)
 
       def skip(state, ws):
@@ -478,6 +487,7 @@ class Engine:
           on_step: Callable[[StepMetrics], None] | None = None) -> RunResult:
     """Serves ``requests`` to completion (or ``engine.max_steps``)."""
     dp, B = self.dp, self.max_batch
+    self.compile_log.start()
     alloc = [PageAllocator(self.mem.num_logical // self.page_size) for _ in range(dp)]
     if self.record_trace:
       from ula_jax.memory.ula.trace import TraceRecorder
@@ -585,6 +595,7 @@ class Engine:
     ordered = [results[r.id] for r in requests]
     wall = time.perf_counter() - t_run
     summary = self._summary(steps, ordered, totals, wall)
+    self.compile_log.stop()
     capacity = peak["report"].as_dict() if peak["report"] is not None else {}
     traces = [r.build() for r in self._recorders] if self._recorders is not None else None
     self._recorders = None
@@ -698,6 +709,23 @@ class Engine:
                               np.full((dp, B, self.pages_per_row), INVALID, np.int32),
                               np.zeros((dp, B), bool))
 
+  def lower_step(self, kind: str) -> Any:
+    """The jitted step ``kind`` (``decode``, ``speculate`` or ``prefill``) lowered for
+    idle inputs (no active row, nothing to prefill): ``.compile()`` compiles it, as the
+    first step of that kind would (``ula-jax bench compile``)."""
+    if kind == "prefill":
+      dp, C = self.dp, self.chunk
+      z = lambda *shape: self._put(np.zeros(shape, np.int32))
+      return self._prefill.lower(
+          self.params, self.carry, self.workspace, z(dp, C), z(dp), z(dp),
+          self._put(np.full((dp, self.pages_per_row), INVALID, np.int32)), z(dp),
+          self._put(np.zeros((dp,), bool)))
+    step = {"decode": self._decode, "speculate": self._speculate}.get(kind)
+    if step is None:
+      raise ValueError(f"kind={kind!r}: expected decode, prefill, or speculate (with "
+                       f"kernels.fast_path_mode=speculate)")
+    return step.lower(self.params, self.carry, self.idle_decode_inputs())
+
   def decode_hlo(self) -> str:
     """The compiled HLO text of the step a decode round runs first: ``speculate`` where
     the engine speculates (``kernels.fast_path_mode``), else ``decode``."""
@@ -760,4 +788,6 @@ class Engine:
     out.update(self.mem.run_summary(steps, reqs))
     if totals.get("hits", 0) + totals.get("misses", 0):
       out["hit_rate"] = totals["hits"] / (totals["hits"] + totals["misses"])
+    # Programs compiled (or read from the persistent cache) since the engine was built.
+    out["compilation"] = self.compile_log.summary(STEP_PROGRAMS)
     return out

@@ -15,6 +15,20 @@ local arrays (no leading dp axis). The engine adds and strips the leading ``dp``
 at the shard_map boundary. ``init_state`` builds the global, sharded arrays; the
 default ``state_specs`` shards every leaf's leading axis over ``dp``.
 
+State is stacked, never a list per layer or group, so that a decode step runs the layer
+stack as a loop over groups and its program does not grow with depth:
+
+* a pool of KV rows is ONE array ``[L * S, W]`` over all layers: layer ``l``'s slot ``s``
+  is row ``l * S + s`` (``layer_rows``); host and far pools alike;
+* per-group metadata has a leading group axis ``[G, ...]``; indexer keys are
+  ``[G, N, index_dim]``;
+* ``group`` and ``layer`` arguments are Python ints or traced int32 scalars (the model
+  passes traced ones from inside ``lax.scan``): systems index arrays with them
+  (``x[g]``, ``x.at[g, i]``, row offsets), never Python containers. A group's metadata
+  may be taken out with ``group_slice`` and written back with ``group_update`` (a
+  dynamic-update-slice: in place on a loop-carried buffer); pools and keys are
+  addressed row by row, never sliced out whole.
+
 Per decode step and layer group ``g`` the model calls, in this order::
 
     state = write_index_keys(state, g, new_addr, key)         # first layer of g
@@ -23,13 +37,14 @@ Per decode step and layer group ``g`` the model calls, in this order::
     for l in layers(g): state = move_layer(state, l, res)      # exact layer-wise prefetch
     for l in layers(g):
         state = write_token(state, l, res, entry_l)            # the new token's KV
-        out   = attention(read_pool(state, l), res.slots, res.valid)
+        pool, base = read_pool(state, l)
+        out   = attention(pool, base + res.slots, res.valid)
 
 ``resolve`` only plans (dedupe, hit detection, victims, table update); ``move_layer``
-moves the data for one layer (write back victims, fetch misses). Pools are one array
-per layer, so the copy for a later layer of the group depends on nothing the current
-layer computes and can overlap it. Attention reads a slot only through ``res.slots``,
-which is data-dependent on the copies: it never sees a half-moved entry.
+moves the data for one layer (write back victims, fetch misses). The copy for a later
+layer of the group depends on nothing the current layer computes and can overlap it.
+Attention reads a slot only through ``res.slots``, which is data-dependent on the
+copies: it never sees a half-moved entry.
 
 ``res.slots[b, i]`` is the device slot of ``sel_addr[b, i]``: aligned with the logical
 selection order, so every system hands attention the same values in the same order.
@@ -174,18 +189,18 @@ class MemorySystem(abc.ABC):
 
   @abc.abstractmethod
   def write_prefill(self, state: Any, addrs: jax.Array, valid: jax.Array,
-                    entries: tuple[jax.Array, ...], row: jax.Array) -> Any:
+                    entries: jax.Array, row: jax.Array) -> Any:
     """Stores prefill KV.
 
     addrs:   [C] int32 logical addresses of a chunk of one request's prompt
     valid:   [C] bool
-    entries: per layer, [C, W] rows (len == num_layers)
+    entries: [L, C, W] rows, layer-major
     row:     [] int32 the decode batch row the request occupies on this dp rank
              (systems with per-request quotas key them by row)
     """
 
   @abc.abstractmethod
-  def resolve(self, state: Any, group: int, sel_addr: jax.Array, sel_valid: jax.Array,
+  def resolve(self, state: Any, group: int | jax.Array, sel_addr: jax.Array, sel_valid: jax.Array,
               new_addr: jax.Array, active: jax.Array) -> tuple[Any, Resolution]:
     """Logical top-k of one layer group -> device slots (plans the data movement).
 
@@ -215,19 +230,20 @@ class MemorySystem(abc.ABC):
     that is cheaper (a pool updated in place) and holds the same entries."""
     raise NotImplementedError(f"{self.name} has no speculative steps")
 
-  def move_layer(self, state: Any, layer: int, res: Resolution) -> Any:
+  def move_layer(self, state: Any, layer: int | jax.Array, res: Resolution) -> Any:
     """Moves the data that ``res`` planned for one layer (default: nothing moves)."""
     del layer, res
     return state
 
   @abc.abstractmethod
-  def write_token(self, state: Any, layer: int, res: Resolution, entry: jax.Array,
+  def write_token(self, state: Any, layer: int | jax.Array, res: Resolution, entry: jax.Array,
                   active: jax.Array) -> Any:
     """Writes the new token's row for one layer. entry: [B, W]."""
 
   @abc.abstractmethod
-  def read_pool(self, state: Any, layer: int) -> jax.Array:
-    """The device pool attention reads for ``layer``: [S, W] (indexed by ``res.slots``)."""
+  def read_pool(self, state: Any, layer: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The device rows attention reads for ``layer``: ``(pool [R, W], base [] int32)``;
+    slot ``s`` of ``res.slots`` is row ``base + s`` of ``pool``."""
 
   @abc.abstractmethod
   def release(self, state: Any, addrs: jax.Array, valid: jax.Array, row: jax.Array) -> Any:
@@ -238,25 +254,26 @@ class MemorySystem(abc.ABC):
 
   # -- indexer keys (device resident, by logical address) ---------------------------
 
-  def init_index_keys(self, mesh: Mesh) -> tuple[jax.Array, ...]:
-    shape = (self.mesh_info.dp, self.num_logical, self.geo.index_dim)
-    return tuple(
-        device_zeros(mesh, shape, self.geo.index_dtype, "device")
-        for _ in range(self.geo.num_groups))
+  def init_index_keys(self, mesh: Mesh) -> jax.Array:
+    """[dp, G, N, index_dim] zeros: every group's keys, by logical address."""
+    shape = (self.mesh_info.dp, self.geo.num_groups, self.num_logical, self.geo.index_dim)
+    return device_zeros(mesh, shape, self.geo.index_dtype, "device")
 
-  def write_index_keys(self, state: Any, group: int, addrs: jax.Array,
+  def write_index_keys(self, state: Any, group: int | jax.Array, addrs: jax.Array,
                        keys: jax.Array) -> Any:
     """keys: [N, index_dim] at logical ``addrs`` [N] (INVALID addresses are dropped)."""
-    table = state.index_keys[group]
-    idx = jnp.where(addrs >= 0, addrs, table.shape[0])
-    new = table.at[idx].set(keys.astype(table.dtype), mode="drop")
-    return state.replace(index_keys=replace_at(state.index_keys, group, new))
+    table = state.index_keys  # [G, num_logical, index_dim]
+    idx = jnp.where(addrs >= 0, addrs, table.shape[1])
+    new = table.at[group, idx].set(keys.astype(table.dtype), mode="drop")
+    return state.replace(index_keys=new)
 
-  def read_index_keys(self, state: Any, group: int) -> jax.Array:
-    """[num_logical, index_dim] keys of one group, by logical address."""
-    return state.index_keys[group]
+  def gather_index_keys(self, state: Any, group: int | jax.Array,
+                        addrs: jax.Array) -> jax.Array:
+    """The keys of ``group`` at logical ``addrs`` [...] (clipped into range): [..., index_dim]."""
+    keys = state.index_keys
+    return keys[group, jnp.clip(addrs, 0, keys.shape[1] - 1)]
 
-  def select(self, state: Any, group: int, q_I: jax.Array, w: jax.Array,
+  def select(self, state: Any, group: int | jax.Array, q_I: jax.Array, w: jax.Array,
              page_table: jax.Array, positions: jax.Array, active: jax.Array
              ) -> tuple[jax.Array, jax.Array]:
     """The indexer's top-k over each row's history (positions <= ``positions[b]``).
@@ -274,8 +291,7 @@ class MemorySystem(abc.ABC):
     T = cand_addr.shape[1]
     cand = ((cand_addr >= 0) & (jnp.arange(T, dtype=jnp.int32)[None, :] <= positions[:, None])
             & active[:, None])
-    keys = self.read_index_keys(state, group)
-    keys_btk = keys[jnp.clip(cand_addr, 0, keys.shape[0] - 1)]
+    keys_btk = self.gather_index_keys(state, group, cand_addr)
     return select_topk(index_scores(q_I, w, keys_btk), cand, self.geo.top_k)
 
   # -- accounting (host side) -------------------------------------------------------
@@ -312,9 +328,20 @@ class MemorySystem(abc.ABC):
 # ----------------------------------------------------------------------------------
 
 
-def replace_at(t: tuple, i: int, v: Any) -> tuple:
-  """``t`` with element ``i`` replaced (pools are tuples of per-layer arrays)."""
-  return t[:i] + (v,) + t[i + 1:]
+def layer_rows(layer: int | jax.Array, slots: jax.Array, per_layer: int) -> jax.Array:
+  """Rows of a stacked pool ``[L * per_layer, W]`` holding ``slots`` of ``layer``;
+  negative slots (none) stay negative, so row copies skip them."""
+  return jnp.where(slots >= 0, slots + layer * per_layer, slots).astype(jnp.int32)
+
+
+def group_slice(tree: Any, group: int | jax.Array) -> Any:
+  """One group's metadata out of leaves with a leading group axis."""
+  return jax.tree.map(lambda x: x[group], tree)
+
+
+def group_update(tree: Any, group: int | jax.Array, new: Any) -> Any:
+  """``tree`` with group ``group``'s metadata replaced by ``new`` (dynamic-update-slice)."""
+  return jax.tree.map(lambda x, y: x.at[group].set(y.astype(x.dtype)), tree, new)
 
 
 def device_zeros(mesh: Mesh, shape: tuple[int, ...], dtype: Any, memory_kind: str,

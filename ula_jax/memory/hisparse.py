@@ -2,7 +2,8 @@
 
 The HiSparse design (seeds 002, 004; SGLang's ``--enable-hisparse``):
 
-* **Host pool** (``pinned_host``, one array per layer, indexed by logical address):
+* **Host pool** (``pinned_host``, one array over all layers ``[L * N, W]``, layer ``l``'s
+  logical address ``a`` at row ``l * N + a``):
   the authoritative copy of every entry, written at prefill and for each decoded
   token. Its size follows SGLang's ``host_to_device_ratio``: host tokens =
   ratio x device-pool tokens, where the device pool is ``memory.device_pool`` when
@@ -11,11 +12,12 @@ The HiSparse design (seeds 002, 004; SGLang's ``--enable-hisparse``):
   is the host pool: a request is admitted when its whole context fits there.
 * **Device buffers**: each (batch row, layer group) owns a fixed quota of
   ``device_buffer_size + 1`` slots (the extra slot makes room for the decoded token
-  next to k selected entries). The device pool of a group is ``max_batch`` quotas;
+  next to k selected entries). A layer's device slots are ``max_batch`` quotas (S =
+  R*Q; the pool is ``[L * S, W]``, layer ``l``'s slot ``s`` at row ``l * S + s``);
   row ``b`` owns slots ``[b*Q, (b+1)*Q)``. A quota left free by one request is not
   usable by another (SGLang's fixed per-request buffers).
-* **Mapping table** per group: logical address -> device slot (``INVALID`` = host
-  only), plus per-slot address and recency stamp. Exact LRU with one recency value
+* **Mapping table** per group (arrays with a leading group axis): logical address ->
+  device slot (``INVALID`` = host only), plus per-slot address and recency stamp. Exact LRU with one recency value
   per decode step: everything a step touches gets that step's stamp.
 
 ``resolve`` runs HiSparse's RESOLVE stages, data-parallel over rows and selections:
@@ -34,6 +36,8 @@ The HiSparse design (seeds 002, 004; SGLang's ``--enable-hisparse``):
 A group's layers share one selection, so ``resolve`` plans once at the group's first
 layer and ``move_layer`` moves each layer's rows on its own (exact layer-wise
 prefetch: a later layer's copy depends on nothing the current layer computes).
+``group`` and ``layer`` may be traced int32 scalars (the model's scan over groups): the
+tables are addressed at ``[g, ...]`` and the pools at rows ``l * rows_per_layer + ...``.
 
 Prefill writes every entry to the host pool and also places the chunk's last
 entries in the buffer of the batch ``row`` the request decodes in (device to device,
@@ -53,7 +57,7 @@ from jax.sharding import Mesh
 
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
-from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, replace_at,
+from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, layer_rows,
                                  tp_replicated)
 
 _BIG = np.iinfo(np.int32).max
@@ -66,24 +70,29 @@ _BIG = np.iinfo(np.int32).max
 
 @struct.dataclass
 class HiSparseState:
-  host_pools: tuple[jax.Array, ...]  # per layer [N, W], 'pinned_host', by logical address
-  dev_pools: tuple[jax.Array, ...]  # per layer [R*Q, W], 'device'
-  slot_of: tuple[jax.Array, ...]  # per group [N] int32 device slot of each address
-  slot_addr: tuple[jax.Array, ...]  # per group [R*Q] int32 address held by each slot
-  stamp: tuple[jax.Array, ...]  # per group [R*Q] int32 recency (-1: free)
+  """Local shapes (``init_state`` adds the leading dp axis): N = ``num_logical``,
+  S = R*Q = ``device_slots`` per layer, G groups, L layers."""
+
+  host_pool: jax.Array  # [L * N, W] 'pinned_host': layer l's address a at row l * N + a
+  dev_pool: jax.Array  # [L * S, W] 'device': layer l's slot s at row l * S + s
+  slot_of: jax.Array  # [G, N] int32 device slot of each address (INVALID: host only)
+  slot_addr: jax.Array  # [G, S] int32 address held by each slot (INVALID: free)
+  stamp: jax.Array  # [G, S] int32 recency (-1: free)
   clock: jax.Array  # [G] int32, advanced by every resolve / prefill chunk of the group
-  live: tuple[jax.Array, ...]  # per group [N] bool: the host pool holds the entry
-  index_keys: tuple[jax.Array, ...]  # per group [N, index_dim]
+  live: jax.Array  # [G, N] bool: the host pool holds the entry
+  index_keys: jax.Array  # [G, N, index_dim]
 
 
 @struct.dataclass
 class HiSparsePlan:
-  """What ``move_layer`` / ``write_token`` need from one resolve (local)."""
+  """What ``move_layer`` / ``write_token`` need from one resolve (local).
 
-  host_idx: jax.Array  # [B*k] int32 host rows to fetch (INVALID: none)
+  Slots and addresses are per layer; the layer's row offset is added when moving."""
+
+  host_idx: jax.Array  # [B*k] int32 host addresses to fetch (INVALID: none)
   dev_idx: jax.Array  # [B*k] int32 victim slots they go to
   new_addr: jax.Array  # [B] int32 address of the decoded token (INVALID: inactive)
-  group: int = struct.field(pytree_node=False, default=0)
+  group: jax.Array  # [] int32 the group that planned it (checked where concrete)
 
 
 class HiSparse(MemorySystem):
@@ -136,85 +145,101 @@ class HiSparse(MemorySystem):
   def init_state(self, mesh: Mesh) -> HiSparseState:
     dp, N, W, S = self.mesh_info.dp, self.num_logical, self.geo.entry_width, self.device_slots
     G, L = self.geo.num_groups, self.geo.num_layers
-    ints = lambda n, fill: device_zeros(mesh, (dp, n), jnp.int32, "device", fill)
+    ints = lambda shape, fill: device_zeros(mesh, (dp, *shape), jnp.int32, "device", fill)
     return HiSparseState(
-        host_pools=tuple(device_zeros(mesh, (dp, N, W), self.geo.kv_dtype, "pinned_host")
-                         for _ in range(L)),
-        dev_pools=tuple(device_zeros(mesh, (dp, S, W), self.geo.kv_dtype, "device")
-                        for _ in range(L)),
-        slot_of=tuple(ints(N, INVALID) for _ in range(G)),
-        slot_addr=tuple(ints(S, INVALID) for _ in range(G)),
-        stamp=tuple(ints(S, -1) for _ in range(G)),
-        clock=ints(G, 0),
-        live=tuple(device_zeros(mesh, (dp, N), jnp.bool_, "device") for _ in range(G)),
+        host_pool=device_zeros(mesh, (dp, L * N, W), self.geo.kv_dtype, "pinned_host"),
+        dev_pool=device_zeros(mesh, (dp, L * S, W), self.geo.kv_dtype, "device"),
+        slot_of=ints((G, N), INVALID),
+        slot_addr=ints((G, S), INVALID),
+        stamp=ints((G, S), -1),
+        clock=ints((G,), 0),
+        live=device_zeros(mesh, (dp, G, N), jnp.bool_, "device"),
         index_keys=self.init_index_keys(mesh),
     )
+
+  def _layer_group(self) -> np.ndarray:
+    """[L] int32 the group of each layer (static)."""
+    return np.arange(self.geo.num_layers, dtype=np.int32) // self.geo.group_size
 
   # -- prefill ---------------------------------------------------------------------
 
   def write_prefill(self, state: HiSparseState, addrs: jax.Array, valid: jax.Array,
-                    entries: tuple[jax.Array, ...], row: jax.Array) -> HiSparseState:
+                    entries: jax.Array, row: jax.Array) -> HiSparseState:
     """Stores one request's prompt chunk in the host pool and warms its row's buffer.
 
-    addrs: [C] int32, valid: [C] bool, entries: per layer [C, W].
+    addrs: [C] int32, valid: [C] bool, entries: [L, C, W] layer-major.
     row:   [] int32 batch row the request decodes in: the chunk's last ``min(C, Q)``
            valid entries are also placed in that row's device buffer (LRU victims).
     """
+    L, N = self.geo.num_layers, self.num_logical
+    C, W = entries.shape[1], entries.shape[2]
     ok = valid & (addrs >= 0)
     host_idx = jnp.where(ok, addrs, INVALID).astype(jnp.int32)
-    src = jnp.arange(addrs.shape[0], dtype=jnp.int32)
-    host_pools = tuple(self.evict_rows(e.astype(p.dtype), src, p, host_idx)
-                       for p, e in zip(state.host_pools, entries))
-    oob = jnp.where(ok, addrs, self.num_logical)
-    live = tuple(l.at[oob].set(True, mode="drop") for l in state.live)
-    state = state.replace(host_pools=host_pools, live=live)
+    # One copy for all layers: entry (l, c) is source row l * C + c.
+    layers = jnp.arange(L, dtype=jnp.int32)[:, None]
+    host_rows = layer_rows(layers, host_idx[None, :], N).reshape(-1)  # [L*C]
+    src = jnp.arange(L * C, dtype=jnp.int32)
+    host_pool = self.evict_rows(entries.reshape(L * C, W).astype(state.host_pool.dtype), src,
+                                state.host_pool, host_rows)
+    oob = jnp.where(ok, addrs, N)
+    live = state.live.at[:, oob].set(True, mode="drop")
+    state = state.replace(host_pool=host_pool, live=live)
     return self._warm(state, addrs, ok, entries, jnp.asarray(row, jnp.int32))
 
   def _warm(self, state: HiSparseState, addrs, ok, entries, row) -> HiSparseState:
-    Q = self.quota
+    """Every group at once (the groups' tables are independent; the program does not
+    grow with the number of groups)."""
+    Q, S, G, L = self.quota, self.device_slots, self.geo.num_groups, self.geo.num_layers
+    C, W = entries.shape[1], entries.shape[2]
     n_ok = ok.sum()
     pos = jnp.cumsum(ok) - 1  # index among the chunk's valid entries
     drop = jnp.maximum(n_ok - Q, 0)
     keep = ok & (pos >= drop)  # the last Q valid entries: the most recent positions
     kidx = jnp.clip(pos - drop, 0, Q - 1)
-    dev_pools = list(state.dev_pools)
-    for g in range(self.geo.num_groups):
-      clock = state.clock[g] + 1
-      stamp_r = jax.lax.dynamic_slice(state.stamp[g], (row * Q,), (Q,))
-      order = jnp.argsort(stamp_r, stable=True)  # free first, then oldest
-      victim = jnp.where(keep, row * Q + order[kidx], INVALID)  # [C]
-      slot_of, slot_addr, stamp = self._assign(
-          state.slot_of[g], state.slot_addr[g], state.stamp[g], victim,
-          jnp.where(keep, addrs, INVALID), clock)
-      state = state.replace(slot_of=replace_at(state.slot_of, g, slot_of),
-                            slot_addr=replace_at(state.slot_addr, g, slot_addr),
-                            stamp=replace_at(state.stamp, g, stamp),
-                            clock=state.clock.at[g].set(clock))
-      dst = jnp.where(keep, victim, self.device_slots)
-      for l in self.geo.group_layers(g):
-        dev_pools[l] = dev_pools[l].at[dst].set(entries[l].astype(dev_pools[l].dtype),
-                                                mode="drop")
-    return state.replace(dev_pools=tuple(dev_pools))
+    clock = state.clock + 1  # [G]
+    stamp_r = jax.lax.dynamic_slice(state.stamp, (0, row * Q), (G, Q))  # [G, Q]
+    order = jnp.argsort(stamp_r, axis=1, stable=True)  # free first, then oldest
+    victim = jnp.where(keep[None, :], row * Q + order[:, kidx], INVALID).astype(jnp.int32)
+    addr = jnp.broadcast_to(jnp.where(keep, addrs, INVALID), (G, C)).astype(jnp.int32)
+    gi = jnp.arange(G, dtype=jnp.int32)[:, None]
+    slot_of, slot_addr, stamp = self._assign(state.slot_of, state.slot_addr, state.stamp, gi,
+                                             victim, addr, clock[:, None])
+    # Layer l takes its group's victims; skipped entries point past the pool (dropped).
+    rows = layer_rows(jnp.arange(L, dtype=jnp.int32)[:, None], victim[self._layer_group()], S)
+    rows = jnp.where(rows >= 0, rows, L * S).reshape(-1)
+    dev_pool = state.dev_pool.at[rows].set(
+        entries.reshape(L * C, W).astype(state.dev_pool.dtype), mode="drop")
+    return state.replace(slot_of=slot_of, slot_addr=slot_addr, stamp=stamp, clock=clock,
+                         dev_pool=dev_pool)
 
-  def _assign(self, slot_of, slot_addr, stamp, victim, addr, clock):
+  def _assign(self, slot_of, slot_addr, stamp, gi, victim, addr, clock):
     """Gives ``victim`` slots (INVALID: none) to ``addr``; evicts their old entries.
 
-    victim, addr: [M] int32, distinct valid victims."""
+    slot_of [G, N], slot_addr / stamp [G, S]: the stacked tables.
+    gi: the group of each victim, broadcastable to ``victim`` (a scalar, or [G, 1]).
+    victim, addr: [..., M] int32, distinct valid victims per group.
+    clock: broadcastable to ``victim``."""
     S, N = self.device_slots, self.num_logical
+    shape = victim.shape
+    gi = jnp.broadcast_to(gi, shape)
+    addr = jnp.broadcast_to(addr, shape)
+    clock = jnp.broadcast_to(clock, shape)
     used = victim >= 0
     vslot = jnp.where(used, victim, 0)
-    old = jnp.where(used, slot_addr[vslot], INVALID)
-    slot_of = slot_of.at[jnp.where(old >= 0, old, N)].set(INVALID, mode="drop")
+    old = jnp.where(used, slot_addr[gi, vslot], INVALID)
+    slot_of = slot_of.at[gi, jnp.where(old >= 0, old, N)].set(INVALID, mode="drop")
     set_ok = used & (addr >= 0)
-    slot_of = slot_of.at[jnp.where(set_ok, addr, N)].set(victim, mode="drop")
+    slot_of = slot_of.at[gi, jnp.where(set_ok, addr, N)].set(victim, mode="drop")
     dst = jnp.where(used, victim, S)
-    slot_addr = slot_addr.at[dst].set(addr, mode="drop")
-    stamp = stamp.at[dst].set(clock, mode="drop")
+    slot_addr = slot_addr.at[gi, dst].set(addr, mode="drop")
+    stamp = stamp.at[gi, dst].set(clock, mode="drop")
     return slot_of, slot_addr, stamp
 
   # -- decode ----------------------------------------------------------------------
 
-  def resolve(self, state: HiSparseState, group: int, sel_addr, sel_valid, new_addr, active):
+  def resolve(self, state: HiSparseState, group: int | jax.Array, sel_addr, sel_valid,
+              new_addr, active):
+    """Plans group ``group`` (a Python int or traced int32 []): see the module docstring."""
     R, Q, S, N = self.max_batch, self.quota, self.device_slots, self.num_logical
     B, k = sel_addr.shape
     if B != R:
@@ -224,7 +249,8 @@ class HiSparse(MemorySystem):
       raise ValueError(f"hisparse.resolve: selection width k={k} exceeds "
                        f"memory.hisparse.device_buffer_size={self.buffer_size}")
     g = group
-    slot_of, slot_addr, stamp = state.slot_of[g], state.slot_addr[g], state.stamp[g]
+    # The tables are addressed at [g, ...] (in place on a loop-carried state); only the
+    # group's stamps ([S]) are read out whole, for the scan.
     clock = state.clock[g] + 1
     rows = jnp.arange(R, dtype=jnp.int32)[:, None]
 
@@ -242,15 +268,15 @@ class HiSparse(MemorySystem):
     is_new = valid & has_new[:, None] & (sel_addr == new_addr[:, None])
 
     # 2. mark: hits are stamped now, so the scan cannot pick them
-    cur = jnp.where(valid, slot_of[jnp.where(valid, sel_addr, 0)], INVALID)
-    new_cur = jnp.where(has_new, slot_of[jnp.where(has_new, new_addr, 0)], INVALID)
+    cur = jnp.where(valid, state.slot_of[g, jnp.where(valid, sel_addr, 0)], INVALID)
+    new_cur = jnp.where(has_new, state.slot_of[g, jnp.where(has_new, new_addr, 0)], INVALID)
     hit = valid & ~is_new & (cur >= 0)
     miss = valid & first & ~is_new & (cur < 0)
-    stamp = stamp.at[jnp.where(hit, cur, S)].set(clock, mode="drop")
-    stamp = stamp.at[jnp.where(new_cur >= 0, new_cur, S)].set(clock, mode="drop")
+    stamp = state.stamp.at[g, jnp.where(hit, cur, S)].set(clock, mode="drop")
+    stamp = stamp.at[g, jnp.where(new_cur >= 0, new_cur, S)].set(clock, mode="drop")
 
     # 3. scan: untouched slots by (stamp, slot); misses in selection order, then the token
-    st = stamp.reshape(R, Q)
+    st = stamp[g].reshape(R, Q)
     vorder = jnp.argsort(jnp.where(st == clock, _BIG, st), axis=1, stable=True)[:, :k + 1]
     victims = (rows * Q + vorder).astype(jnp.int32)  # [R, k+1]
     rank = jnp.cumsum(miss, axis=1) - 1
@@ -262,28 +288,26 @@ class HiSparse(MemorySystem):
     new_slot = jnp.where(need_new, new_victim, new_cur).astype(jnp.int32)
     new_slot = jnp.where(has_new, new_slot, INVALID)
     used = jnp.arange(k + 1)[None, :] < (n_miss + need_new)[:, None]
-    evictions = (used & (slot_addr[victims] >= 0)).sum()
+    evictions = (used & (state.slot_addr[g, victims] >= 0)).sum()
 
     # 5. publish: the table first drops evicted entries, then maps the new ones
     victim_all = jnp.concatenate([miss_slot.reshape(-1),
                                   jnp.where(need_new, new_slot, INVALID)])
     addr_all = jnp.concatenate([jnp.where(miss, sel_addr, INVALID).reshape(-1),
                                 jnp.where(need_new, new_addr, INVALID)])
-    slot_of, slot_addr, stamp = self._assign(slot_of, slot_addr, stamp, victim_all.astype(
-        jnp.int32), addr_all.astype(jnp.int32), clock)
-    live = state.live[g].at[jnp.where(has_new, new_addr, N)].set(True, mode="drop")
+    slot_of, slot_addr, stamp = self._assign(state.slot_of, state.slot_addr, stamp, g,
+                                             victim_all.astype(jnp.int32),
+                                             addr_all.astype(jnp.int32), clock)
+    live = state.live.at[g, jnp.where(has_new, new_addr, N)].set(True, mode="drop")
     base = jnp.where(is_new, new_slot[:, None], jnp.where(miss, miss_slot, cur))
     slots = jnp.where(valid, jnp.take_along_axis(base, rep, axis=1), INVALID).astype(jnp.int32)
 
-    state = state.replace(slot_of=replace_at(state.slot_of, g, slot_of),
-                          slot_addr=replace_at(state.slot_addr, g, slot_addr),
-                          stamp=replace_at(state.stamp, g, stamp),
-                          clock=state.clock.at[g].set(clock),
-                          live=replace_at(state.live, g, live))
+    state = state.replace(slot_of=slot_of, slot_addr=slot_addr, stamp=stamp,
+                          clock=state.clock.at[g].set(clock), live=live)
     plan = HiSparsePlan(host_idx=jnp.where(miss, sel_addr, INVALID).reshape(-1).astype(jnp.int32),
                         dev_idx=miss_slot.reshape(-1).astype(jnp.int32),
                         new_addr=jnp.where(has_new, new_addr, INVALID).astype(jnp.int32),
-                        group=g)
+                        group=jnp.asarray(g, jnp.int32))
     stats = {
         "hits": (valid & first & ~miss).sum().astype(jnp.int32),
         "misses": n_miss.sum().astype(jnp.int32),
@@ -292,63 +316,76 @@ class HiSparse(MemorySystem):
     return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot, plan=plan,
                              stats=stats)
 
-  def _check_layer(self, layer: int, res: Resolution) -> None:
-    g = res.plan.group
+  def _check_layer(self, layer: int | jax.Array, res: Resolution) -> None:
+    """Raises where ``layer`` is not in the group that planned ``res``. Only concrete
+    indices can be checked: with a traced layer or group (the model's scan) the model's
+    loop is what pairs them."""
+    try:
+      layer, g = int(layer), int(res.plan.group)
+    except TypeError:  # a tracer (ConcretizationTypeError is a TypeError) or an abstract value
+      return
     if layer not in self.geo.group_layers(g):
       raise ValueError(f"layer={layer} is not in layer group {g} "
                        f"(layers {list(self.geo.group_layers(g))}) that this Resolution planned")
 
-  def move_layer(self, state: HiSparseState, layer: int, res: Resolution) -> HiSparseState:
+  def move_layer(self, state: HiSparseState, layer: int | jax.Array, res: Resolution
+                 ) -> HiSparseState:
+    """Fetches the misses of ``res`` for one layer: host row ``l * N + addr`` -> device row
+    ``l * S + slot`` (INVALID pairs stay negative and are skipped)."""
     self._check_layer(layer, res)
-    pool = self.fetch_rows(state.host_pools[layer], res.plan.host_idx, state.dev_pools[layer],
-                       res.plan.dev_idx)
-    return state.replace(dev_pools=replace_at(state.dev_pools, layer, pool))
+    host_rows = layer_rows(layer, res.plan.host_idx, self.num_logical)
+    dev_rows = layer_rows(layer, res.plan.dev_idx, self.device_slots)
+    pool = self.fetch_rows(state.host_pool, host_rows, state.dev_pool, dev_rows)
+    return state.replace(dev_pool=pool)
 
-  def write_token(self, state: HiSparseState, layer: int, res: Resolution, entry: jax.Array,
-                  active: jax.Array) -> HiSparseState:
-    """Writes the decoded token's row to its device slot and through to the host pool."""
+  def write_token(self, state: HiSparseState, layer: int | jax.Array, res: Resolution,
+                  entry: jax.Array, active: jax.Array) -> HiSparseState:
+    """Writes the decoded token's row (entry [B, W]) to its device slot and through to
+    the host pool."""
     self._check_layer(layer, res)
     ok = active & (res.new_slot >= 0)
-    dev_idx = jnp.where(ok, res.new_slot, INVALID)
-    pool = state.dev_pools[layer]
-    pool = pool.at[jnp.where(ok, dev_idx, self.device_slots)].set(entry.astype(pool.dtype),
-                                                                   mode="drop")
-    host = self.evict_rows(pool, dev_idx, state.host_pools[layer],
-                       jnp.where(ok, res.plan.new_addr, INVALID))
-    return state.replace(dev_pools=replace_at(state.dev_pools, layer, pool),
-                         host_pools=replace_at(state.host_pools, layer, host))
+    dev_rows = layer_rows(layer, jnp.where(ok, res.new_slot, INVALID), self.device_slots)
+    pool = state.dev_pool
+    # A skipped row points past the pool so that mode='drop' drops it (negative wraps).
+    pool = pool.at[jnp.where(dev_rows >= 0, dev_rows, pool.shape[0])].set(
+        entry.astype(pool.dtype), mode="drop")
+    host_rows = layer_rows(layer, jnp.where(ok, res.plan.new_addr, INVALID), self.num_logical)
+    host = self.evict_rows(pool, dev_rows, state.host_pool, host_rows)
+    return state.replace(dev_pool=pool, host_pool=host)
 
-  def read_pool(self, state: HiSparseState, layer: int) -> jax.Array:
-    return state.dev_pools[layer]
+  def read_pool(self, state: HiSparseState, layer: int | jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """(dev_pool [L * S, W], base = layer * S): slot s of ``layer`` is row base + s."""
+    return state.dev_pool, jnp.asarray(layer, jnp.int32) * self.device_slots
 
   def release(self, state: HiSparseState, addrs, valid, row) -> HiSparseState:
-    """Frees the addresses' host entries and their buffer slots. ``row`` is not used:
-    a row's buffer only ever holds its own request's entries, so freeing by address is
-    exact, and ranks with nothing to release pass a row with no valid address."""
+    """Frees the addresses' host entries and their buffer slots in every group. ``row``
+    is not used: a row's buffer only ever holds its own request's entries, so freeing
+    by address is exact, and ranks with nothing to release pass a row with no valid
+    address."""
     del row
-    N, S = self.num_logical, self.device_slots
+    N, S, G = self.num_logical, self.device_slots, self.geo.num_groups
     ok = valid & (addrs >= 0)
     a = jnp.where(ok, addrs, N)
-    for g in range(self.geo.num_groups):
-      slot = jnp.where(ok, state.slot_of[g][jnp.where(ok, addrs, 0)], INVALID)
-      dst = jnp.where(slot >= 0, slot, S)
-      state = state.replace(
-          slot_of=replace_at(state.slot_of, g, state.slot_of[g].at[a].set(INVALID, mode="drop")),
-          slot_addr=replace_at(state.slot_addr, g,
-                               state.slot_addr[g].at[dst].set(INVALID, mode="drop")),
-          stamp=replace_at(state.stamp, g, state.stamp[g].at[dst].set(-1, mode="drop")),
-          live=replace_at(state.live, g, state.live[g].at[a].set(False, mode="drop")))
-    return state
+    slot = jnp.where(ok[None, :], state.slot_of[:, jnp.where(ok, addrs, 0)], INVALID)  # [G, M]
+    dst = jnp.where(slot >= 0, slot, S)
+    gi = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32)[:, None], dst.shape)
+    return state.replace(
+        slot_of=state.slot_of.at[:, a].set(INVALID, mode="drop"),
+        slot_addr=state.slot_addr.at[gi, dst].set(INVALID, mode="drop"),
+        stamp=state.stamp.at[gi, dst].set(-1, mode="drop"),
+        live=state.live.at[:, a].set(False, mode="drop"))
 
   # -- accounting -------------------------------------------------------------------
 
   def report(self, state: HiSparseState) -> CapacityReport:
     dp, tp, G = self.mesh_info.dp, self.mesh_info.tp, self.geo.num_groups
-    dev_used = sum((np.asarray(s) >= 0).sum(axis=1) for s in state.slot_addr)  # [dp]
-    host_used = sum(np.asarray(l).sum(axis=1) for l in state.live)  # [dp]
+    slot_addr = np.asarray(state.slot_addr)  # [dp, G, S]
+    dev_used = (slot_addr >= 0).sum(axis=(1, 2))  # [dp], over groups
+    host_used = np.asarray(state.live).sum(axis=(1, 2))  # [dp]
     dev_cap = np.full((dp,), self.device_slots * G)
-    rows_in_use = np.stack([(np.asarray(s).reshape(dp, self.max_batch, self.quota) >= 0)
-                            .any(axis=2) for s in state.slot_addr]).any(axis=0)  # [dp, R]
+    rows_in_use = (slot_addr.reshape(dp, G, self.max_batch, self.quota) >= 0
+                   ).any(axis=(1, 3))  # [dp, R]: a slot in use in any group
     return CapacityReport(
         system=self.name,
         device_capacity=tp_replicated(dev_cap, tp),

@@ -17,15 +17,17 @@ from jax.sharding import Mesh
 
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
-from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, replace_at,
+from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, layer_rows,
                                  tp_replicated)
 
 
 @struct.dataclass
 class ResidentState:
-  pools: tuple[jax.Array, ...]  # per layer [S, W], memory kind 'device'
-  live: tuple[jax.Array, ...]  # per group [S] bool: slot holds an entry
-  index_keys: tuple[jax.Array, ...]  # per group [S, index_dim]
+  """Local shapes (``init_state`` adds the leading dp axis); S = ``num_logical``."""
+
+  pools: jax.Array  # [L * S, W] memory kind 'device': layer l's slot s is row l * S + s
+  live: jax.Array  # [G, S] bool: the group's slot holds an entry
+  index_keys: jax.Array  # [G, S, index_dim]
 
 
 class Resident(MemorySystem):
@@ -48,43 +50,52 @@ class Resident(MemorySystem):
 
   def init_state(self, mesh: Mesh) -> ResidentState:
     dp, S, W = self.mesh_info.dp, self.num_logical, self.geo.entry_width
+    L, G = self.geo.num_layers, self.geo.num_groups
     return ResidentState(
-        pools=tuple(device_zeros(mesh, (dp, S, W), self.geo.kv_dtype, "device")
-                    for _ in range(self.geo.num_layers)),
-        live=tuple(device_zeros(mesh, (dp, S), jnp.bool_, "device")
-                   for _ in range(self.geo.num_groups)),
+        pools=device_zeros(mesh, (dp, L * S, W), self.geo.kv_dtype, "device"),
+        live=device_zeros(mesh, (dp, G, S), jnp.bool_, "device"),
         index_keys=self.init_index_keys(mesh),
     )
 
   # -- transitions ------------------------------------------------------------------
 
-  def _mark(self, live: tuple, addrs: jax.Array, valid: jax.Array, value: bool) -> tuple:
+  def _mark(self, live: jax.Array, addrs: jax.Array, valid: jax.Array, value: bool
+            ) -> jax.Array:
+    """live [G, S] with ``addrs`` [N] set to ``value`` in every group."""
     idx = jnp.where(valid & (addrs >= 0), addrs, self.num_logical)
-    return tuple(l.at[idx].set(value, mode="drop") for l in live)
+    return live.at[:, idx].set(value, mode="drop")
 
   def write_prefill(self, state: ResidentState, addrs, valid, entries, row) -> ResidentState:
+    """addrs [C] int32, valid [C] bool, entries [L, C, W]: slot = address in every layer."""
     del row
-    idx = jnp.where(valid & (addrs >= 0), addrs, self.num_logical)
-    pools = tuple(p.at[idx].set(e.astype(p.dtype), mode="drop")
-                  for p, e in zip(state.pools, entries))
+    L, S = self.geo.num_layers, self.num_logical
+    slot = jnp.where(valid & (addrs >= 0), addrs, INVALID).astype(jnp.int32)
+    # [L, C] rows; a skipped entry gets a row past the pool so that mode='drop' drops it
+    # (a negative row would wrap around).
+    rows = layer_rows(jnp.arange(L, dtype=jnp.int32)[:, None], slot[None, :], S)
+    rows = jnp.where(rows >= 0, rows, L * S)
+    pools = state.pools.at[rows.reshape(-1)].set(
+        entries.reshape(-1, entries.shape[-1]).astype(state.pools.dtype), mode="drop")
     return state.replace(pools=pools, live=self._mark(state.live, addrs, valid, True))
 
   def resolve(self, state: ResidentState, group, sel_addr, sel_valid, new_addr, active):
     slots = jnp.where(sel_valid, sel_addr, INVALID).astype(jnp.int32)
     new_slot = jnp.where(active, new_addr, INVALID).astype(jnp.int32)
-    live = state.live[group]
-    live = live.at[jnp.where(new_slot >= 0, new_slot, self.num_logical)].set(True, mode="drop")
-    state = state.replace(live=replace_at(state.live, group, live))
+    idx = jnp.where(new_slot >= 0, new_slot, self.num_logical)
+    state = state.replace(live=state.live.at[group, idx].set(True, mode="drop"))
     return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot)
 
   def write_token(self, state: ResidentState, layer, res, entry, active) -> ResidentState:
-    pool = state.pools[layer]
-    idx = jnp.where(active & (res.new_slot >= 0), res.new_slot, self.num_logical)
-    pool = pool.at[idx].set(entry.astype(pool.dtype), mode="drop")
-    return state.replace(pools=replace_at(state.pools, layer, pool))
+    """entry [B, W] at the new slots of ``layer`` (a Python int or traced int32)."""
+    total = state.pools.shape[0]
+    rows = layer_rows(layer, jnp.where(active, res.new_slot, INVALID), self.num_logical)
+    pools = state.pools.at[jnp.where(rows >= 0, rows, total)].set(
+        entry.astype(state.pools.dtype), mode="drop")
+    return state.replace(pools=pools)
 
-  def read_pool(self, state: ResidentState, layer) -> jax.Array:
-    return state.pools[layer]
+  def read_pool(self, state: ResidentState, layer) -> tuple[jax.Array, jax.Array]:
+    """(pools [L * S, W], base = layer * S): slot s of ``layer`` is row base + s."""
+    return state.pools, jnp.asarray(layer, jnp.int32) * self.num_logical
 
   def release(self, state: ResidentState, addrs, valid, row) -> ResidentState:
     del row
@@ -94,7 +105,7 @@ class Resident(MemorySystem):
 
   def report(self, state: ResidentState) -> CapacityReport:
     dp, tp, G = self.mesh_info.dp, self.mesh_info.tp, self.geo.num_groups
-    used = sum(np.asarray(l).sum(axis=1) for l in state.live)  # [dp]
+    used = np.asarray(state.live).sum(axis=(1, 2))  # [dp]: over groups and slots
     cap = np.full((dp,), self.num_logical * G)
     return CapacityReport(
         system=self.name,

@@ -14,7 +14,11 @@ and decode share the attention function too, so decoding token t after prefillin
 positions < t gives the logits that prefilling t would (up to float32 rounding).
 
 Layer l belongs to index-sharing group ``l // index_share``; the group's first layer
-computes the selection that every layer of the group attends over.
+computes the selection that every layer of the group attends over. Groups of the same
+shape are stacked (``Segment``: parameters with a leading group axis) and run as one
+``lax.scan``, so compile time and program size do not grow with depth; the KV a
+callback keeps (a memory system's state, a workspace) is stacked over layers and groups
+too and travels in the scan's carry.
 
 Tensor parallelism (``decode_step(..., tp_axis='tp')`` inside ``shard_map``): each rank
 of the axis computes the queries, absorbed attention and output projection of its
@@ -26,6 +30,7 @@ hidden state, selection and entries.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple
 
@@ -56,12 +61,12 @@ class Projection(NamedTuple):
 class DecoderLayer(nnx.Module):
   """RMSNorm -> MLA -> residual -> RMSNorm -> MLP (dense layers) or MoE -> residual."""
 
-  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, dense: bool, *, rngs: nnx.Rngs):
     self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
     self.attn = MLAttention(cfg, rngs=rngs)
     self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
     self.ffn = (MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype, rngs=rngs)
-                if layer < cfg.num_dense_layers else MoE(cfg, rngs=rngs))
+                if dense else MoE(cfg, rngs=rngs))
 
   def pre_attention(self, x_nd: jax.Array, pos_n: jax.Array,
                     heads: HeadRange | None = None) -> Projection:
@@ -73,8 +78,49 @@ class DecoderLayer(nnx.Module):
     return x_nd + self.ffn(self.ffn_norm(x_nd))
 
 
+class GroupBlock(nnx.Module):
+  """One index-sharing layer group: its decoder layers and its indexer (the indexer
+  reads the group's first layer's projection)."""
+
+  def __init__(self, cfg: ModelConfig, dense: tuple[bool, ...], *, rngs: nnx.Rngs):
+    self.layers = nnx.List([DecoderLayer(cfg, d, rngs=rngs) for d in dense])
+    self.indexer = Indexer(cfg, rngs=rngs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """Consecutive layer groups of the same shape (layer count, dense or MoE per layer):
+  their parameters are stacked and the layer stack runs them as one ``lax.scan``."""
+
+  first_group: int
+  num_groups: int
+  dense: tuple[bool, ...]  # per layer of each group: a dense MLP (else MoE)
+
+
+def group_segments(cfg: ModelConfig) -> tuple[Segment, ...]:
+  """The model's groups as segments: a mixed first group (dense and MoE layers) and a
+  short last group are segments of their own, the regular groups between one segment,
+  so the number of segments does not grow with depth (GLM-5: 3)."""
+  out: list[Segment] = []
+  for g in range(cfg.num_groups):
+    dense = tuple(l < cfg.num_dense_layers for l in cfg.group_layers(g))
+    if out and out[-1].dense == dense:
+      out[-1] = dataclasses.replace(out[-1], num_groups=out[-1].num_groups + 1)
+    else:
+      out.append(Segment(g, 1, dense))
+  return tuple(out)
+
+
+def _stacked_blocks(cfg: ModelConfig, seg: Segment, rngs: nnx.Rngs) -> GroupBlock:
+  """A ``GroupBlock`` whose every parameter has a leading ``[seg.num_groups]`` axis."""
+  blocks = [GroupBlock(cfg, seg.dense, rngs=rngs) for _ in range(seg.num_groups)]
+  states = [nnx.state(b) for b in blocks]
+  nnx.update(blocks[0], jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+  return blocks[0]
+
+
 class Transformer(nnx.Module):
-  """Embedding, decoder layers, one indexer per layer group, final norm, LM head.
+  """Embedding, layer groups (stacked per ``Segment``), final norm, LM head.
 
   ``rngs`` defaults to ``nnx.Rngs(cfg.param_seed)``: the same config gives the same
   parameters.
@@ -84,11 +130,23 @@ class Transformer(nnx.Module):
     rngs = nnx.Rngs(cfg.param_seed) if rngs is None else rngs
     self.cfg = cfg
     self.embed = normal_param(rngs, (cfg.vocab_size, cfg.hidden_size), 1, cfg.dtype, std=1.0)
-    self.layers = nnx.List([DecoderLayer(cfg, l, rngs=rngs) for l in range(cfg.num_layers)])
-    self.indexers = nnx.List([Indexer(cfg, rngs=rngs) for _ in range(cfg.num_groups)])
+    self.segments = nnx.List([_stacked_blocks(cfg, s, rngs) for s in group_segments(cfg)])
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
     self.lm_head = normal_param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.hidden_size,
                           cfg.dtype)
+
+  def block(self, group: int) -> GroupBlock:
+    """Group ``group``'s layers and indexer, with its own (unstacked) parameters."""
+    for seg, stack in zip(group_segments(self.cfg), self.segments):
+      if seg.first_group <= group < seg.first_group + seg.num_groups:
+        graphdef, params = nnx.split(stack)
+        return nnx.merge(graphdef, jax.tree.map(lambda x: x[group - seg.first_group], params))
+    raise IndexError(f"group={group}: the model has {self.cfg.num_groups} layer groups")
+
+  def layer(self, layer: int) -> DecoderLayer:
+    """Decoder layer ``layer`` with its own parameters."""
+    g = layer // self.cfg.index_share
+    return self.block(g).layers[layer - g * self.cfg.index_share]
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """[N] int32 -> [N, D]."""
@@ -100,27 +158,45 @@ class Transformer(nnx.Module):
                       preferred_element_type=F32)
 
 
-def _run_layers(model: Transformer, x_nd: jax.Array, pos_n: jax.Array, *,
-                select: Callable[[int, Projection, Indexer], Any],
-                attend: Callable[[int, DecoderLayer, Projection, Any], jax.Array],
-                heads: HeadRange | None = None) -> jax.Array:
-  """The layer stack, shared by every way of running the model.
+Select = Callable[[jax.Array, list, Projection, Indexer, Any], tuple[Any, Any]]
+Attend = Callable[[jax.Array, DecoderLayer, Projection, Any, Any], tuple[jax.Array, Any]]
 
-  Per group g: ``sel = select(g, first-layer projection, indexer)``; then per layer l of
-  the group, ``attend(l, layer, projection, sel)`` gives the attention output [N, D].
-  The callbacks own the KV storage (and thread their state through closures).
+
+def _run_layers(model: Transformer, x_nd: jax.Array, pos_n: jax.Array, carry: Any, *,
+                select: Select, attend: Attend,
+                heads: HeadRange | None = None) -> tuple[jax.Array, Any]:
+  """The layer stack, shared by every way of running the model: one ``lax.scan`` over
+  the groups of each ``Segment`` (a handful per model), so the program does not grow
+  with depth.
+
+  Per group g: ``sel, carry = select(g, layers, first-layer projection, indexer, carry)``
+  (``layers``: the group's layer indices); then per layer l of the group,
+  ``out, carry = attend(l, layer, projection, sel, carry)`` with the attention output
+  [N, D]. ``g`` and ``l`` are traced int32 scalars. The callbacks own the KV storage and
+  thread it through ``carry``.
   heads: the heads whose queries the projections hold (None = all).
+  returns (final hidden [N, D], carry)
   """
-  cfg = model.cfg
-  for g in range(cfg.num_groups):
-    group = cfg.group_layers(g)
-    first = model.layers[group[0]].pre_attention(x_nd, pos_n, heads)
-    sel = select(g, first, model.indexers[g])
-    for l in group:
-      layer = model.layers[l]
-      proj = first if l == group[0] else layer.pre_attention(x_nd, pos_n, heads)
-      x_nd = layer.post_attention(x_nd, attend(l, layer, proj, sel))
-  return x_nd
+  share = model.cfg.index_share
+  for seg, stack in zip(group_segments(model.cfg), model.segments):
+    graphdef, params = nnx.split(stack)
+
+    def body(xc, xs, graphdef=graphdef, n=len(seg.dense)):
+      x, c = xc
+      p, g = xs
+      block = nnx.merge(graphdef, p)
+      layers = [g * share + i for i in range(n)]
+      first = block.layers[0].pre_attention(x, pos_n, heads)
+      sel, c = select(g, layers, first, block.indexer, c)
+      for i, (l, layer) in enumerate(zip(layers, block.layers)):
+        proj = first if i == 0 else layer.pre_attention(x, pos_n, heads)
+        out, c = attend(l, layer, proj, sel, c)
+        x = layer.post_attention(x, out)
+      return (x, c), None
+
+    groups = jnp.arange(seg.first_group, seg.first_group + seg.num_groups, dtype=jnp.int32)
+    (x_nd, carry), _ = jax.lax.scan(body, (x_nd, carry), (params, groups))
+  return x_nd, carry
 
 
 def tp_sum(x: jax.Array, axis: str) -> jax.Array:
@@ -207,38 +283,47 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
   cfg = model.cfg
   heads = None if tp_axis is None else tp_heads(cfg.num_heads, tp_axis)
   ps = mem.page_size
+  B, G, k = tokens.shape[0], cfg.num_groups, cfg.index_topk
   positions = positions.astype(jnp.int32)
   new_addr = addrs_of_positions(page_table, positions[:, None], ps)[:, 0]
   new_addr = jnp.where(active, new_addr, INVALID)
-  stats: dict = {}
-  selections: list[tuple[jax.Array, jax.Array]] = []
+  # The carry's stats need their keys before the loop: a resolve's, traced once, unrun.
+  stat_shapes = jax.eval_shape(
+      lambda st: mem.resolve(st, jnp.int32(0), jnp.full((B, k), INVALID, jnp.int32),
+                             jnp.zeros((B, k), bool), new_addr, active)[1].stats, mem_state)
+  carry = {"mem": mem_state, "stats": {key: jnp.int32(0) for key in stat_shapes}}
+  if return_selection:
+    carry["sel_addr"] = jnp.full((G, B, k), INVALID, jnp.int32)
+    carry["sel_valid"] = jnp.zeros((G, B, k), bool)
 
-  def select(g: int, first: Projection, indexer: Indexer) -> Resolution:
-    nonlocal mem_state, stats
-    mem_state = mem.write_index_keys(mem_state, g, new_addr, indexer.key(first.h))
+  def select(g, layers, first: Projection, indexer: Indexer, c):
+    st = mem.write_index_keys(c["mem"], g, new_addr, indexer.key(first.h))
     q_I, w = indexer.query(first.h, first.c_q)
-    sel_pos, sel_valid = mem.select(mem_state, g, q_I, w, page_table, positions, active)
+    sel_pos, sel_valid = mem.select(st, g, q_I, w, page_table, positions, active)
     sel_addr = jnp.where(sel_valid, addrs_of_positions(page_table, sel_pos, ps), INVALID)
-    selections.append((sel_addr, sel_valid))
-    mem_state, res = mem.resolve(mem_state, g, sel_addr, sel_valid, new_addr, active)
-    stats = _add_stats(stats, res.stats)
-    for l in cfg.group_layers(g):  # exact layer-wise prefetch: every move is known now
-      mem_state = mem.move_layer(mem_state, l, res)
-    return res
+    st, res = mem.resolve(st, g, sel_addr, sel_valid, new_addr, active)
+    for l in layers:  # exact layer-wise prefetch: every move is known now
+      st = mem.move_layer(st, l, res)
+    c = {**c, "mem": st, "stats": _add_stats(c["stats"], res.stats)}
+    if return_selection:
+      c["sel_addr"] = c["sel_addr"].at[g].set(sel_addr)
+      c["sel_valid"] = c["sel_valid"].at[g].set(sel_valid)
+    return res, c
 
-  def attend(l: int, layer: DecoderLayer, proj: Projection, res: Resolution) -> jax.Array:
-    nonlocal mem_state
-    mem_state = mem.write_token(mem_state, l, res, proj.entry, active)
-    return _absorbed_attention(layer, proj, mem.read_pool(mem_state, l), res.slots,
-                               res.valid, cfg.softmax_scale, attention, heads, tp_axis)
+  def attend(l, layer: DecoderLayer, proj: Projection, res: Resolution, c):
+    st = mem.write_token(c["mem"], l, res, proj.entry, active)
+    pool, base = mem.read_pool(st, l)
+    rows = jnp.where(res.valid, base + res.slots, INVALID)
+    out = _absorbed_attention(layer, proj, pool, rows, res.valid, cfg.softmax_scale,
+                              attention, heads, tp_axis)
+    return out, {**c, "mem": st}
 
-  x = _run_layers(model, model.embed_tokens(tokens), positions, select=select,
-                  attend=attend, heads=heads)
+  x, carry = _run_layers(model, model.embed_tokens(tokens), positions, carry, select=select,
+                         attend=attend, heads=heads)
   if not return_selection:
-    return model.logits(x), mem_state, stats
-  sel = {"sel_addr": jnp.stack([a for a, _ in selections]),
-         "sel_valid": jnp.stack([v for _, v in selections]), "new_addr": new_addr}
-  return model.logits(x), mem_state, stats, sel
+    return model.logits(x), carry["mem"], carry["stats"]
+  sel = {"sel_addr": carry["sel_addr"], "sel_valid": carry["sel_valid"], "new_addr": new_addr}
+  return model.logits(x), carry["mem"], carry["stats"], sel
 
 
 # ----------------------------------------------------------------------------------
@@ -250,17 +335,17 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
 class PrefillWorkspace:
   """Dense KV of one request (or of a batch, with a leading [B] axis on every leaf).
 
-  kv:         per layer [T_cap, W] entries in kv_dtype, indexed by position
-  index_keys: per group [T_cap, K] indexer keys in kv_dtype
+  kv:         [L * T_cap, W] entries in kv_dtype, layer l's position t at row l * T_cap + t
+  index_keys: [G, T_cap, K] indexer keys in kv_dtype, by position
   """
 
-  kv: tuple[jax.Array, ...]
-  index_keys: tuple[jax.Array, ...]
+  kv: jax.Array
+  index_keys: jax.Array
 
   @property
   def capacity(self) -> int:
     """T_cap: positions the workspace holds."""
-    return self.kv[0].shape[-2]
+    return self.index_keys.shape[-2]
 
 
 def init_workspace(cfg: ModelConfig, capacity: int, batch: int | None = None
@@ -270,10 +355,9 @@ def init_workspace(cfg: ModelConfig, capacity: int, batch: int | None = None
     raise ValueError(f"workspace capacity={capacity}: must be >= 1 position")
   lead = () if batch is None else (batch,)
   return PrefillWorkspace(
-      kv=tuple(jnp.zeros((*lead, capacity, cfg.entry_width), cfg.kv_dtype)
-               for _ in range(cfg.num_layers)),
-      index_keys=tuple(jnp.zeros((*lead, capacity, cfg.index_head_dim), cfg.kv_dtype)
-                       for _ in range(cfg.num_groups)))
+      kv=jnp.zeros((*lead, cfg.num_layers * capacity, cfg.entry_width), cfg.kv_dtype),
+      index_keys=jnp.zeros((*lead, cfg.num_groups, capacity, cfg.index_head_dim),
+                           cfg.kv_dtype))
 
 
 def prefill_chunk(model: Transformer, workspace: PrefillWorkspace, tokens: jax.Array,
@@ -283,8 +367,8 @@ def prefill_chunk(model: Transformer, workspace: PrefillWorkspace, tokens: jax.A
   tokens:  [C] int32 at positions start .. start+C-1; only the first ``length`` count
   start:   [] int32 (chunks of a request run in order from position 0)
   length:  [] int32, 1 <= length <= C; start + length <= workspace.capacity
-  returns (entries: per layer [C, W] in kv_dtype,
-           index_keys: per group [C, K] in kv_dtype,
+  returns (entries: [L, C, W] in kv_dtype, layer-major,
+           index_keys: [G, C, K] in kv_dtype,
            last_logits: [V] float32 at position start+length-1,
            workspace with the chunk's rows written)
 
@@ -295,31 +379,36 @@ def prefill_chunk(model: Transformer, workspace: PrefillWorkspace, tokens: jax.A
   """
   cfg = model.cfg
   C, T_cap = tokens.shape[0], workspace.capacity
+  L, G = cfg.num_layers, cfg.num_groups
   i = jnp.arange(C, dtype=jnp.int32)
   pos = jnp.asarray(start, jnp.int32) + i
   valid = i < length
-  write_at = jnp.where(valid, pos, T_cap)  # T_cap: out of range, dropped by the scatter
   cand = (jnp.arange(T_cap, dtype=jnp.int32)[None, :] <= pos[:, None]) & valid[:, None]
-  kv, index_keys = list(workspace.kv), list(workspace.index_keys)
-  entries: list = [None] * cfg.num_layers
-  keys_out: list = [None] * cfg.num_groups
+  carry = {"kv": workspace.kv, "keys": workspace.index_keys,
+           "entries": jnp.zeros((L, C, cfg.entry_width), cfg.kv_dtype),
+           "keys_out": jnp.zeros((G, C, cfg.index_head_dim), cfg.kv_dtype)}
 
-  def select(g: int, first: Projection, indexer: Indexer):
-    keys_out[g] = indexer.key(first.h)
-    index_keys[g] = index_keys[g].at[write_at].set(keys_out[g], mode="drop")
+  def select(g, layers, first: Projection, indexer: Indexer, c):
+    del layers
+    key = indexer.key(first.h)
+    keys = c["keys"].at[g, jnp.where(valid, pos, T_cap)].set(key, mode="drop")
     q_I, w = indexer.query(first.h, first.c_q)
-    return select_topk(index_scores(q_I, w, index_keys[g]), cand, cfg.index_topk)
+    sel = select_topk(index_scores(q_I, w, keys[g]), cand, cfg.index_topk)
+    return sel, {**c, "keys": keys, "keys_out": c["keys_out"].at[g].set(key)}
 
-  def attend(l: int, layer: DecoderLayer, proj: Projection, sel) -> jax.Array:
-    entries[l] = proj.entry
-    kv[l] = kv[l].at[write_at].set(proj.entry, mode="drop")
-    return _absorbed_attention(layer, proj, kv[l], *sel, cfg.softmax_scale, attention)
+  def attend(l, layer: DecoderLayer, proj: Projection, sel, c):
+    sel_pos, sel_valid = sel
+    kv = c["kv"].at[jnp.where(valid, l * T_cap + pos, L * T_cap)].set(proj.entry, mode="drop")
+    rows = jnp.where(sel_valid, l * T_cap + sel_pos, INVALID)
+    out = _absorbed_attention(layer, proj, kv, rows, sel_valid, cfg.softmax_scale, attention)
+    return out, {**c, "kv": kv, "entries": c["entries"].at[l].set(proj.entry)}
 
-  x = _run_layers(model, model.embed_tokens(tokens), pos, select=select, attend=attend)
+  x, carry = _run_layers(model, model.embed_tokens(tokens), pos, carry, select=select,
+                         attend=attend)
   last = jnp.clip(jnp.asarray(length, jnp.int32) - 1, 0, C - 1)
   last_logits = model.logits(jax.lax.dynamic_slice_in_dim(x, last, 1))[0]
-  return (tuple(entries), tuple(keys_out), last_logits,
-          PrefillWorkspace(kv=tuple(kv), index_keys=tuple(index_keys)))
+  return (carry["entries"], carry["keys_out"], last_logits,
+          PrefillWorkspace(kv=carry["kv"], index_keys=carry["keys"]))
 
 
 # ----------------------------------------------------------------------------------
@@ -332,35 +421,40 @@ def decode_dense_reference(model: Transformer, workspace: PrefillWorkspace,
   """One decode step over batched dense workspaces, with non-absorbed attention over
   every position masked to the indexer's selection.
 
-  workspace: leaves [B, T_cap, ...] (``init_workspace(cfg, T_cap, batch=B)``), holding
+  workspace: leaves [B, ...] (``init_workspace(cfg, T_cap, batch=B)``), holding
              positions < positions[b] of row b
   tokens, positions: [B] int32 (positions[b] < T_cap)
   returns (logits [B, V] float32, workspace with the new tokens written)
   """
   cfg = model.cfg
-  B, T_cap = tokens.shape[0], workspace.capacity
+  B, T_cap, L = tokens.shape[0], workspace.capacity, cfg.num_layers
   rows = jnp.arange(B)
   positions = positions.astype(jnp.int32)
-  col = jnp.where(positions < T_cap, positions, T_cap)
+  ok = positions < T_cap
   cand = jnp.arange(T_cap, dtype=jnp.int32)[None, :] <= positions[:, None]
-  kv, index_keys = list(workspace.kv), list(workspace.index_keys)
+  carry = {"kv": workspace.kv, "keys": workspace.index_keys}
 
-  def select(g: int, first: Projection, indexer: Indexer) -> jax.Array:
-    index_keys[g] = index_keys[g].at[rows, col].set(indexer.key(first.h), mode="drop")
+  def select(g, layers, first: Projection, indexer: Indexer, c):
+    del layers
+    keys = c["keys"].at[rows, g, jnp.where(ok, positions, T_cap)].set(
+        indexer.key(first.h), mode="drop")
     q_I, w = indexer.query(first.h, first.c_q)
-    sel_pos, sel_valid = select_topk(index_scores(q_I, w, index_keys[g]), cand,
-                                     cfg.index_topk)
+    sel_pos, sel_valid = select_topk(index_scores(q_I, w, keys[:, g]), cand, cfg.index_topk)
     # The selection as a [B, T_cap] mask (invalid picks land in a dropped extra column).
-    return jnp.zeros((B, T_cap + 1), bool).at[
+    mask = jnp.zeros((B, T_cap + 1), bool).at[
         rows[:, None], jnp.where(sel_valid, sel_pos, T_cap)].set(True)[:, :T_cap]
+    return mask, {**c, "keys": keys}
 
-  def attend(l: int, layer: DecoderLayer, proj: Projection, mask: jax.Array) -> jax.Array:
-    kv[l] = kv[l].at[rows, col].set(proj.entry, mode="drop")
-    return layer.attn.naive(proj.q_nope, proj.q_rope, kv[l], mask, cfg.softmax_scale)
+  def attend(l, layer: DecoderLayer, proj: Projection, mask: jax.Array, c):
+    kv = c["kv"].at[rows, jnp.where(ok, l * T_cap + positions, L * T_cap)].set(
+        proj.entry, mode="drop")
+    layer_kv = jax.lax.dynamic_slice_in_dim(kv, l * T_cap, T_cap, axis=1)  # [B, T_cap, W]
+    out = layer.attn.naive(proj.q_nope, proj.q_rope, layer_kv, mask, cfg.softmax_scale)
+    return out, {**c, "kv": kv}
 
-  x = _run_layers(model, model.embed_tokens(tokens), positions, select=select,
-                  attend=attend)
-  return model.logits(x), PrefillWorkspace(kv=tuple(kv), index_keys=tuple(index_keys))
+  x, carry = _run_layers(model, model.embed_tokens(tokens), positions, carry, select=select,
+                         attend=attend)
+  return model.logits(x), PrefillWorkspace(kv=carry["kv"], index_keys=carry["keys"])
 
 
 # ----------------------------------------------------------------------------------

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import re
 
-# Instructions that name a buffer without moving it.
-_PASS_THROUGH = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast"})
+# Instructions that name a buffer without moving it. A ``while`` (the layer stack's loop
+# over groups) or ``conditional`` returns its carried buffers in place: a copy XLA needs
+# around one is a ``copy`` of its own, and the bodies are checked like any computation.
+_PASS_THROUGH = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast", "while",
+                           "conditional", "call"})
 # The copy kernels themselves: their result is the (aliased) destination pool.
 KERNEL_MARKERS = ("triton", "ula_jax_fetch_rows", "ula_jax_evict_rows")
 

@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
-from ula_jax.memory.base import CapacityReport, MemorySystem, device_zeros, replace_at
+from ula_jax.memory.base import CapacityReport, MemorySystem, device_zeros, layer_rows
 from ula_jax.memory.far_tier.link_model import (COUNTER_KEYS, FarTopology, LinkSpec, link_preset,
                                        modeled_run)
 
@@ -52,19 +52,25 @@ MODES = ("on_demand", "full_prefetch")
 
 @struct.dataclass
 class FarTierState:
-  far_pools: tuple[jax.Array, ...]  # per layer [N, W], 'pinned_host', by logical address
-  dev_pools: tuple[jax.Array, ...]  # per layer: on_demand [B*(k+1), W]; full_prefetch [N, W]
-  live: tuple[jax.Array, ...]  # per group [N] bool: the far pool holds the entry
+  """Local shapes (``init_state`` adds the leading dp axis). N = ``num_logical``,
+  R = ``device_slots``; pools are stacked over layers (layer l's row s is l * N + s,
+  resp. l * R + s)."""
+
+  far_pools: jax.Array  # [L * N, W] 'pinned_host', by logical address
+  dev_pools: jax.Array  # [L * R, W] 'device': on_demand R = B*(k+1); full_prefetch R = N
+  live: jax.Array  # [G, N] bool: the far pool holds the entry
   staged: jax.Array  # [G] int32 staging slots filled by the group's last resolve
-  index_keys: tuple[jax.Array, ...]  # per group [N, index_dim]
+  index_keys: jax.Array  # [G, N, index_dim]
 
 
 @struct.dataclass
 class FarTierPlan:
-  far_idx: jax.Array  # [B*k] int32 far rows to load (INVALID: none)
+  """Per-layer slots (``move_layer`` / ``write_token`` add the layer's row offset)."""
+
+  far_idx: jax.Array  # [B*k] int32 far slots to load (INVALID: none)
   dev_idx: jax.Array  # [B*k] int32 staging slots they go to
   new_addr: jax.Array  # [B] int32 address of the decoded token (INVALID: inactive)
-  group: int = struct.field(pytree_node=False, default=0)
+  group: jax.Array  # [] int32 the layer group planned (checks the layers it is used for)
 
 
 class FarTier(MemorySystem):
@@ -124,14 +130,12 @@ class FarTier(MemorySystem):
 
   def init_state(self, mesh: Mesh) -> FarTierState:
     dp, N, W, L = self.mesh_info.dp, self.num_logical, self.geo.entry_width, self.geo.num_layers
+    G, R = self.geo.num_groups, self.device_slots
     return FarTierState(
-        far_pools=tuple(device_zeros(mesh, (dp, N, W), self.geo.kv_dtype, "pinned_host")
-                        for _ in range(L)),
-        dev_pools=tuple(device_zeros(mesh, (dp, self.device_slots, W), self.geo.kv_dtype,
-                                     "device") for _ in range(L)),
-        live=tuple(device_zeros(mesh, (dp, N), jnp.bool_, "device")
-                   for _ in range(self.geo.num_groups)),
-        staged=device_zeros(mesh, (dp, self.geo.num_groups), jnp.int32, "device"),
+        far_pools=device_zeros(mesh, (dp, L * N, W), self.geo.kv_dtype, "pinned_host"),
+        dev_pools=device_zeros(mesh, (dp, L * R, W), self.geo.kv_dtype, "device"),
+        live=device_zeros(mesh, (dp, G, N), jnp.bool_, "device"),
+        staged=device_zeros(mesh, (dp, G), jnp.int32, "device"),
         index_keys=self.init_index_keys(mesh),
     )
 
@@ -139,31 +143,44 @@ class FarTier(MemorySystem):
 
   def write_prefill(self, state: FarTierState, addrs, valid, entries, row) -> FarTierState:
     """Writes a prompt chunk to the far pool (and, in full_prefetch, copies it back into
-    local device memory). addrs: [C] int32, valid: [C] bool, entries: per layer [C, W];
+    local device memory). addrs: [C] int32, valid: [C] bool, entries: [L, C, W];
     ``row`` is not used (no per-row state)."""
     del row
+    L, C, W = entries.shape
     ok = valid & (addrs >= 0)
     far_idx = jnp.where(ok, addrs, INVALID).astype(jnp.int32)
-    src = jnp.arange(addrs.shape[0], dtype=jnp.int32)
-    far = tuple(self.evict_rows(e.astype(p.dtype), src, p, far_idx)
-                for p, e in zip(state.far_pools, entries))
-    state = state.replace(far_pools=far, live=tuple(
-        l.at[jnp.where(ok, addrs, self.num_logical)].set(True, mode="drop")
-        for l in state.live))
+    layers = jnp.arange(L, dtype=jnp.int32)[:, None]
+    # All layers in one copy: entry row l * C + c -> far row l * N + addrs[c].
+    src = jnp.arange(L * C, dtype=jnp.int32)
+    far_rows = layer_rows(layers, far_idx[None, :], self.num_logical).reshape(-1)
+    far = self.evict_rows(entries.reshape(L * C, W).astype(state.far_pools.dtype), src,
+                          state.far_pools, far_rows)
+    state = state.replace(far_pools=far, live=state.live.at[
+        :, jnp.where(ok, addrs, self.num_logical)].set(True, mode="drop"))
     if self.mode == "full_prefetch":
       # The RDMA baseline's prefetch: the prefix comes back from the far pool, not
       # from the prefill's own device copy.
-      dev = tuple(self.fetch_rows(f, far_idx, d, far_idx) for f, d in zip(far, state.dev_pools))
-      state = state.replace(dev_pools=dev)
+      dev_rows = layer_rows(layers, far_idx[None, :], self.device_slots).reshape(-1)
+      state = state.replace(dev_pools=self.fetch_rows(far, far_rows, state.dev_pools, dev_rows))
     return state
 
-  def resolve(self, state: FarTierState, group: int, sel_addr, sel_valid, new_addr, active):
+  def _group_len(self, group: int | jax.Array) -> jax.Array:
+    """[] int32 layers in ``group`` (the last group may be shorter)."""
+    gs, L = self.geo.group_size, self.geo.num_layers
+    return jnp.clip(L - jnp.asarray(group, jnp.int32) * gs, 0, gs).astype(jnp.int32)
+
+  def resolve(self, state: FarTierState, group: int | jax.Array, sel_addr, sel_valid, new_addr,
+              active):
     B, k = sel_addr.shape
-    layers = len(self.geo.group_layers(group))
+    layers = self._group_len(group)
+    # A Python group stays concrete in the plan, so that move_layer / write_token can
+    # check their layer at trace time; a traced one is carried as it is.
+    group_arr = (np.asarray(group, np.int32) if isinstance(group, (int, np.integer))
+                 else jnp.asarray(group, jnp.int32))
     has_new = active & (new_addr >= 0)
     valid = sel_valid & (sel_addr >= 0) & active[:, None]
     is_new = valid & has_new[:, None] & (sel_addr == new_addr[:, None])
-    live = state.live[group].at[jnp.where(has_new, new_addr, self.num_logical)].set(
+    live = state.live.at[group, jnp.where(has_new, new_addr, self.num_logical)].set(
         True, mode="drop")
     writes = has_new.sum().astype(jnp.int32) * layers
     if self.mode == "full_prefetch":
@@ -171,7 +188,7 @@ class FarTier(MemorySystem):
       new_slot = jnp.where(has_new, new_addr, INVALID).astype(jnp.int32)
       plan = FarTierPlan(far_idx=jnp.full((B * k,), INVALID, jnp.int32),
                          dev_idx=jnp.full((B * k,), INVALID, jnp.int32),
-                         new_addr=new_slot, group=group)
+                         new_addr=new_slot, group=group_arr)
       fetched = jnp.zeros((), jnp.int32)
       staged = jnp.zeros((), jnp.int32)
     else:
@@ -189,10 +206,10 @@ class FarTier(MemorySystem):
       plan = FarTierPlan(far_idx=jnp.where(load, sel_addr, INVALID).reshape(-1).astype(jnp.int32),
                          dev_idx=jnp.where(load, stage, INVALID).reshape(-1).astype(jnp.int32),
                          new_addr=jnp.where(has_new, new_addr, INVALID).astype(jnp.int32),
-                         group=group)
+                         group=group_arr)
       fetched = load.sum().astype(jnp.int32)
       staged = fetched + has_new.sum().astype(jnp.int32)
-    state = state.replace(live=replace_at(state.live, group, live),
+    state = state.replace(live=live,
                           staged=state.staged.at[group].set(staged))
     rows = fetched * layers
     stats = {
@@ -207,41 +224,48 @@ class FarTier(MemorySystem):
     return state, Resolution(slots=slots.astype(jnp.int32), valid=sel_valid, new_slot=new_slot,
                              plan=plan, stats=stats)
 
-  def _check_layer(self, layer: int, res: Resolution) -> None:
-    g = res.plan.group
+  def _check_layer(self, layer: int | jax.Array, res: Resolution) -> None:
+    """Raises where ``layer`` and the planned group are both known at trace time and the
+    layer is not in the group (traced indices are the model's loop: not checked)."""
+    layer, g = _concrete_int(layer), _concrete_int(res.plan.group)
+    if layer is None or g is None:
+      return
     if layer not in self.geo.group_layers(g):
       raise ValueError(f"layer={layer} is not in layer group {g} "
                        f"(layers {list(self.geo.group_layers(g))}) that this Resolution planned")
 
-  def move_layer(self, state: FarTierState, layer: int, res: Resolution) -> FarTierState:
+  def move_layer(self, state: FarTierState, layer: int | jax.Array, res: Resolution
+                 ) -> FarTierState:
     self._check_layer(layer, res)
     if self.mode == "full_prefetch":
       return state
-    pool = self.fetch_rows(state.far_pools[layer], res.plan.far_idx, state.dev_pools[layer],
-                       res.plan.dev_idx)
-    return state.replace(dev_pools=replace_at(state.dev_pools, layer, pool))
+    pool = self.fetch_rows(state.far_pools, layer_rows(layer, res.plan.far_idx, self.num_logical),
+                           state.dev_pools, layer_rows(layer, res.plan.dev_idx, self.device_slots))
+    return state.replace(dev_pools=pool)
 
-  def write_token(self, state: FarTierState, layer: int, res: Resolution, entry: jax.Array,
-                  active: jax.Array) -> FarTierState:
-    """Writes the decoded token's row on the device and through to the far pool."""
+  def write_token(self, state: FarTierState, layer: int | jax.Array, res: Resolution,
+                  entry: jax.Array, active: jax.Array) -> FarTierState:
+    """Writes the decoded token's row (entry [B, W]) on the device and through to the far
+    pool."""
     self._check_layer(layer, res)
     ok = active & (res.new_slot >= 0)
-    dev_idx = jnp.where(ok, res.new_slot, INVALID)
-    pool = state.dev_pools[layer]
-    pool = pool.at[jnp.where(ok, dev_idx, pool.shape[0])].set(entry.astype(pool.dtype),
-                                                              mode="drop")
-    far = self.evict_rows(pool, dev_idx, state.far_pools[layer],
-                      jnp.where(ok, res.plan.new_addr, INVALID))
-    return state.replace(dev_pools=replace_at(state.dev_pools, layer, pool),
-                         far_pools=replace_at(state.far_pools, layer, far))
+    dev_rows = layer_rows(layer, jnp.where(ok, res.new_slot, INVALID), self.device_slots)
+    pool = state.dev_pools
+    pool = pool.at[jnp.where(dev_rows >= 0, dev_rows, pool.shape[0])].set(
+        entry.astype(pool.dtype), mode="drop")
+    far_rows = layer_rows(layer, jnp.where(ok, res.plan.new_addr, INVALID), self.num_logical)
+    far = self.evict_rows(pool, dev_rows, state.far_pools, far_rows)
+    return state.replace(dev_pools=pool, far_pools=far)
 
-  def read_pool(self, state: FarTierState, layer: int) -> jax.Array:
-    return state.dev_pools[layer]
+  def read_pool(self, state: FarTierState, layer: int | jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """(dev_pools [L * R, W], base = layer * R): slot s of ``layer`` is row base + s."""
+    return state.dev_pools, jnp.asarray(layer, jnp.int32) * self.device_slots
 
   def release(self, state: FarTierState, addrs, valid, row) -> FarTierState:
     del row
     idx = jnp.where(valid & (addrs >= 0), addrs, self.num_logical)
-    return state.replace(live=tuple(l.at[idx].set(False, mode="drop") for l in state.live))
+    return state.replace(live=state.live.at[:, idx].set(False, mode="drop"))
 
   # -- traffic and modeled time (host side) -----------------------------------------
 
@@ -296,7 +320,7 @@ class FarTier(MemorySystem):
     not counted). Device rows (staging copies or the local prefix copy) count per
     device."""
     dp, tp, G = self.mesh_info.dp, self.mesh_info.tp, self.geo.num_groups
-    far_used = sum(np.asarray(l).sum(axis=1) for l in state.live).astype(np.int64)  # [dp]
+    far_used = np.asarray(state.live).sum(axis=(1, 2)).astype(np.int64)  # [dp]: groups, slots
     if self.mode == "full_prefetch":
       dev_used = far_used
     else:
@@ -321,3 +345,12 @@ class FarTier(MemorySystem):
             "far_pool_tokens_per_rank": self.num_logical,
         },
     )
+
+
+def _concrete_int(x: Any) -> int | None:
+  """``x`` as a Python int where its value is known here, else None (a tracer, or an
+  abstract value such as ``jax.eval_shape``'s)."""
+  try:
+    return int(x)
+  except TypeError:  # jax's concretization errors are TypeErrors too
+    return None

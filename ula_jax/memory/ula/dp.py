@@ -11,9 +11,15 @@ Each dp rank serves its own requests from its own memory. Per layer group it kee
 * a bitmap of free host slots and the **policy** state over the device slots
   (``policies/``: PB-LRU or exact LRU).
 
-Pools are one array per layer: ``[Sd, W]`` with memory kind ``device`` and ``[Hr, W]``
-with memory kind ``pinned_host`` (``Hr = max(Sh, 1)``: an empty host tier keeps one
-unused row so every gather has a shape). The layers of a group store an entry at the same slot.
+State is stacked (``state.py``): one device pool ``[L * Sd, W]`` (memory kind ``device``)
+and one host pool ``[L * Hr, W]`` (memory kind ``pinned_host``) over all layers, layer
+``l``'s slot ``s`` at row ``l * Sd + s`` (``l * Hr + h``; ``Hr = max(Sh, 1)``: an empty
+host tier keeps one unused row per layer so every gather has a shape), and one
+``GroupMeta`` whose leaves have a leading group axis ``[G, ...]``. The layers of a group
+store an entry at the same slot. ``group`` and ``layer`` may be traced int32 scalars:
+``resolve`` takes the group's metadata with ``group_slice`` and writes it back with
+``group_update``; ``move_layer`` / ``write_token`` / ``read_pool`` address rows at
+``layer * Sd + slot``.
 Tiers are exclusive: an entry is on the device or on the host, never both. Fetching a
 host entry moves it to a device slot; the occupant it displaces moves to the host (into
 the slot the fetched entry vacated, or any free one).
@@ -47,13 +53,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ula_jax.kernels.fetch import evict_rows, fetch_rows
 from ula_jax.memory.ula.resolve import fastpath, resolve_group
 from ula_jax.memory.ula.resolve.fastpath import resolve_speculative
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
-from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, replace_at,
-                                 tp_replicated)
+from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, group_slice,
+                                 group_update, layer_rows, tp_replicated)
 from ula_jax.memory.ula.policies import bitmap, make_policy, policy_fields
 from ula_jax.memory.ula.state import GroupMeta, UlaPlan, UlaState, _compact, stage_selection
 
@@ -132,12 +137,15 @@ class Ula(MemorySystem):
         policy=self.policy.init(),
     )
 
-  def init_meta(self) -> tuple[GroupMeta, ...]:
-    """Every group's empty address space (local arrays; used by ``trace.replay``)."""
-    return tuple(self.init_group_meta() for _ in range(self.geo.num_groups))
+  def init_meta(self) -> GroupMeta:
+    """Every group's empty address space, stacked: each leaf ``[G, ...]`` (local arrays;
+    also used by ``trace.replay``)."""
+    G = self.geo.num_groups
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (G, *x.shape)), self.init_group_meta())
 
   def init_state(self, mesh: Mesh) -> UlaState:
     dp, W, dt = self.mesh_info.dp, self.geo.entry_width, self.geo.kv_dtype
+    L = self.geo.num_layers
 
     def meta():
       local = self.init_meta()
@@ -145,10 +153,8 @@ class Ula(MemorySystem):
 
     sharding = NamedSharding(mesh, P("dp"), memory_kind="device")
     return UlaState(
-        dev_pools=tuple(device_zeros(mesh, (dp, self.device_slots, W), dt, "device")
-                        for _ in range(self.geo.num_layers)),
-        host_pools=tuple(device_zeros(mesh, (dp, self.host_rows, W), dt, "pinned_host")
-                         for _ in range(self.geo.num_layers)),
+        dev_pool=device_zeros(mesh, (dp, L * self.device_slots, W), dt, "device"),
+        host_pool=device_zeros(mesh, (dp, L * self.host_rows, W), dt, "pinned_host"),
         meta=jax.jit(meta, out_shardings=sharding)(),
         index_keys=self.init_index_keys(mesh),
     )
@@ -280,21 +286,26 @@ class Ula(MemorySystem):
   # -- transitions (local, inside shard_map) ---------------------------------------
 
   def write_prefill(self, state: UlaState, addrs, valid, entries, row) -> UlaState:
+    """entries: [L, C, W] layer-major. Every group places the chunk at once (``vmap``
+    over the group axis: the same placement per group as one call each), then every
+    layer's rows land in one scatter per pool."""
     del row  # one pool shared by every request of the rank
-    Sd = self.device_slots
-    dev_pools, host_pools, metas = list(state.dev_pools), list(state.host_pools), list(state.meta)
-    for g in range(self.geo.num_groups):
-      metas[g], dev_dst, host_dst = self.prefill_meta(metas[g], addrs, valid)
-      d_idx = jnp.where(dev_dst >= 0, dev_dst, Sd)
-      for l in self.geo.group_layers(g):
-        rows = entries[l].astype(dev_pools[l].dtype)
-        dev_pools[l] = dev_pools[l].at[d_idx].set(rows, mode="drop")
-        if self.host_slots:
-          chunk = jnp.arange(rows.shape[0], dtype=_I32)
-          host_pools[l] = evict_rows(rows, chunk, host_pools[l], host_dst,
-                                     impl=self.fetch_impl)
-    return state.replace(dev_pools=tuple(dev_pools), host_pools=tuple(host_pools),
-                         meta=tuple(metas))
+    L, C = entries.shape[0], entries.shape[1]
+    Sd, Hr = self.device_slots, self.host_rows
+    place = jax.vmap(self.prefill_meta, (0, None, None))
+    meta, dev_dst, host_dst = place(state.meta, addrs, valid)  # [G, C] each
+    # Layer l belongs to group l // group_size (``geo.group_layers``).
+    of_layer = np.arange(L) // self.geo.group_size
+    layer = jnp.arange(L, dtype=_I32)[:, None]
+    rows = entries.astype(state.dev_pool.dtype).reshape(L * C, -1)
+    d_rows = layer_rows(layer, dev_dst[of_layer], Sd).reshape(-1)  # [L * C]
+    dev_pool = state.dev_pool.at[jnp.where(d_rows >= 0, d_rows, L * Sd)].set(
+        rows, mode="drop")
+    host_pool = state.host_pool
+    if self.host_slots:
+      h_rows = layer_rows(layer, host_dst[of_layer], Hr).reshape(-1)
+      host_pool = self.evict_rows(rows, jnp.arange(L * C, dtype=_I32), host_pool, h_rows)
+    return state.replace(dev_pool=dev_pool, host_pool=host_pool, meta=meta)
 
   def speculative(self) -> Ula | None:
     if not fastpath.supports(self):
@@ -310,23 +321,24 @@ class Ula(MemorySystem):
     # policy state only. The index keys of the new tokens' (unstored) addresses are
     # rewritten alike when the step runs again.
     pick = lambda o, n: jax.tree.map(lambda a, b: jnp.where(keep_new, b, a), o, n)
-    meta = tuple(o.replace(table=pick(o.table, n.table),
-                           dev_owner=pick(o.dev_owner, n.dev_owner),
-                           policy=pick(o.policy, n.policy))
-                 for o, n in zip(old.meta, new.meta))
+    o, n = old.meta, new.meta  # every leaf [G, ...]: all groups at once
+    meta = o.replace(table=pick(o.table, n.table), dev_owner=pick(o.dev_owner, n.dev_owner),
+                     policy=pick(o.policy, n.policy))
     return new.replace(meta=meta)
 
   def resolve(self, state: UlaState, group, sel_addr, sel_valid, new_addr, active):
     # ``resolve_meta`` itself ('jnp') or the fused Pallas kernels ('pallas'): same arrays.
+    # ``group`` may be traced: the group's metadata is sliced out and written back.
+    meta = group_slice(state.meta, group)
     if self.speculate:
       meta, slots, new_slot, plan, stats = resolve_speculative(
-          self, state.meta[group], sel_addr, sel_valid, new_addr, active)
+          self, meta, sel_addr, sel_valid, new_addr, active)
     else:
       meta, slots, new_slot, plan, stats = resolve_group(
-          self, state.meta[group], sel_addr, sel_valid, new_addr, active,
+          self, meta, sel_addr, sel_valid, new_addr, active,
           impl=self.resolve_impl, interpret=self.resolve_interpret,
           fast_path=self.resolve_fast_path)
-    state = state.replace(meta=replace_at(state.meta, group, meta))
+    state = state.replace(meta=group_update(state.meta, group, meta))
     return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot, plan=plan,
                              stats=stats)
 
@@ -334,51 +346,55 @@ class Ula(MemorySystem):
     if not self.host_slots or self.speculate:
       return state  # one tier, or a speculative step: nothing moves
     p: UlaPlan = res.plan
-    Sd, M = self.device_slots, p.evict_src.shape[0]
-    dev, host = state.dev_pools[layer], state.host_pools[layer]
+    Sd, Hr, M = self.device_slots, self.host_rows, p.evict_src.shape[0]
+    dev, host = state.dev_pool, state.host_pool
     # Both sides are read before either is written: a victim may take the host slot a
     # miss vacates, and a miss the device slot a victim vacates. The victims' rows are
     # set aside on the device, the misses fetched over their slots, then written back.
     # The barriers order each in-place write after the reads of the same pool (the
     # victims' gather before the fetch writes dev, the fetch before the evict writes
     # host); without them XLA copies the pool to let the two run in either order.
-    victims = dev.at[jnp.clip(p.evict_src, 0, Sd - 1)].get(mode="promise_in_bounds")
+    # Rows of the flat pools are offset by the layer (``layer_rows``: skips stay negative).
+    v_rows = layer * Sd + jnp.clip(p.evict_src, 0, Sd - 1)
+    victims = dev.at[v_rows].get(mode="promise_in_bounds")
     victims, dev = jax.lax.optimization_barrier((victims, dev))
-    dev = fetch_rows(host, p.fetch_src, dev, p.fetch_dst, impl=self.fetch_impl)
+    dev = self.fetch_rows(host, layer_rows(layer, p.fetch_src, Hr), dev,
+                          layer_rows(layer, p.fetch_dst, Sd))
     dev, host = jax.lax.optimization_barrier((dev, host))
     staged = jnp.where(p.evict_src >= 0, jnp.arange(M, dtype=_I32), INVALID)
-    host = evict_rows(victims, staged, host, p.evict_dst, impl=self.fetch_impl)
-    return state.replace(dev_pools=replace_at(state.dev_pools, layer, dev),
-                         host_pools=replace_at(state.host_pools, layer, host))
+    host = self.evict_rows(victims, staged, host, layer_rows(layer, p.evict_dst, Hr))
+    return state.replace(dev_pool=dev, host_pool=host)
 
   def write_token(self, state: UlaState, layer, res: Resolution, entry, active) -> UlaState:
-    pool = state.dev_pools[layer]
-    idx = jnp.where(active & (res.new_slot >= 0), res.new_slot, self.device_slots)
+    pool = state.dev_pool
+    ok = active & (res.new_slot >= 0)
+    idx = jnp.where(ok, layer_rows(layer, res.new_slot, self.device_slots), pool.shape[0])
     pool = pool.at[idx].set(entry.astype(pool.dtype), mode="drop")
-    return state.replace(dev_pools=replace_at(state.dev_pools, layer, pool))
+    return state.replace(dev_pool=pool)
 
-  def read_pool(self, state: UlaState, layer) -> jax.Array:
-    return state.dev_pools[layer]
+  def read_pool(self, state: UlaState, layer) -> tuple[jax.Array, jax.Array]:
+    """(dev_pool [L * Sd, W], base [] int32): layer ``layer``'s slot s is row base + s."""
+    return state.dev_pool, jnp.asarray(layer, _I32) * self.device_slots
 
-  def read_host_pool(self, state: UlaState, layer) -> jax.Array:
-    """The host pool of ``layer``: [Hr, W], memory kind ``pinned_host`` (tests, tools)."""
-    return state.host_pools[layer]
+  def read_host_pool(self, state: UlaState, layer) -> tuple[jax.Array, jax.Array]:
+    """(host_pool [L * Hr, W] memory kind ``pinned_host``, base [] int32): layer
+    ``layer``'s host slot h is row base + h (tests, tools)."""
+    return state.host_pool, jnp.asarray(layer, _I32) * self.host_rows
 
   def release(self, state: UlaState, addrs, valid, row) -> UlaState:
     del row
-    return state.replace(meta=tuple(self.release_meta(m, addrs, valid) for m in state.meta))
+    release = jax.vmap(self.release_meta, (0, None, None))  # every group at once
+    return state.replace(meta=release(state.meta, addrs, valid))
 
   # -- accounting ------------------------------------------------------------------
 
   def report(self, state: UlaState) -> CapacityReport:
     dp, tp, G = self.mesh_info.dp, self.mesh_info.tp, self.geo.num_groups
-    dev_used = np.zeros((dp,), np.int64)
-    host_used = np.zeros((dp,), np.int64)
-    distinct = np.zeros((dp,), np.int64)
-    for m in state.meta:
-      dev_used += (np.asarray(m.dev_owner) != INVALID).sum(axis=1)
-      host_used += (np.asarray(m.host_owner)[:, :self.host_slots] != INVALID).sum(axis=1)
-      distinct += (np.asarray(m.table) != INVALID).sum(axis=1)
+    m = state.meta  # leaves [dp, G, ...]: summed over the groups
+    dev_used = (np.asarray(m.dev_owner) != INVALID).sum(axis=(1, 2)).astype(np.int64)
+    host_used = (np.asarray(m.host_owner)[:, :, :self.host_slots] != INVALID).sum(
+        axis=(1, 2)).astype(np.int64)
+    distinct = (np.asarray(m.table) != INVALID).sum(axis=(1, 2)).astype(np.int64)
     # With tp > 1 every tp rank holds the dp rank's pools (replicated over tp).
     return CapacityReport(
         system=self.name,

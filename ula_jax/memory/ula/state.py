@@ -1,5 +1,16 @@
 """``ula``'s state and the staging it shares with every resolve implementation.
 
+Stacked layout (local arrays, no dp axis; ``init_state`` adds the leading ``dp``):
+
+* ``UlaState.dev_pool``   [L * Sd, W]  memory kind 'device'; layer l slot s = row l*Sd + s
+* ``UlaState.host_pool``  [L * Hr, W]  memory kind 'pinned_host'; row l*Hr + h
+* ``UlaState.meta``       one ``GroupMeta`` whose every leaf has a leading [G] axis:
+  table [G, N], dev_owner [G, Sd], host_owner [G, Hr], host_free levels [G, ...],
+  policy leaves [G, ...]. ``group_slice(meta, g)`` gives the per-group ``GroupMeta``
+  the resolve implementations take; ``group_update(meta, g, new)`` writes it back.
+* ``UlaState.index_keys`` [G, N, index_dim]
+* ``Ula.init_group_meta()`` one group (no G axis); ``Ula.init_meta()`` the stacked [G, ...].
+
 A layer group's address space on one dp rank (``GroupMeta``), the data movement one
 resolve plans (``UlaPlan``), the whole system's state (``UlaState``), and resolve's first
 stage (``stage_selection``: the addresses one step needs, deduplicated).
@@ -20,7 +31,9 @@ _I32 = jnp.int32
 
 @struct.dataclass
 class GroupMeta:
-  """One layer group's address space on one dp rank (leading dp axis when global)."""
+  """One layer group's address space on one dp rank (leading dp axis when global).
+
+  ``UlaState.meta`` is one ``GroupMeta`` of every group: each leaf with a leading [G]."""
 
   table: jax.Array  # [N] int32 location of each logical address (see module doc)
   dev_owner: jax.Array  # [Sd] int32 address held by each device slot, INVALID = free
@@ -50,10 +63,12 @@ class UlaPlan:
 
 @struct.dataclass
 class UlaState:
-  dev_pools: tuple[jax.Array, ...]  # per layer [Sd, W], memory kind 'device'
-  host_pools: tuple[jax.Array, ...]  # per layer [Hr, W], memory kind 'pinned_host'
-  meta: tuple[GroupMeta, ...]  # per layer group
-  index_keys: tuple[jax.Array, ...]  # per group [N, index_dim]
+  """Local shapes (``init_state`` adds a leading dp axis to every leaf)."""
+
+  dev_pool: jax.Array  # [L * Sd, W] memory kind 'device'; layer l slot s at row l * Sd + s
+  host_pool: jax.Array  # [L * Hr, W] memory kind 'pinned_host'; row l * Hr + h
+  meta: GroupMeta  # every leaf [G, ...]
+  index_keys: jax.Array  # [G, N, index_dim]
 
 
 def _compact(mask: jax.Array, values: jax.Array, size: int) -> jax.Array:

@@ -49,6 +49,13 @@ dp rank's logical space is ``num_logical = capacity_tokens ~ P * C`` (a multiple
 page size; ``request`` rounds ``C`` down to pages first). Defaults: ``L = max_batch *
 (top_k + 1)`` (one step's entries), ``D`` = enough for ``max_batch x max_context``.
 
+State, stacked (``base.py``): the buffers of every layer are one array ``[num_layers *
+L, W]`` (layer ``l``'s buffer slot ``s`` at row ``l * L + s``; ``read_pool`` returns it
+with base ``l * L``), the buffer metadata one ``BufferMeta`` with leaves ``[G, ...]``;
+without a host pool a rank's pools are ``[num_layers * C, W]``, ``live`` ``[G, C]`` and
+its keys ``[G, C, index_dim]``; with one, the DP ``UlaState``'s stacked arrays. Every
+transition takes ``group``/``layer`` as Python ints or traced int32 scalars.
+
 Accounting (``report``): each stored entry is counted once, on its owner; buffer entries
 are copies, so the duplicate fraction is the buffers' share. ``Resolution.stats``:
 ``hits``/``misses``/``evictions`` of the buffer, ``xdev_rows`` (KV rows, one layer of
@@ -71,7 +78,8 @@ from ula_jax.config.schema import MemoryConfig
 from ula_jax.core.addressing import all_addrs
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
-from ula_jax.memory.base import CapacityReport, MemorySystem, replace_at
+from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, group_slice,
+                                 group_update, layer_rows)
 from ula_jax.memory.ula.layouts import LAYOUTS, Layout, make_layout
 from ula_jax.memory.ula.policies import make_policy, policy_fields
 from ula_jax.memory.ula.dp import Ula
@@ -91,7 +99,9 @@ FETCH_ALIGN = 8
 
 @struct.dataclass
 class BufferMeta:
-  """One layer group's local buffer (identical on every tp rank).
+  """The layer groups' local buffers (identical on every tp rank). In the state every
+  leaf has a leading group axis ``[G, ...]``; ``group_slice`` gives one group's (the
+  shapes below), which ``resolve`` works on.
 
   table: [N] int32 buffer slot of each logical address, INVALID = not buffered
   owner: [L] int32 logical address in each buffer slot, INVALID = free
@@ -107,8 +117,10 @@ class BufferMeta:
 class SharedState:
   """What every tp rank of a dp rank holds the same (leaves ``[dp, ...]``, ``P('dp')``)."""
 
-  buffers: tuple[jax.Array, ...]  # per layer [L, W], memory kind 'device'
-  meta: tuple[BufferMeta, ...]  # per layer group
+  # Every layer's buffer, stacked: [num_layers * L, W], layer l's slot s at row l * L + s;
+  # memory kind 'device'.
+  buffers: jax.Array
+  meta: BufferMeta  # leaves [G, ...]: every group's buffer metadata
   layout: Any  # the layout's state (``layouts.py``)
 
 
@@ -172,15 +184,19 @@ def own_misses(fetch_slot: jax.Array, fetch_dst: jax.Array, axis: str = TP_AXIS
 
 
 def deliver_misses(pool: jax.Array, my_slot: jax.Array, my_dst: jax.Array,
-                   busiest: jax.Array, buf: jax.Array, axis: str = TP_AXIS) -> jax.Array:
+                   busiest: jax.Array, buf: jax.Array, axis: str = TP_AXIS, *,
+                   pool_base: int | jax.Array = 0, pool_rows: int | None = None,
+                   buf_base: int | jax.Array = 0) -> jax.Array:
   """One layer's misses copied from their owners' device pools into every rank's buffer
   (inside shard_map; the cross-device data path of TP mode).
 
-  pool:    [S, W] this rank's device pool
+  pool:    [R, W] this rank's device pool; the layer's slot ``s`` is row ``pool_base + s``
+           (``pool_rows`` slots per layer, default ``R``: a pool of one layer)
   my_slot, my_dst, busiest: ``own_misses`` of the group's fetch lists (F a multiple of
            ``FETCH_ALIGN``)
-  buf:     [L, W] this rank's buffer
-  returns the buffer with every miss written, bit for bit, on every rank
+  buf:     [R', W] this rank's buffers; buffer slot ``d`` is row ``buf_base + d``
+  pool_base, buf_base: [] int32 (Python or traced) row offsets of the layer
+  returns the buffers with every miss written, bit for bit, on every rank
 
   Each rank gathers the misses it owns from its pool and one all-gather over ``axis``
   hands every rank everyone's rows with their buffer slots. The rows are copied, never
@@ -189,15 +205,17 @@ def deliver_misses(pool: jax.Array, my_slot: jax.Array, my_dst: jax.Array,
   (``lax.switch``; ``busiest`` is the same on every rank, so all take the same branch),
   and nothing when no rank owns a miss.
   """
-  L, F = buf.shape[0], my_dst.shape[0]
+  R, F = buf.shape[0], my_dst.shape[0]
+  S = pool.shape[0] if pool_rows is None else pool_rows
   caps = capacity_classes(F)
 
   def move(c: int):
     def branch(buf):
-      rows = pool[jnp.clip(my_slot[:c], 0, pool.shape[0] - 1)]
+      rows = pool[pool_base + jnp.clip(my_slot[:c], 0, S - 1)]
       rows = jax.lax.all_gather(rows, axis, tiled=True)  # [P * c, W]
       dst = jax.lax.all_gather(my_dst[:c], axis, tiled=True)
-      return buf.at[jnp.where(dst >= 0, dst, L)].set(rows.astype(buf.dtype), mode="drop")
+      idx = jnp.where(dst >= 0, buf_base + dst, R)  # R: dropped
+      return buf.at[idx].set(rows.astype(buf.dtype), mode="drop")
     return branch
 
   which = jnp.where(busiest > 0, 1 + jnp.argmax(jnp.asarray(caps, _I32) >= busiest), 0)
@@ -238,18 +256,19 @@ def local_topk(scores: jax.Array, cand: jax.Array, k: int) -> tuple[jax.Array, j
   return val, jnp.where(ok, idx, INVALID).astype(_I32)
 
 
-def _zeros(mesh: Mesh, shape: tuple[int, ...], dtype: Any, kind: str, spec: P) -> jax.Array:
-  sharding = NamedSharding(mesh, spec, memory_kind=kind)
-  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
-
-
 @struct.dataclass
 class DirectState:
-  """A rank's owned entries without a host pool: local address ``a`` is pool slot ``a``."""
+  """A rank's owned entries without a host pool: local address ``a`` is pool slot ``a``.
 
-  pools: tuple[jax.Array, ...]  # per layer [C, W], memory kind 'device'
-  live: tuple[jax.Array, ...]  # per group [C] bool: the local address holds an entry
-  index_keys: tuple[jax.Array, ...]  # per group [C, index_dim]
+  pools:      [num_layers * C, W] every layer's pool, stacked (layer l's slot a at row
+              l * C + a), memory kind 'device'
+  live:       [G, C] bool: the local address holds an entry of the group
+  index_keys: [G, C, index_dim] the owned keys, by local address
+  """
+
+  pools: jax.Array
+  live: jax.Array
+  index_keys: jax.Array
 
 
 class DirectStore:
@@ -262,27 +281,33 @@ class DirectStore:
 
   def init_state(self, mesh: Mesh, dp: int, tp: int) -> DirectState:
     spec, C, geo = P("dp", "tp"), self.capacity, self.geo
+    G = geo.num_groups
     return DirectState(
-        pools=tuple(_zeros(mesh, (dp, tp, C, geo.entry_width), geo.kv_dtype, "device", spec)
-                    for _ in range(geo.num_layers)),
-        live=tuple(_zeros(mesh, (dp, tp, C), jnp.bool_, "device", spec)
-                   for _ in range(geo.num_groups)),
-        index_keys=tuple(_zeros(mesh, (dp, tp, C, geo.index_dim), geo.index_dtype, "device",
-                                spec) for _ in range(geo.num_groups)))
+        pools=device_zeros(mesh, (dp, tp, geo.num_layers * C, geo.entry_width), geo.kv_dtype,
+                           "device", spec=spec),
+        live=device_zeros(mesh, (dp, tp, G, C), jnp.bool_, "device", spec=spec),
+        index_keys=device_zeros(mesh, (dp, tp, G, C, geo.index_dim), geo.index_dtype,
+                                "device", spec=spec))
 
-  def _mark(self, live: jax.Array, local: jax.Array, mine: jax.Array, value: bool):
-    return live.at[jnp.where(mine, local, self.capacity)].set(value, mode="drop")
+  def _mark(self, live: jax.Array, group, local: jax.Array, mine: jax.Array, value: bool):
+    """live [G, C] with ``local`` [n] (where ``mine``) set to ``value`` in ``group``
+    (an index or ``slice(None)``: every group)."""
+    return live.at[group, jnp.where(mine, local, self.capacity)].set(value, mode="drop")
 
   def write_prefill(self, rk: DirectState, local, mine, entries, row) -> DirectState:
+    """entries: [num_layers, n, W]; every layer's rows at the owned local addresses."""
     del row
-    idx = jnp.where(mine, local, self.capacity)
-    pools = tuple(p.at[idx].set(e.astype(p.dtype), mode="drop")
-                  for p, e in zip(rk.pools, entries))
-    return rk.replace(pools=pools, live=tuple(self._mark(l, local, mine, True) for l in rk.live))
+    C, Lk = self.capacity, self.geo.num_layers
+    W = rk.pools.shape[-1]
+    slot = jnp.where(mine, local, INVALID)
+    idx = layer_rows(jnp.arange(Lk, dtype=_I32)[:, None], slot[None, :], C)  # [Lk, n]
+    idx = jnp.where(idx >= 0, idx, Lk * C)
+    pools = rk.pools.at[idx.reshape(-1)].set(
+        entries.reshape(-1, W).astype(rk.pools.dtype), mode="drop")
+    return rk.replace(pools=pools, live=self._mark(rk.live, slice(None), local, mine, True))
 
   def resolve(self, rk: DirectState, group, f_local, f_mine, n_local, n_mine):
-    live = self._mark(rk.live[group], n_local, n_mine, True)
-    rk = rk.replace(live=replace_at(rk.live, group, live))
+    rk = rk.replace(live=self._mark(rk.live, group, n_local, n_mine, True))
     return (rk, jnp.where(f_mine, f_local, INVALID).reshape(-1),
             jnp.where(n_mine, n_local, INVALID), (), {})
 
@@ -290,22 +315,23 @@ class DirectStore:
     del layer, plan
     return rk
 
-  def dev_pool(self, rk: DirectState, layer) -> jax.Array:
-    return rk.pools[layer]
+  def dev_pool(self, rk: DirectState, layer) -> tuple[jax.Array, jax.Array]:
+    """(pool [num_layers * C, W], base [] int32): ``layer``'s slot s is row base + s."""
+    return rk.pools, jnp.asarray(layer, _I32) * self.capacity
 
   def write_token(self, rk: DirectState, layer, new_slot, entry, active) -> DirectState:
-    pool = rk.pools[layer]
-    idx = jnp.where(active & (new_slot >= 0), new_slot, self.capacity)
-    return rk.replace(pools=replace_at(rk.pools, layer,
-                                       pool.at[idx].set(entry.astype(pool.dtype), mode="drop")))
+    C, Lk = self.capacity, self.geo.num_layers
+    rows = layer_rows(layer, jnp.where(active & (new_slot >= 0), new_slot, INVALID), C)
+    idx = jnp.where(rows >= 0, rows, Lk * C)
+    return rk.replace(pools=rk.pools.at[idx].set(entry.astype(rk.pools.dtype), mode="drop"))
 
   def release(self, rk: DirectState, local, mine, row) -> DirectState:
     del row
-    return rk.replace(live=tuple(self._mark(l, local, mine, False) for l in rk.live))
+    return rk.replace(live=self._mark(rk.live, slice(None), local, mine, False))
 
-  def counts(self, rk: DirectState, group: int):
-    """Host side: (device used [dp, tp], host used [dp, tp], stored [dp, tp]) of a group."""
-    used = np.asarray(rk.live[group]).sum(axis=2)
+  def counts(self, rk: DirectState):
+    """Host side: (device used, host used, stored), each [dp, tp, G]."""
+    used = np.asarray(rk.live).sum(axis=3)
     return used, np.zeros_like(used), used
 
 
@@ -319,20 +345,18 @@ class TieredStore:
 
   def init_state(self, mesh: Mesh, dp: int, tp: int) -> UlaState:
     spec, u, geo = P("dp", "tp"), self.ula, self.ula.geo
-    W, kv = geo.entry_width, geo.kv_dtype
+    W, kv, Lk, G = geo.entry_width, geo.kv_dtype, geo.num_layers, geo.num_groups
 
     def meta():
       return jax.tree.map(lambda x: jnp.broadcast_to(x, (dp, tp, *x.shape)), u.init_meta())
 
     return UlaState(
-        dev_pools=tuple(_zeros(mesh, (dp, tp, u.device_slots, W), kv, "device", spec)
-                        for _ in range(geo.num_layers)),
-        host_pools=tuple(_zeros(mesh, (dp, tp, u.host_rows, W), kv, "pinned_host", spec)
-                         for _ in range(geo.num_layers)),
+        dev_pool=device_zeros(mesh, (dp, tp, Lk * u.device_slots, W), kv, "device", spec=spec),
+        host_pool=device_zeros(mesh, (dp, tp, Lk * u.host_rows, W), kv, "pinned_host",
+                               spec=spec),
         meta=jax.jit(meta, out_shardings=NamedSharding(mesh, spec, memory_kind="device"))(),
-        index_keys=tuple(_zeros(mesh, (dp, tp, u.num_logical, geo.index_dim),
-                                geo.index_dtype, "device", spec)
-                         for _ in range(geo.num_groups)))
+        index_keys=device_zeros(mesh, (dp, tp, G, u.num_logical, geo.index_dim),
+                                geo.index_dtype, "device", spec=spec))
 
   def write_prefill(self, rk: UlaState, local, mine, entries, row) -> UlaState:
     return self.ula.write_prefill(rk, local, mine, entries, row)
@@ -347,8 +371,9 @@ class TieredStore:
     return self.ula.move_layer(rk, layer, Resolution(slots=dummy, valid=dummy,
                                                      new_slot=dummy, plan=plan))
 
-  def dev_pool(self, rk: UlaState, layer) -> jax.Array:
-    return rk.dev_pools[layer]
+  def dev_pool(self, rk: UlaState, layer) -> tuple[jax.Array, jax.Array]:
+    """(pool [num_layers * Sd, W], base [] int32): ``layer``'s slot s is row base + s."""
+    return self.ula.read_pool(rk, layer)
 
   def write_token(self, rk: UlaState, layer, new_slot, entry, active) -> UlaState:
     dummy = jnp.zeros((0,), _I32)
@@ -358,11 +383,12 @@ class TieredStore:
   def release(self, rk: UlaState, local, mine, row) -> UlaState:
     return self.ula.release(rk, local, mine, row)
 
-  def counts(self, rk: UlaState, group: int):
-    m = rk.meta[group]
-    dev = (np.asarray(m.dev_owner) != INVALID).sum(axis=2)
-    host = (np.asarray(m.host_owner)[..., :self.ula.host_slots] != INVALID).sum(axis=2)
-    return dev, host, (np.asarray(m.table) != INVALID).sum(axis=2)
+  def counts(self, rk: UlaState):
+    """Host side: (device used, host used, stored), each [dp, tp, G]."""
+    m = rk.meta
+    dev = (np.asarray(m.dev_owner) != INVALID).sum(axis=3)
+    host = (np.asarray(m.host_owner)[..., :self.ula.host_slots] != INVALID).sum(axis=3)
+    return dev, host, (np.asarray(m.table) != INVALID).sum(axis=3)
 
 
 class UlaTP(MemorySystem):
@@ -466,17 +492,20 @@ class UlaTP(MemorySystem):
   # -- layout ----------------------------------------------------------------------
 
   def init_buffer_meta(self) -> BufferMeta:
+    """One group's empty buffer metadata (local arrays, no group axis)."""
     return BufferMeta(table=jnp.full((self.num_logical,), INVALID, _I32),
                       owner=jnp.full((self.buffer_slots,), INVALID, _I32),
                       policy=self.policy.init())
 
   def init_state(self, mesh: Mesh) -> UlaTPState:
     dp, W, kv, L = self.mesh_info.dp, self.geo.entry_width, self.geo.kv_dtype, self.buffer_slots
+    G = self.geo.num_groups
 
     def shared():
       local = SharedState(
-          buffers=tuple(jnp.zeros((L, W), kv) for _ in range(self.geo.num_layers)),
-          meta=tuple(self.init_buffer_meta() for _ in range(self.geo.num_groups)),
+          buffers=jnp.zeros((self.geo.num_layers * L, W), kv),
+          meta=jax.tree.map(lambda x: jnp.broadcast_to(x, (G, *x.shape)),
+                            self.init_buffer_meta()),
           layout=self.layout.init())
       return jax.tree.map(lambda x: jnp.broadcast_to(x, (dp, *x.shape)), local)
 
@@ -505,20 +534,26 @@ class UlaTP(MemorySystem):
     mine = valid & (rank >= 0) & (rank == jax.lax.axis_index(TP_AXIS))
     return jnp.where(mine, local, INVALID).astype(_I32), mine
 
-  def _unbuffer(self, meta: tuple[BufferMeta, ...], addrs: jax.Array, valid: jax.Array
-                ) -> tuple[BufferMeta, ...]:
-    """Drops ``addrs`` from every group's buffer (their entries are about to change)."""
+  def _unbuffer(self, meta: BufferMeta, addrs: jax.Array, valid: jax.Array) -> BufferMeta:
+    """Drops ``addrs`` from every group's buffer (their entries are about to change);
+    meta: leaves [G, ...]."""
     N, L = self.num_logical, self.buffer_slots
     ok = valid & (addrs >= 0) & (addrs < N)
-    out = []
-    for m in meta:
+
+    def one(m: BufferMeta) -> BufferMeta:
       slot = jnp.where(ok, m.table[jnp.clip(addrs, 0, N - 1)], INVALID)
       held = slot >= 0
-      out.append(BufferMeta(
+      return BufferMeta(
           table=m.table.at[jnp.where(ok, addrs, N)].set(INVALID, mode="drop"),
           owner=m.owner.at[jnp.where(held, slot, L)].set(INVALID, mode="drop"),
-          policy=self.policy.release(m.policy, slot, held)))
-    return tuple(out)
+          policy=self.policy.release(m.policy, slot, held))
+
+    return jax.vmap(one)(meta)  # the same per-group update over the group axis
+
+  def _group_layers(self, group: int | jax.Array) -> jax.Array:
+    """[] int32 layers of ``group`` (Python or traced; the last group may be shorter)."""
+    gs = self.geo.group_size
+    return jnp.minimum(gs, self.geo.num_layers - jnp.asarray(group, _I32) * gs)
 
   def _place(self, state: UlaTPState, addrs: jax.Array, valid: jax.Array,
              rows: jax.Array) -> UlaTPState:
@@ -540,20 +575,20 @@ class UlaTP(MemorySystem):
     meta = self._unbuffer(state.shared.meta, addrs, valid)
     return UlaTPState(shared=state.shared.replace(meta=meta), ranked=ranked)
 
-  def write_index_keys(self, state: UlaTPState, group: int, addrs: jax.Array,
+  def write_index_keys(self, state: UlaTPState, group: int | jax.Array, addrs: jax.Array,
                        keys: jax.Array) -> UlaTPState:
     valid = addrs >= 0
     # In decode the new tokens arrive one per row: a fresh page takes its row's owner.
     state = self._place(state, addrs, valid, self._decode_rows(addrs.shape[0]))
     local, _ = self._mine(state.shared.layout, addrs, valid)
-    table = state.ranked.index_keys[group]
-    new = table.at[jnp.where(local >= 0, local, table.shape[0])].set(
+    table = state.ranked.index_keys  # [G, C, DI]
+    new = table.at[group, jnp.where(local >= 0, local, table.shape[1])].set(
         keys.astype(table.dtype), mode="drop")
-    return state.replace(ranked=state.ranked.replace(
-        index_keys=replace_at(state.ranked.index_keys, group, new)))
+    return state.replace(ranked=state.ranked.replace(index_keys=new))
 
-  def read_index_keys(self, state: UlaTPState, group: int) -> jax.Array:
-    """[num_logical, index_dim] keys by logical address, gathered from their owners."""
+  def read_index_keys(self, state: UlaTPState, group: int | jax.Array) -> jax.Array:
+    """[num_logical, index_dim] keys by logical address, gathered from their owners
+    (tests and tools: it moves every key of the group)."""
     keys = jax.lax.all_gather(state.ranked.index_keys[group], TP_AXIS)  # [P, C, DI]
     rank, local = self.layout.locate(state.shared.layout,
                                      jnp.arange(self.num_logical, dtype=_I32))
@@ -561,7 +596,8 @@ class UlaTP(MemorySystem):
     out = keys[jnp.clip(rank, 0, self.tp - 1), jnp.clip(local, 0, self.rank_capacity - 1)]
     return jnp.where(ok[:, None], out, jnp.zeros((), out.dtype))
 
-  def select(self, state: UlaTPState, group: int, q_I, w, page_table, positions, active):
+  def select(self, state: UlaTPState, group: int | jax.Array, q_I, w, page_table, positions,
+             active):
     """The sharded indexer: local scores, local top-k, all-gather over tp, merge.
 
     Same arguments and result as ``MemorySystem.select``; the same on every rank. With
@@ -584,8 +620,8 @@ class UlaTP(MemorySystem):
           jnp.broadcast_to(t, (B, T)), mode="drop")
       local_bt = jnp.full((B, Tw), INVALID, _I32).at[rows, col].set(local, mode="drop")
       ok_bt = pos_bt >= 0
-    keys = state.ranked.index_keys[group]
-    keys_btk = keys[jnp.clip(local_bt, 0, self.rank_capacity - 1)]
+    keys = state.ranked.index_keys  # [G, C, DI]: gather the group's rows, no slice
+    keys_btk = keys[group, jnp.clip(local_bt, 0, self.rank_capacity - 1)]
     keys_btk = jnp.where(ok_bt[..., None], keys_btk, jnp.zeros((), keys.dtype))
     val, col = local_topk(index_scores(q_I, w, keys_btk), ok_bt, k)  # [B, k]
     pos = jnp.where(col >= 0, jnp.take_along_axis(pos_bt, jnp.clip(col, 0, None), axis=1),
@@ -602,7 +638,7 @@ class UlaTP(MemorySystem):
     # that keeps resolve correct on its own.
     state = self._place(state, new_addr, active & (new_addr >= 0), self._decode_rows(B))
     sh, rk = state.shared, state.ranked
-    bm = sh.meta[group]
+    bm = group_slice(sh.meta, group)
 
     # Stage: the addresses the step needs in the buffer, deduplicated (sorted).
     want, uid, u, u_ok, u_new = stage_selection(sel_addr, sel_valid, new_addr, active, N)
@@ -646,7 +682,7 @@ class UlaTP(MemorySystem):
         jnp.pad(f_dst, (0, pad), constant_values=INVALID))
     plan = TPPlan(my_slot=my_slot, my_dst=my_dst, busiest=busiest, new_slot=o_new,
                   owner=o_plan)
-    layers = len(self.geo.group_layers(group))
+    layers = self._group_layers(group)
     stats = {"hits": jnp.sum(hit).astype(_I32), "misses": n_fetch,
              "evictions": jnp.sum(victim).astype(_I32),
              "xdev_rows": n_fetch * ((Ptp - 1) * layers),
@@ -654,31 +690,33 @@ class UlaTP(MemorySystem):
     if self.host_slots:
       stats["host_fetches"] = jax.lax.psum(o_stats["misses"], TP_AXIS)
       stats["host_evictions"] = jax.lax.psum(o_stats["evictions"], TP_AXIS)
-    state = UlaTPState(shared=sh.replace(meta=replace_at(sh.meta, group, bm)),
-                       ranked=rk)
+    state = UlaTPState(shared=sh.replace(meta=group_update(sh.meta, group, bm)), ranked=rk)
     return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot, plan=plan,
                              stats=stats)
 
   def move_layer(self, state: UlaTPState, layer, res: Resolution) -> UlaTPState:
     p: TPPlan = res.plan
     ranked = self.store.move_layer(state.ranked, layer, p.owner)
-    pool = self.store.dev_pool(ranked, layer)
-    buf = deliver_misses(pool, p.my_slot, p.my_dst, p.busiest, state.shared.buffers[layer])
-    return UlaTPState(shared=state.shared.replace(
-        buffers=replace_at(state.shared.buffers, layer, buf)), ranked=ranked)
+    pool, base = self.store.dev_pool(ranked, layer)
+    buf = deliver_misses(pool, p.my_slot, p.my_dst, p.busiest, state.shared.buffers,
+                         pool_base=base, pool_rows=self.store.device_slots,
+                         buf_base=jnp.asarray(layer, _I32) * self.buffer_slots)
+    return UlaTPState(shared=state.shared.replace(buffers=buf), ranked=ranked)
 
   def write_token(self, state: UlaTPState, layer, res: Resolution, entry, active
                   ) -> UlaTPState:
     p: TPPlan = res.plan
-    buf = state.shared.buffers[layer]
-    idx = jnp.where(active & (res.new_slot >= 0), res.new_slot, self.buffer_slots)
-    buf = buf.at[idx].set(entry.astype(buf.dtype), mode="drop")
+    buf = state.shared.buffers
+    rows = layer_rows(layer, jnp.where(active & (res.new_slot >= 0), res.new_slot, INVALID),
+                      self.buffer_slots)
+    buf = buf.at[jnp.where(rows >= 0, rows, buf.shape[0])].set(entry.astype(buf.dtype),
+                                                                mode="drop")
     ranked = self.store.write_token(state.ranked, layer, p.new_slot, entry, active)
-    return UlaTPState(shared=state.shared.replace(
-        buffers=replace_at(state.shared.buffers, layer, buf)), ranked=ranked)
+    return UlaTPState(shared=state.shared.replace(buffers=buf), ranked=ranked)
 
-  def read_pool(self, state: UlaTPState, layer) -> jax.Array:
-    return state.shared.buffers[layer]
+  def read_pool(self, state: UlaTPState, layer) -> tuple[jax.Array, jax.Array]:
+    """(buffers [num_layers * L, W], base [] int32): attention reads ``base + res.slots``."""
+    return state.shared.buffers, jnp.asarray(layer, _I32) * self.buffer_slots
 
   def release(self, state: UlaTPState, addrs, valid, row) -> UlaTPState:
     local, mine = self._mine(state.shared.layout, addrs, valid)
@@ -694,20 +732,14 @@ class UlaTP(MemorySystem):
     dp, tp, G = self.mesh_info.dp, self.tp, self.geo.num_groups
     H, L, Sd = self.host_slots, self.buffer_slots, self.device_slots
     row_bytes = self.geo.row_bytes
-    pool_used = np.zeros((dp, tp), np.int64)
-    host_used = np.zeros((dp, tp), np.int64)
-    distinct = np.zeros((dp,), np.int64)
-    buffer_used = np.zeros((dp,), np.int64)
-    used_bytes = np.zeros((dp, tp), np.int64)
-    for g, bm in enumerate(state.shared.meta):
-      rows = len(self.geo.group_layers(g))
-      dev, hst, stored = self.store.counts(state.ranked, g)
-      buf = (np.asarray(bm.owner) != INVALID).sum(axis=1)
-      pool_used += dev
-      host_used += hst
-      buffer_used += buf
-      distinct += stored.sum(axis=1)
-      used_bytes += (dev + buf[:, None]) * rows * row_bytes
+    rows = np.asarray([len(self.geo.group_layers(g)) for g in range(G)], np.int64)  # [G]
+    dev, hst, stored = (x.astype(np.int64) for x in self.store.counts(state.ranked))
+    buf = (np.asarray(state.shared.meta.owner) != INVALID).sum(axis=2)  # [dp, G]
+    pool_used = dev.sum(axis=2)  # [dp, tp]
+    host_used = hst.sum(axis=2)
+    buffer_used = buf.sum(axis=1)  # [dp]
+    distinct = stored.sum(axis=(1, 2))
+    used_bytes = ((dev + buf[:, None, :]) * rows).sum(axis=2) * row_bytes
     device_used = pool_used + buffer_used[:, None]
     full = lambda n: np.full((dp, tp), n, np.int64)
     return CapacityReport(

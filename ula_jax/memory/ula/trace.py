@@ -304,7 +304,7 @@ def _replay_program(system: Ula):
   resolve = jax.vmap(system.resolve_meta, (0, 0, 0, None, None))
 
   def program(kind, step, addrs, sel_addr, sel_valid, new_addr, active):
-    metas = jax.tree.map(lambda *xs: jnp.stack(xs), *system.init_meta())
+    metas = system.init_meta()  # every leaf [G, ...]
     none = jnp.zeros((sel_addr.shape[1], 3), jnp.int32)
 
     def decode(metas, t, a):
