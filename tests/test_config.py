@@ -382,3 +382,15 @@ def test_readme_documents_every_field():
   missing = [f"{prefix}.{name}" for prefix, cls in sections.items() for name in cls.model_fields
              if f"`{prefix}.{name}`" not in readme and name not in ("hisparse", "far_tier")]
   assert missing == []
+
+
+def test_context_buckets_are_few_and_at_most_a_quarter_over():
+  from ula_jax.config.schema import context_bucket
+
+  assert context_bucket(107, 16) == 112  # up to 8 pages: every page count
+  assert [context_bucket(n, 64) for n in (1, 64, 65, 512, 513)] == [64, 64, 128, 512, 640]
+  sizes = {context_bucket(n, 64) for n in range(65536, 131073, 97)}
+  assert sizes == {65536, 81920, 98304, 114688, 131072}  # 64K-128K: five programs
+  for n in range(1, 300000, 613):
+    b = context_bucket(n, 64)
+    assert n <= b <= max(-(-n // 64) * 64 * 1.25, 8 * 64)

@@ -208,8 +208,9 @@ class EngineConfig(Section):
 
   max_batch: int = Field(8, ge=1, description="decode rows per dp rank")
   max_context: int | None = Field(
-      None, ge=1, description="tokens per request at most; None = longest workload request "
-      "(prompt + output) rounded up to page_size")
+      None, ge=1, description="tokens per request at most; None = the longest workload "
+      "request (prompt + output) rounded up to a context bucket (a page count of four per "
+      "doubling, at most 25% over), so similar workloads share compiled programs")
   prefill_chunk: int = Field(256, ge=1, description="prompt tokens per prefill chunk")
   page_size: int = Field(64, ge=1, description="logical addresses per page")
   max_steps: int | None = Field(
@@ -314,6 +315,18 @@ def _section_dict(data: dict, name: str) -> dict | None:
   return dict(value) if isinstance(value, dict) else None
 
 
+def context_bucket(tokens: int, page: int) -> int:
+  """``tokens`` rounded up to a page, then up to one of four page counts per doubling
+  (p, 1.25p, 1.5p, 1.75p for p a power of two; every count up to 8 pages): at most 25%
+  over, and workloads of similar lengths get the same context, so the same compiled
+  programs (and the persistent compilation cache serves them)."""
+  pages = max(1, -(-tokens // page))
+  if pages > 8:
+    step = 1 << (pages.bit_length() - 3)
+    pages = -(-pages // step) * step
+  return pages * page
+
+
 def longest_request(workload: WorkloadConfig) -> int:
   """Tokens of the longest request the workload can produce (prompt + output)."""
   if workload.kind == "file":
@@ -348,8 +361,7 @@ class ExperimentConfig(Section):
       page = EngineConfig.model_validate({"page_size": engine.get("page_size", 64)}).page_size
     except ValueError:
       return data  # the section's own errors are reported by the main validation
-    longest = longest_request(wl)
-    engine["max_context"] = -(-longest // page) * page
+    engine["max_context"] = context_bucket(longest_request(wl), page)
     return {**data, "engine": engine}
 
   @model_validator(mode="after")
