@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tests.test_hisparse import (CHUNK, W, Oracle, Workload, local_state, make_cfg,
-                                 make_system, prefill_fn, step_fn)
+from tests.memory_util import CHUNK, W, Workload, local_state, prefill_fn, step_fn
+from tests.test_hisparse import Oracle, make_cfg, make_system
 from ula_jax.core.addressing import addrs_of_positions
 from ula_jax.core.types import INVALID, KVGeometry
 

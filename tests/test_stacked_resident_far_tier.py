@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_far_tier import CHUNK, W, Workload, local_state
+from tests.memory_util import CHUNK, W, Workload, local_state
 from ula_jax.config.schema import FarTierConfig, MemoryConfig
 from ula_jax.core.addressing import addrs_of_positions
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo

@@ -334,6 +334,13 @@ def layer_rows(layer: int | jax.Array, slots: jax.Array, per_layer: int) -> jax.
   return jnp.where(slots >= 0, slots + layer * per_layer, slots).astype(jnp.int32)
 
 
+def set_rows(pool: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+  """``pool`` with ``values`` [N, W] written at ``rows`` [N]; negative rows (none) are
+  skipped (sent past the end and dropped: a negative index would wrap)."""
+  idx = jnp.where(rows >= 0, rows, pool.shape[0])
+  return pool.at[idx].set(values.astype(pool.dtype), mode="drop")
+
+
 def group_slice(tree: Any, group: int | jax.Array) -> Any:
   """One group's metadata out of leaves with a leading group axis."""
   return jax.tree.map(lambda x: x[group], tree)

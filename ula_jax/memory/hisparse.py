@@ -58,7 +58,7 @@ from jax.sharding import Mesh
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, layer_rows,
-                                 tp_replicated)
+                                 set_rows, tp_replicated)
 
 _BIG = np.iinfo(np.int32).max
 
@@ -345,10 +345,7 @@ class HiSparse(MemorySystem):
     self._check_layer(layer, res)
     ok = active & (res.new_slot >= 0)
     dev_rows = layer_rows(layer, jnp.where(ok, res.new_slot, INVALID), self.device_slots)
-    pool = state.dev_pool
-    # A skipped row points past the pool so that mode='drop' drops it (negative wraps).
-    pool = pool.at[jnp.where(dev_rows >= 0, dev_rows, pool.shape[0])].set(
-        entry.astype(pool.dtype), mode="drop")
+    pool = set_rows(state.dev_pool, dev_rows, entry)
     host_rows = layer_rows(layer, jnp.where(ok, res.plan.new_addr, INVALID), self.num_logical)
     host = self.evict_rows(pool, dev_rows, state.host_pool, host_rows)
     return state.replace(dev_pool=pool, host_pool=host)

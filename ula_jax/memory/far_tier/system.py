@@ -43,7 +43,8 @@ from jax.sharding import Mesh
 
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
-from ula_jax.memory.base import CapacityReport, MemorySystem, device_zeros, layer_rows
+from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, layer_rows,
+                                 set_rows)
 from ula_jax.memory.far_tier.link_model import (COUNTER_KEYS, FarTopology, LinkSpec, link_preset,
                                        modeled_run)
 
@@ -250,9 +251,7 @@ class FarTier(MemorySystem):
     self._check_layer(layer, res)
     ok = active & (res.new_slot >= 0)
     dev_rows = layer_rows(layer, jnp.where(ok, res.new_slot, INVALID), self.device_slots)
-    pool = state.dev_pools
-    pool = pool.at[jnp.where(dev_rows >= 0, dev_rows, pool.shape[0])].set(
-        entry.astype(pool.dtype), mode="drop")
+    pool = set_rows(state.dev_pools, dev_rows, entry)
     far_rows = layer_rows(layer, jnp.where(ok, res.plan.new_addr, INVALID), self.num_logical)
     far = self.evict_rows(pool, dev_rows, state.far_pools, far_rows)
     return state.replace(dev_pools=pool, far_pools=far)

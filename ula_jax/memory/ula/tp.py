@@ -79,7 +79,7 @@ from ula_jax.core.addressing import all_addrs
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, group_slice,
-                                 group_update, layer_rows)
+                                 group_update, layer_rows, set_rows)
 from ula_jax.memory.ula.layouts import LAYOUTS, Layout, make_layout
 from ula_jax.memory.ula.policies import make_policy, policy_fields
 from ula_jax.memory.ula.dp import Ula
@@ -709,8 +709,7 @@ class UlaTP(MemorySystem):
     buf = state.shared.buffers
     rows = layer_rows(layer, jnp.where(active & (res.new_slot >= 0), res.new_slot, INVALID),
                       self.buffer_slots)
-    buf = buf.at[jnp.where(rows >= 0, rows, buf.shape[0])].set(entry.astype(buf.dtype),
-                                                                mode="drop")
+    buf = set_rows(buf, rows, entry)
     ranked = self.store.write_token(state.ranked, layer, p.new_slot, entry, active)
     return UlaTPState(shared=state.shared.replace(buffers=buf), ranked=ranked)
 
