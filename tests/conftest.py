@@ -55,6 +55,16 @@ _unoptimised_cpu_code()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from hypothesis import settings as hypothesis_settings  # noqa: E402
+
+# Hypothesis profiles: ``ci`` (the default) sized for the suite's time budget, ``long``
+# (``ULA_HYPOTHESIS_PROFILE=long``) 20x the examples for soak runs. Examples are random
+# per run (not derandomized); a failure prints the example and its reproduce blob.
+hypothesis_settings.register_profile("ci", max_examples=48, deadline=None, derandomize=False,
+                                     print_blob=True)
+hypothesis_settings.register_profile("long", parent=hypothesis_settings.get_profile("ci"),
+                                     max_examples=48 * 20)
+hypothesis_settings.load_profile(os.environ.get("ULA_HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture

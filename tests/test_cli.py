@@ -16,6 +16,7 @@ from ula_jax.config import ConfigError, load_config
 from ula_jax.config.loader import REPO_CONFIGS
 from ula_jax.engine.types import RequestResult, RunResult
 from ula_jax.report import read_metrics, read_summary, write_outputs
+from ula_jax.report.stats import prompt_sha1
 from ula_jax.workloads import build_requests
 
 QUICKSTART = str(REPO_CONFIGS.parent / "experiments" / "quickstart" / "config.yaml")
@@ -117,11 +118,13 @@ def test_sweep_plan_error_without_lists():
 # ----------------------------------------------------------------------------------
 
 
-def run_dir(tmp_path, name: str, tokens: list[list[int]]):
+def run_dir(tmp_path, name: str, tokens: list[list[int]], model: dict | None = None):
   path = tmp_path / name
   path.mkdir()
   reqs = [RequestResult(f"r{i}", 5, len(t), "finished", t) for i, t in enumerate(tokens)]
-  write_outputs(path, RunResult(steps=[], requests=reqs, capacity={}, summary={}), plots=False)
+  write_outputs(path, RunResult(steps=[], requests=reqs, capacity={}, summary={}), plots=False,
+                prompts={f"r{i}": [i] * 5 for i in range(len(tokens))})
+  (path / "config.yaml").write_text(yaml.safe_dump({"model": model or {"preset": "tiny"}}))
   return str(path)
 
 
@@ -129,7 +132,9 @@ def test_compare_matching_runs_exits_0(tmp_path, capsys):
   a = run_dir(tmp_path, "a", [[1, 2, 3], [4]])
   b = run_dir(tmp_path, "b", [[1, 2, 3], [4]])
   assert main(["compare", a, b]) == EXIT_OK
-  assert "all 2 requests match token by token" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "all 2 requests match token by token (4 tokens compared)" in out
+  assert "note:" not in out  # both recorded prompt hashes
 
 
 def test_compare_mismatch_exits_1(tmp_path, capsys):
@@ -138,6 +143,34 @@ def test_compare_mismatch_exits_1(tmp_path, capsys):
   assert main(["compare", a, b]) == EXIT_MISMATCH
   out = capsys.readouterr().out
   assert "r0: tokens differ from index 1" in out and "1 of 2 requests differ" in out
+
+
+@pytest.mark.parametrize("b_tokens,b_model,match", [
+    ([[1, 2, 3]], None, r"ran different workloads; .*\n  - 1 request\(s\) only in A: r1"),
+    ([[1, 2], [4]], None, r"request r0: max_new_tokens 3 in A, 2 in B"),
+    ([[1, 2, 3], [4]], {"preset": "small"},
+     r"ran different models; .*\n  - model.preset: 'tiny' in A, 'small' in B"),
+    ([[], []], None, r"no token to compare"),
+])
+def test_compare_of_incomparable_runs_exits_2(tmp_path, capsys, b_tokens, b_model, match):
+  a = run_dir(tmp_path, "a", [[1, 2, 3], [4]] if b_tokens != [[], []] else [[], []])
+  b = run_dir(tmp_path, "b", b_tokens, model=b_model)
+  assert main(["compare", a, b]) == EXIT_USAGE
+  captured = capsys.readouterr()
+  assert captured.err.startswith("error: compare: ") and "Traceback" not in captured.err
+  assert re.search(match, captured.err), captured.err
+  assert "match token by token" not in captured.out
+
+
+def test_compare_of_a_malformed_run_exits_2_naming_file_and_field(tmp_path, capsys):
+  a = run_dir(tmp_path, "a", [[1, 2, 3], [4]])
+  b = run_dir(tmp_path, "b", [[1, 2, 3], [4]])
+  doc = json.loads((Path(b) / "summary.json").read_text())
+  del doc["requests"][0]["max_new_tokens"]
+  (Path(b) / "summary.json").write_text(json.dumps(doc))
+  assert main(["compare", a, b]) == EXIT_USAGE
+  err = capsys.readouterr().err
+  assert err == f"error: {b}/summary.json: requests[0] has no 'max_new_tokens' field\n"
 
 
 # ----------------------------------------------------------------------------------
@@ -157,12 +190,14 @@ def test_run_writes_a_complete_run_directory_and_reruns_identically(tmp_path, ca
   assert load_config(first / "config.yaml") == load_config(QUICKSTART, overrides)
 
   summary = read_summary(first)
+  assert summary["status"] == "finished"
   cfg = load_config(QUICKSTART, overrides)
   expected = {r.id: r for r in build_requests(cfg)}
   assert [r["id"] for r in summary["requests"]] == list(expected)
   for r in summary["requests"]:
     assert r["status"] == "finished" and r["reason"] is None
     assert r["prompt_len"] == expected[r["id"]].prompt_len
+    assert r["prompt_sha1"] == prompt_sha1(expected[r["id"]].prompt)
     assert len(r["output_tokens"]) == expected[r["id"]].max_new_tokens
   assert summary["stats"]["finished"] == 8
   assert summary["stats"]["tokens_generated"] == sum(q.max_new_tokens for q in expected.values())
@@ -170,8 +205,17 @@ def test_run_writes_a_complete_run_directory_and_reruns_identically(tmp_path, ca
   assert len(metrics) == summary["stats"]["steps"] and metrics[-1]["finished"] == 8
   assert max(m["running"] for m in metrics) <= cfg.mesh.dp * cfg.engine.max_batch
 
-  assert main(["run", str(first / "config.yaml"), "--out", str(second), "--no-progress"]) == 0
+  # The rerun replaces an older run's directory (--overwrite).
+  second.mkdir()
+  (second / "summary.json").write_text("{}")
+  (second / "stale.txt").write_text("")
+  assert main(["run", str(first / "config.yaml"), "--out", str(second), "--no-progress"]) == 2
+  assert "exists and is not empty; give --overwrite" in capsys.readouterr().err
+  assert main(["run", str(first / "config.yaml"), "--out", str(second), "--no-progress",
+               "--overwrite"]) == 0
   capsys.readouterr()
+  assert not (second / "stale.txt").exists() and (second / "metrics.jsonl").is_file()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["first", "second"]
   assert main(["compare", str(first), str(second)]) == EXIT_OK
   assert "all 8 requests match token by token" in capsys.readouterr().out
 

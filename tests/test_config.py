@@ -129,12 +129,15 @@ def test_scaled_lengths_are_at_least_one():
 
 def test_top_k_is_hisparse_top_k_or_the_models():
   assert cfg_of().top_k == 8
-  assert cfg_of(memory={"system": "hisparse", "hisparse": {"top_k": 4}}).top_k == 4
-  assert cfg_of(memory={"system": "ula", "hisparse": {"top_k": 4}}).top_k == 8
+  assert cfg_of(memory={"system": "hisparse", "hisparse": {"top_k": 8}}).top_k == 8
+  # HiSparse's buffer holds the indexer's selection: another top-k can never run.
+  with pytest.raises(ConfigError, match=r"memory.hisparse.top_k=4: must equal "
+                     r"model.index_topk=8 \(or be left unset\)"):
+    cfg_of(memory={"system": "hisparse", "hisparse": {"top_k": 4}})
 
 
 def test_sizes_accept_tokens_and_bytes():
-  cfg = cfg_of(memory={"device_pool": "8GiB", "host_pool": 4096})
+  cfg = cfg_of(memory={"system": "ula", "device_pool": "8GiB", "host_pool": 4096})
   assert cfg.memory.device_pool == "8GiB" and cfg.memory.host_pool == 4096
 
 
@@ -325,7 +328,7 @@ def test_compose_returns_the_merged_plain_dict():
 
 
 def test_config_to_yaml_lists_every_section_and_round_trips(tmp_path):
-  cfg = load_config(QUICKSTART, ["memory=hisparse", "memory.hisparse.top_k=4"])
+  cfg = load_config(QUICKSTART, ["memory=hisparse", "memory.hisparse.top_k=8"])
   text = config_to_yaml(cfg)
   doc = yaml.safe_load(text)
   assert list(doc) == ["experiment", "model", "memory", "mesh", "workload", "engine", "kernels"]

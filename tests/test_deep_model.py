@@ -21,8 +21,7 @@ POOL = int(1.5 * TOP_K * ROWS)
 
 SYSTEMS = {
     "ula_pb_lru": ["memory.system=ula", f"memory.device_pool={POOL}", "memory.host_pool=1024"],
-    "ula_tp_request_host": ["memory.system=ula", "mesh.tp=2", "memory.layout=request",
-                            "memory.host_pool=512", f"memory.device_pool={4 * POOL}"],
+    "ula_tp_mod": ["memory.system=ula", "mesh.tp=2", "memory.layout=mod"],
     "hisparse": ["memory.system=hisparse", f"memory.hisparse.device_buffer_size={TOP_K}",
                  "memory.hisparse.host_to_device_ratio=32"],
     "far_tier": ["memory.system=far_tier"],
@@ -82,7 +81,7 @@ def test_compiled_steps_do_not_grow_with_depth():
   out = measure("experiments/quickstart/config.yaml",
                 ["model.preset=tiny", "mesh.dp=1", "mesh.platform=cpu",
                  "model.num_dense_layers=1", "model.index_share=2", "memory.host_pool=256"],
-                ["ula"], [4, 24], batch=2, context=128)
+                ["ula"], [4, 24], batch=2, context=128, kinds=("decode",))
   for system, by_layers in out["systems"].items():
     for kind, r in by_layers[24].items():
       # Six times the layers, the same program: a few more ops for the extra segment at

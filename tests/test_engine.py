@@ -58,3 +58,14 @@ def test_late_arrivals_and_max_steps_report_unfinished_requests():
   assert len(statuses) == 3  # nothing lost
   assert all(s == "rejected" and "engine.max_steps=12" in why for s, why in statuses.values())
   assert res.summary["steps"] == 12
+
+
+def test_idle_time_before_a_late_arrival_is_jumped_over():
+  req = dataclasses.replace(make_requests(num=1, seed=7, prompt=(10, 12), output=(3, 4))[0],
+                            arrival_step=1_000_000_000)
+  seen = []
+  res = run_engine(["mesh.dp=1", "engine.max_batch=1"], [req], on_step=seen.append)
+  assert res.requests[0].status == "finished"
+  # No metrics line per idle step: the first step recorded is the arrival.
+  assert seen[0].step == 1_000_000_000 and len(seen) < 20
+  assert res.summary["steps"] == len(seen)

@@ -15,7 +15,9 @@ from ula_jax.report import (METRICS_FILE, REQUESTS_FILE, RUN_PLOT, SUMMARY_FILE,
                             compare_runs, compare_table, new_run_dir, read_metrics,
                             read_summary, run_stats, summary_table, sweep_table,
                             write_outputs)
+from ula_jax.report.compare import IncomparableRuns
 from ula_jax.report.plots import plot_sweep
+from ula_jax.report.stats import prompt_sha1
 from ula_jax.report.tables import fmt
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -95,14 +97,20 @@ def test_metrics_writer_streams_one_line_per_step(tmp_path):
 
 
 def test_write_outputs(tmp_path):
+  import numpy as np
+
   result = hand_made_result()
-  stats = write_outputs(tmp_path, result, name="exp")
+  prompt = np.arange(12, dtype=np.int32)
+  stats = write_outputs(tmp_path, result, name="exp", prompts={"b": prompt})
   doc = json.loads((tmp_path / SUMMARY_FILE).read_text())
-  assert doc["experiment"] == "exp"
+  assert doc["experiment"] == "exp" and doc["status"] == "finished"
+  assert "interrupted_by" not in doc
   assert doc["stats"] == json.loads(json.dumps(stats))
   assert doc["summary"] == result.summary and doc["capacity"] == result.capacity
-  assert doc["requests"][1] == {"id": "b", "prompt_len": 12, "max_new_tokens": 3,
-                                "status": "finished", "reason": None, "output_tokens": [7, 8, 9]}
+  assert doc["requests"][1] == {"id": "b", "prompt_len": 12, "prompt_sha1": prompt_sha1(prompt),
+                                "max_new_tokens": 3, "status": "finished", "reason": None,
+                                "output_tokens": [7, 8, 9]}
+  assert doc["requests"][0]["prompt_sha1"] is None  # no prompt given
   assert doc["requests"][2]["reason"] == "needs 1024 KV tokens"
   lines = (tmp_path / REQUESTS_FILE).read_text().splitlines()
   assert [json.loads(l) for l in lines] == [r.as_dict() for r in result.requests]
@@ -122,6 +130,25 @@ def test_numpy_values_are_written_as_json(tmp_path):
   result.summary = {"wall_time_s": np.float64(2.0), "per_rank": np.arange(3)}
   write_outputs(tmp_path, result, plots=False)
   assert read_summary(tmp_path)["summary"] == {"wall_time_s": 2.0, "per_rank": [0, 1, 2]}
+
+
+def test_prompt_sha1_depends_on_every_token_not_the_dtype():
+  import numpy as np
+
+  a = prompt_sha1(np.array([1, 2, 3], dtype=np.int32))
+  assert a == prompt_sha1([1, 2, 3]) == prompt_sha1(np.array([1, 2, 3], dtype=np.int64))
+  assert a != prompt_sha1([1, 2, 4]) and a != prompt_sha1([1, 2])
+  assert len(a) == 40
+
+
+def test_an_interrupted_run_says_so(tmp_path):
+  result = hand_made_result()
+  result.summary["interrupted_by"] = "SIGTERM"
+  result.requests[1].status = "interrupted"
+  write_outputs(tmp_path, result, plots=False)
+  doc = read_summary(tmp_path)
+  assert (doc["status"], doc["interrupted_by"]) == ("interrupted", "SIGTERM")
+  assert [r["status"] for r in doc["requests"]] == ["finished", "interrupted", "rejected"]
 
 
 def test_new_run_dir_never_reuses_a_directory(tmp_path):
@@ -191,24 +218,36 @@ def test_progress_tracks_finished_requests():
 # ----------------------------------------------------------------------------------
 
 
+MODEL = {"preset": "tiny", "num_layers": 2, "num_heads": 4}
+
+
+def write_run(path, result=None, model=None, prompts=None):
+  """A run directory by hand: summary.json, requests.jsonl and config.yaml."""
+  import yaml
+
+  path.mkdir()
+  write_outputs(path, result or hand_made_result(), plots=False, prompts=prompts)
+  (path / "config.yaml").write_text(yaml.safe_dump({"model": model or MODEL}))
+  return path
+
+
 def test_compare_identical_runs(tmp_path):
-  for name in ("a", "b"):
-    (tmp_path / name).mkdir()
-    write_outputs(tmp_path / name, hand_made_result(), plots=False)
-  cmp = compare_runs(tmp_path / "a", tmp_path / "b")
+  a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b")
+  cmp = compare_runs(a, b)
   assert cmp.ok and [r["result"] for r in cmp.rows] == ["match"] * 3
+  assert cmp.tokens_compared == 5
+  assert len(cmp.notes) == 2 and "no prompt_sha1 recorded" in cmp.notes[0]
 
 
 def test_compare_finds_every_kind_of_difference(tmp_path):
-  a, b = tmp_path / "a", tmp_path / "b"
-  a.mkdir()
-  b.mkdir()
-  write_outputs(a, hand_made_result(), plots=False)
+  a = write_run(tmp_path / "a")
   other = hand_made_result(tokens_b=(7, 0, 9))
   other.requests[0].status = "rejected"
   other.requests[2] = RequestResult("d", 1, 1, "finished", [5])
-  write_outputs(b, other, plots=False)
-  cmp = compare_runs(a, b)
+  b = write_run(tmp_path / "b", other)
+  with pytest.raises(IncomparableRuns, match=r"1 request\(s\) only in A: c"):
+    compare_runs(a, b)
+  cmp = compare_runs(a, b, check=False)  # what the tokens say regardless
   assert not cmp.ok
   assert {r["id"]: r["result"] for r in cmp.rows} == {
       "a": "status differs", "b": "tokens differ from index 1", "c": "only in A",
@@ -219,13 +258,82 @@ def test_compare_finds_every_kind_of_difference(tmp_path):
 
 
 def test_compare_shorter_output_differs_at_its_end(tmp_path):
-  a, b = tmp_path / "a", tmp_path / "b"
-  a.mkdir()
-  b.mkdir()
-  write_outputs(a, hand_made_result(), plots=False)
-  write_outputs(b, hand_made_result(tokens_b=(7, 8)), plots=False)
+  a = write_run(tmp_path / "a")
+  b = write_run(tmp_path / "b", hand_made_result(tokens_b=(7, 8)))
   rows = {r["id"]: r["result"] for r in compare_runs(a, b).rows}
   assert rows["b"] == "tokens differ from index 2"
+
+
+def test_compare_refuses_different_workloads(tmp_path):
+  import numpy as np
+
+  prompts = {"a": np.arange(10), "b": np.arange(12), "c": np.arange(999)}
+  a = write_run(tmp_path / "a", prompts=prompts)
+  other = hand_made_result()
+  other.requests[0].max_new_tokens = 5
+  other.requests[1].prompt_len = 13
+  b = write_run(tmp_path / "b", other, prompts={**prompts, "c": np.arange(1, 1000)})
+  with pytest.raises(IncomparableRuns, match=r"ran different workloads") as e:
+    compare_runs(a, b)
+  assert str(e.value).splitlines()[1:] == [
+      "  - request a: max_new_tokens 2 in A, 5 in B",
+      "  - request b: prompt_len 12 in A, 13 in B",
+      (f"  - request c: prompt_sha1 {prompt_sha1(np.arange(999))!r} in A, "
+       f"{prompt_sha1(np.arange(1, 1000))!r} in B")]
+  # Hashes recorded on both sides are compared; no note then.
+  assert compare_runs(a, write_run(tmp_path / "c", prompts=prompts)).notes == []
+
+
+def test_compare_refuses_different_models_listing_the_first_few(tmp_path):
+  a = write_run(tmp_path / "a")
+  b = write_run(tmp_path / "b", model={**MODEL, "num_layers": 4, "num_heads": 8,
+                                       **{f"f{i}": i for i in range(6)}})
+  with pytest.raises(IncomparableRuns, match=r"ran different models") as e:
+    compare_runs(a, b)
+  lines = str(e.value).splitlines()
+  assert "(8 difference(s))" in lines[0]
+  assert lines[1:3] == ["  - model.num_heads: 4 in A, 8 in B",
+                        "  - model.num_layers: 2 in A, 4 in B"]
+  assert lines[3] == "  - model.f0: '(not set)' in A, 0 in B"
+  assert lines[-1] == "  - ... and 3 more"
+
+
+def test_compare_refuses_runs_without_a_token_to_compare(tmp_path):
+  empty = hand_made_result()
+  for r in empty.requests:
+    r.output_tokens = []
+  a, b = write_run(tmp_path / "a", empty), write_run(tmp_path / "b")
+  with pytest.raises(IncomparableRuns, match=r"no token to compare: .*a generated 0 "
+                     r"token\(s\) and .*b 5 over 3 request\(s\)"):
+    compare_runs(a, b)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: (d / "config.yaml").unlink(), r"config.yaml: missing"),
+    (lambda d: (d / "config.yaml").write_text("model: [1\n"), r"config.yaml:\d+: not valid YAML"),
+    (lambda d: (d / "config.yaml").write_text("engine: {}\n"),
+     r"config.yaml: expected a mapping with a 'model' section"),
+    (lambda d: _edit_request(d, lambda r: r.pop("output_tokens")),
+     r"summary.json: requests\[1\] has no 'output_tokens' field"),
+    (lambda d: _edit_request(d, lambda r: r.update(prompt_len="12")),
+     r"summary.json: requests\[1\].prompt_len='12': expected int"),
+    (lambda d: _edit_request(d, lambda r: r.update(output_tokens=[1, "x"])),
+     r"requests\[1\].output_tokens: expected a list of integers"),
+    (lambda d: _edit_request(d, lambda r: r.update(id="a")),
+     r"requests\[1\].id='a' appears twice"),
+    (lambda d: (d / SUMMARY_FILE).write_text("{"), r"summary.json:1: not valid JSON"),
+])
+def test_compare_names_the_file_and_field_of_a_malformed_run(tmp_path, edit, match):
+  a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b")
+  edit(b)
+  with pytest.raises(RunDirError, match=match):
+    compare_runs(a, b)
+
+
+def _edit_request(run_dir, change):
+  doc = json.loads((run_dir / SUMMARY_FILE).read_text())
+  change(doc["requests"][1])
+  (run_dir / SUMMARY_FILE).write_text(json.dumps(doc))
 
 
 def test_read_summary_errors(tmp_path):

@@ -155,6 +155,7 @@ def test_scan_over_groups_matches_python_ints(rng):
 
   for row, n in enumerate((11, 3, 7)):
     state = admit_row(state, row, n)
+  picked = 0
   for t in range(6):
     _, _, new_addr, active = wl.decode_inputs(geo.top_k, p_inactive=0.25)
     page_table = np.full((R, P), INVALID, np.int32)
@@ -175,12 +176,13 @@ def test_scan_over_groups_matches_python_ints(rng):
     assert_trees_equal(new_state, ref_state, f"step {t}")
     state = new_state
     sel_addr, sel_valid, slots, new_slots, stats, reads = jax.tree.map(np.asarray, out)
-    assert sel_valid[:, active].any()  # the indexer picked something
+    picked += int(sel_valid[:, active].sum())
     for g in range(G):
       check_oracle(oracle, wl, g, sel_addr[g], sel_valid[g], new_addr, active, slots[g],
                    new_slots[g], {n: v[g] for n, v in stats.items()}, t)
     wl.commit(new_addr, active, new_e)
     wl.check_reads(sel_addr, sel_valid, active, reads.reshape(G * gs, *reads.shape[2:]))
+  assert picked > 0  # the indexer picked something: the comparisons compared something
 
 
 def test_prefill_program_does_not_grow_with_groups():

@@ -102,7 +102,10 @@ def assert_trees_equal(a, b):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
 
 
-@pytest.mark.parametrize("policy", ["pb_lru", "lru"])
+# One policy: what traced indices change (slicing a group's metadata and writing it back,
+# row offsets) is the same for both; exact LRU's resolve is checked step by step against
+# the reference by the property tests.
+@pytest.mark.parametrize("policy", ["pb_lru"])
 def test_traced_indices_match_python_ints_and_reference(policy, rng):
   s = build(policy)
   f = programs(s)

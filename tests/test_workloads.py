@@ -159,6 +159,12 @@ def test_json_list_file(tmp_path):
     ('  \n', r"reqs.jsonl: empty request file"),
     ('{"id": "a", "prompt": [1, 99], "max_new_tokens": 1}\n',
      r"reqs.jsonl:1: field 'prompt' has token id 99 outside \[0, 10\) \(model.vocab_size=10\)"),
+    # Past int64: still a WorkloadError naming file, line and field (not an OverflowError).
+    ('{"id": "a", "prompt": [1], "max_new_tokens": 1}\n'
+     '{"id": "b", "prompt": [1, 1000000000000000000000000000000], "max_new_tokens": 1}\n',
+     r"reqs.jsonl:2: field 'prompt' has token id 1000000000000000000000000000000 outside"),
+    ('{"id": "a", "prompt": [-100000000000000000000000], "max_new_tokens": 1}\n',
+     r"reqs.jsonl:1: field 'prompt' has token id -100000000000000000000000 outside"),
 ])
 def test_malformed_files_name_file_line_and_field(tmp_path, text, match):
   path = tmp_path / "reqs.jsonl"

@@ -18,6 +18,9 @@ from ula_jax.core.compilation import enable_persistent_cache
 AXES = ("dp", "tp")
 _JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda"}
 _DETERMINISTIC_GPU_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0")
+MAX_CPU_DEVICES = 1024
+"""Simulated CPU devices at most (``jax_num_cpu_devices``): XLA starts every one when the
+backend starts, so a count like 100000 would hang instead of failing."""
 
 
 def configure_platform(cfg: ExperimentConfig, num_devices: int | None = None) -> None:
@@ -29,6 +32,12 @@ def configure_platform(cfg: ExperimentConfig, num_devices: int | None = None) ->
   """
   n = num_devices or cfg.mesh.num_devices
   platform = cfg.mesh.platform
+  if platform == "cpu" and n > MAX_CPU_DEVICES:
+    # XLA creates every simulated CPU device up front, each with its own threads: a
+    # count this large never finishes starting the backend.
+    raise ConfigError([f"mesh.dp*mesh.tp = {cfg.mesh.dp}*{cfg.mesh.tp} = {n} devices with "
+                       f"mesh.platform=cpu: at most {MAX_CPU_DEVICES} simulated CPU devices; "
+                       f"lower mesh.dp or mesh.tp"])
   if cfg.kernels.deterministic and platform in ("auto", "gpu"):
     # Read when the GPU backend starts. Autotuning may pick different GEMM algorithms
     # for the same shape in two programs (resident's and ula's steps), and atomics make
@@ -41,7 +50,9 @@ def configure_platform(cfg: ExperimentConfig, num_devices: int | None = None) ->
   try:
     if platform != "auto" and jax.config.jax_platforms != _JAX_PLATFORM[platform]:
       jax.config.update("jax_platforms", _JAX_PLATFORM[platform])
-    if platform in ("auto", "cpu") and jax.config.jax_num_cpu_devices < n:
+    if platform in ("auto", "cpu") and jax.config.jax_num_cpu_devices < n <= MAX_CPU_DEVICES:
+      # With 'auto' a mesh beyond MAX_CPU_DEVICES can only be real devices; asking for that
+      # many CPU devices would hang, and build_mesh reports the devices that do exist.
       # Only the CPU backend reads it, so it is harmless when 'auto' picks a GPU.
       jax.config.update("jax_num_cpu_devices", n)
   except RuntimeError:
@@ -57,9 +68,12 @@ def mesh_devices(cfg: ExperimentConfig) -> list:
     return jax.devices()
   try:
     return jax.devices(platform)
-  except RuntimeError as e:
+  except (RuntimeError, AssertionError) as e:
+    # With jax_platforms naming only a backend that cannot start, jax fails an internal
+    # assertion rather than raising RuntimeError.
+    why = str(e).strip().splitlines()[0] if str(e).strip() else "no such backend"
     raise ConfigError([f"mesh.platform={platform!r}: jax has no {platform} backend here "
-                       f"({e}); use mesh.platform=auto or cpu"]) from None
+                       f"({why}); use mesh.platform=auto or cpu"]) from None
 
 
 def check_kernels(cfg: ExperimentConfig, platform: str) -> None:

@@ -29,9 +29,9 @@ def hlo_ops(text: str) -> int:
 
 
 def measure(config: str, overrides: list[str], systems: list[str], layers: list[int], *,
-            batch: int, context: int) -> dict:
+            batch: int, context: int, kinds: tuple[str, ...] = KINDS) -> dict:
   """{system: {layers: {kind: {lower_s, compile_s, hlo_ops}}}} plus ratios to the first
-  layer count."""
+  layer count; ``kinds``: the steps compiled (decode, prefill)."""
   import jax
   from ula_jax.config import load_config
   from ula_jax.engine import Engine
@@ -48,7 +48,7 @@ def measure(config: str, overrides: list[str], systems: list[str], layers: list[
       configure_platform(cfg)
       engine = Engine(cfg, build_mesh(cfg), max_context=context)
       row = {}
-      for kind in KINDS:
+      for kind in kinds:
         t0 = time.perf_counter()
         lowered = engine.lower_step(kind)
         t1 = time.perf_counter()

@@ -36,5 +36,13 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
   add_config_arguments(p)
   p.add_argument("--out", metavar="DIR", help="run directory (default: "
-                 "{experiment.out_dir}/{experiment.name}-{timestamp})")
+                 "{experiment.out_dir}/{experiment.name}-{timestamp}); an existing non-empty "
+                 "one is refused unless --overwrite")
+  add_overwrite_argument(p)
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_overwrite_argument(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace the contents of an existing --out directory (a previous "
+                 "run or sweep)")

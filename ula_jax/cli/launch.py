@@ -173,7 +173,7 @@ def run_process(spec: ProcessSpec, command: Sequence[str]) -> int:
     check_mesh_processes([d.process_index for d in mesh.devices.flat], spec.num_processes)
     if lead:
       run_experiment(cfg, out_dir=args.out, progress=not args.no_progress, mesh=mesh,
-                     console=console())
+                     console=console(), overwrite=args.overwrite)
     else:
       from rich.console import Console
 
@@ -194,7 +194,7 @@ def run_process(spec: ProcessSpec, command: Sequence[str]) -> int:
 def _explain_failure(e: BaseException) -> int:
   """Prints why a worker failed, as ``ula-jax`` would; returns its exit status."""
   from ula_jax.config import ConfigError
-  from ula_jax.report.output import RunDirError
+  from ula_jax.report.output import RunDirError, exit_status
   from ula_jax.workloads import WorkloadError
 
   if isinstance(e, (ConfigError, WorkloadError, RunDirError, LaunchError)):
@@ -202,8 +202,11 @@ def _explain_failure(e: BaseException) -> int:
     return 2
   if isinstance(e, SystemExit):
     return e.code if isinstance(e.code, int) else 1
+  if isinstance(e, KeyboardInterrupt):
+    print(f"interrupted ({e})", file=sys.stderr)
+    return exit_status(e)
   traceback.print_exception(e)
-  return 130 if isinstance(e, KeyboardInterrupt) else 1
+  return 1
 
 
 # ----------------------------------------------------------------------------------

@@ -12,16 +12,23 @@ import csv
 import itertools
 import json
 import re
+import signal
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ula_jax.config import (ConfigError, config_to_yaml, load_config, parse_value,
                             split_override)
 from ula_jax.cli.common import (EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, Verb, add_config_arguments,
-                                add_run_arguments, console)
-from ula_jax.report.output import RunDirError
+                                add_overwrite_argument, add_run_arguments, console)
+from ula_jax.report.output import (RunDirError, RunInterrupted, exit_status, handle_signals,
+                                   raise_interrupted)
 from ula_jax.workloads import WorkloadError
+
+if TYPE_CHECKING:
+  from jax.sharding import Mesh
+
+  from ula_jax.config import ExperimentConfig
 
 # ----------------------------------------------------------------------------------
 # run
@@ -29,11 +36,27 @@ from ula_jax.workloads import WorkloadError
 
 
 def _run(args: argparse.Namespace) -> int:
+  from ula_jax.memory import check_config
   from ula_jax.run import run_experiment
 
   cfg = load_config(args.config, args.overrides)
-  run_experiment(cfg, out_dir=args.out, progress=not args.no_progress, console=console())
+  check_config(cfg)
+  mesh = _machine_mesh(cfg)
+  run_experiment(cfg, out_dir=args.out, progress=not args.no_progress, console=console(),
+                 mesh=mesh, overwrite=args.overwrite)
   return EXIT_OK
+
+
+def _machine_mesh(cfg: ExperimentConfig) -> Mesh:
+  """The mesh of ``cfg`` once this machine is known to hold its pools (ConfigError, exit
+  2, before anything is allocated when it does not)."""
+  from ula_jax.memory import check_fits_machine
+  from ula_jax.mesh import build_mesh, configure_platform
+
+  configure_platform(cfg)
+  mesh = build_mesh(cfg)
+  check_fits_machine(cfg, mesh)
+  return mesh
 
 
 # ----------------------------------------------------------------------------------
@@ -81,6 +104,12 @@ def sweep_plan(items: Sequence[str]) -> tuple[dict[str, list[str]], list[str]]:
   if not swept:
     raise ConfigError(["sweep: no key has a list of values; give at least one "
                        "key=v1,v2 (e.g. memory.system=resident,ula)"])
+  for item in fixed:
+    key = split_override(item)[0]
+    if key in swept:
+      # Overrides apply in order, so one of the two would silently win.
+      raise ConfigError([f"sweep: {key} is both fixed ({item}) and swept ({key}="
+                         f"{','.join(swept[key])}); give it once"])
   return swept, fixed
 
 
@@ -91,19 +120,26 @@ def combination_dirname(i: int, combo: dict[str, str]) -> str:
   return re.sub(r"[^A-Za-z0-9._=+-]+", "_", name)[:120]
 
 
+EXIT_SWEEP_FAILED = 1
+"""Exit status of a sweep in which some combination failed at run time (the others ran)."""
+
+
 def _sweep_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("config", help="experiment YAML")
   p.add_argument("items", nargs="*", metavar="key=v1,v2|key=value",
                  help="a comma-separated list of values is swept (cartesian product over "
                  "all swept keys); a single value is a fixed override")
   p.add_argument("--out", metavar="DIR", help="sweep directory, one run directory per "
-                 "combination (default: {experiment.out_dir}/{name}-sweep-{timestamp})")
+                 "combination (default: {experiment.out_dir}/{name}-sweep-{timestamp}); an "
+                 "existing non-empty one is refused unless --overwrite")
+  add_overwrite_argument(p)
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def _sweep(args: argparse.Namespace) -> int:
-  from ula_jax.mesh import configure_platform
-  from ula_jax.report.output import dumps, timestamp
+  from ula_jax.memory import check_config, check_fits_machine
+  from ula_jax.mesh import build_mesh, configure_platform
+  from ula_jax.report.output import claim_sweep_dir, dumps, timestamp
   from ula_jax.report.plots import plot_sweep
   from ula_jax.report.stats import run_stats
   from ula_jax.report.tables import sweep_table
@@ -112,24 +148,45 @@ def _sweep(args: argparse.Namespace) -> int:
   swept, fixed = sweep_plan(args.items)
   keys = list(swept)
   combos = [dict(zip(keys, vals)) for vals in itertools.product(*swept.values())]
-  # Every combination is validated before anything runs.
-  cfgs = [load_config(args.config, [*fixed, *(f"{k}={v}" for k, v in c.items())])
-          for c in combos]
+  # Every combination is validated before anything runs, with every problem of every
+  # combination in one error.
+  cfgs, problems = [], []
+  for c in combos:
+    label = " ".join(f"{k}={v}" for k, v in c.items())
+    try:
+      cfg = load_config(args.config, [*fixed, *(f"{k}={v}" for k, v in c.items())])
+      check_config(cfg)
+      cfgs.append(cfg)
+    except ConfigError as e:
+      problems += [f"combination {label}: {p}" for p in e.problems]
+  if problems:
+    raise ConfigError(problems, source=str(args.config))
   configure_platform(cfgs[0], num_devices=max(c.mesh.num_devices for c in cfgs))
+  for cfg in cfgs:
+    check_fits_machine(cfg, build_mesh(cfg))
 
   name = cfgs[0].experiment.name
   out = Path(args.out or Path(cfgs[0].experiment.out_dir) / f"{name}-sweep-{timestamp()}")
-  out.mkdir(parents=True, exist_ok=True)
+  # Refused when not empty (unless --overwrite, which empties it) or when another sweep
+  # writes it; the lock is released when _sweep returns (DirLock releases when dropped).
+  _, _out_lock = claim_sweep_dir(out, overwrite=args.overwrite)
   con = console()
-  rows = []
+  rows, failed = [], []
   for i, (combo, cfg) in enumerate(zip(combos, cfgs)):
-    con.print(f"[{i + 1}/{len(combos)}] " + " ".join(f"{k}={v}" for k, v in combo.items()))
-    result, run_dir = run_experiment(cfg, out_dir=out / combination_dirname(i, combo),
-                                     progress=not args.no_progress, show=False,
-                                     console=con)
-    stats = run_stats(result)
-    rows.append({**{k: parse_value(v) for k, v in combo.items()}, **stats,
-                 "run_dir": str(run_dir)})
+    label = " ".join(f"{k}={v}" for k, v in combo.items())
+    con.print(f"[{i + 1}/{len(combos)}] {label}")
+    run_dir = out / combination_dirname(i, combo)
+    values = {k: parse_value(v) for k, v in combo.items()}
+    try:
+      result, run_dir = run_experiment(cfg, out_dir=run_dir, progress=not args.no_progress,
+                                       show=False, console=con)
+    except Exception as e:  # one combination failing must not lose the others' results
+      error = f"{type(e).__name__}: {e}"
+      con.print(f"combination {label} failed: {error}", highlight=False, markup=False)
+      failed.append(label)
+      rows.append({**values, "status": "failed", "error": error, "run_dir": str(run_dir)})
+      continue
+    rows.append({**values, "status": "ok", **run_stats(result), "run_dir": str(run_dir)})
 
   (out / "sweep.json").write_text(dumps(
       {"config": str(args.config), "swept": swept, "fixed": fixed, "rows": rows}, indent=1) + "\n")
@@ -139,11 +196,16 @@ def _sweep(args: argparse.Namespace) -> int:
     writer.writeheader()
     writer.writerows({k: json.dumps(v) if isinstance(v, (list, dict)) else v
                       for k, v in row.items()} for row in rows)
-  if len(keys) == 1 and all(isinstance(r[keys[0]], (int, float))
-                            and not isinstance(r[keys[0]], bool) for r in rows):
-    plot_sweep(rows, keys[0], out / "sweep.png")
+  ok_rows = [r for r in rows if r["status"] == "ok"]
+  if len(keys) == 1 and ok_rows and all(isinstance(r[keys[0]], (int, float))
+                                        and not isinstance(r[keys[0]], bool) for r in ok_rows):
+    plot_sweep(ok_rows, keys[0], out / "sweep.png")
   con.print(sweep_table(rows, keys, title=f"sweep of {name}"))
   con.print(f"sweep directory: {out}")
+  if failed:
+    print(f"error: {len(failed)} of {len(combos)} combinations failed (status 'failed' and "
+          f"the error in sweep.json / sweep.csv): {'; '.join(failed)}", file=sys.stderr)
+    return EXIT_SWEEP_FAILED
   return EXIT_OK
 
 
@@ -153,7 +215,10 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+  from ula_jax.memory import check_config
+
   cfg = load_config(args.config, args.overrides)
+  check_config(cfg)  # the memory system's own size checks (no arrays, no devices)
   sys.stdout.write(config_to_yaml(cfg))
   return EXIT_OK
 
@@ -167,11 +232,15 @@ def _compare(args: argparse.Namespace) -> int:
   from ula_jax.report.compare import compare_runs
   from ula_jax.report.tables import compare_table
 
+  # Refuses (exit 2) runs of different workloads or models, or with no token to compare.
   cmp = compare_runs(args.run_a, args.run_b)
   con = console()
   con.print(compare_table(cmp.rows, title=f"A = {args.run_a}\nB = {args.run_b}"))
+  for note in cmp.notes:
+    con.print(f"note: {note}", highlight=False, markup=False)
   if cmp.ok:
-    con.print(f"all {len(cmp.rows)} requests match token by token")
+    con.print(f"all {len(cmp.rows)} requests match token by token ({cmp.tokens_compared} "
+              f"tokens compared)")
     return EXIT_OK
   for row in cmp.mismatches:
     con.print(f"{row['id']}: {row['result']}", highlight=False)
@@ -190,7 +259,14 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 def _bench(args: argparse.Namespace) -> int:
   import importlib
 
-  return importlib.import_module(f"ula_jax.bench.{args.benchmark}").main(list(args.args))
+  module = importlib.import_module(f"ula_jax.bench.{args.benchmark}")
+  try:
+    return module.main(list(args.args))
+  except ValueError as e:
+    # A benchmark's own flags (--pools abc) are parsed by its main: a message and exit 2
+    # rather than a traceback.
+    print(f"error: ula-jax bench {args.benchmark}: {e}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 # ----------------------------------------------------------------------------------
@@ -254,7 +330,7 @@ VERBS: dict[str, Verb] = {v.name: v for v in [
     Verb("config", "print the resolved config (validation only, no compute)", add_config_arguments,
          _config),
     Verb("compare", "compare two runs' generated tokens request by request (exit 1 on a "
-         "mismatch)", _compare_args, _compare),
+         "mismatch; 2 when the runs' workloads or models differ)", _compare_args, _compare),
     Verb("bench", "benchmarks (fetch, attention, resolve, step_cost, tp_link, serving, "
          "kernel_report): a table and JSON", _bench_args,
          _bench),
@@ -289,14 +365,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Entry point of ``ula-jax``; returns the exit status (0 ok, 1 compare mismatch,
-  2 bad config or arguments)."""
+  """Entry point of ``ula-jax``; returns the exit status (0 ok, 1 compare mismatch or a
+  failed sweep combination, 2 bad config, arguments, environment or run directory,
+  130 / 143 interrupted by SIGINT / SIGTERM)."""
   args = parse_args(argv)
   try:
-    return args.handler(args)
+    # SIGTERM ends a verb as Ctrl-C does (a run installs its own, gentler handler).
+    with handle_signals(raise_interrupted, (signal.SIGTERM,)):
+      return args.handler(args)
   except (ConfigError, WorkloadError, RunDirError) as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_USAGE
+  except KeyboardInterrupt as e:  # SIGINT, or SIGTERM (RunInterrupted)
+    run_dir = getattr(e, "run_dir", None)
+    what = e.signal_name if isinstance(e, RunInterrupted) else "SIGINT"
+    print(f"interrupted ({what}); " + (f"run directory written: {run_dir}" if run_dir
+                                       else "no run directory written"), file=sys.stderr)
+    return exit_status(e)
 
 
 if __name__ == "__main__":

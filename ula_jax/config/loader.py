@@ -184,18 +184,51 @@ def _compose(path: Path, overrides: Sequence[str]) -> dict:
   return data
 
 
-def validate(data: dict, source: str | None = None) -> ExperimentConfig:
-  """A plain dict -> ExperimentConfig, or one ConfigError listing every problem."""
+def validate(data: dict, source: str | None = None,
+             memory_fields_set: set[str] | None = None) -> ExperimentConfig:
+  """A plain dict -> ExperimentConfig, or one ConfigError listing every problem.
+
+  memory_fields_set: dotted names below ``memory`` that count as set by the user for the
+  check that the chosen memory system reads them; None = every memory field ``data`` gives.
+  """
   try:
-    return ExperimentConfig.model_validate(data)
+    return ExperimentConfig.model_validate(
+        data, context={"memory_fields_set": memory_fields_set})
   except ValidationError as e:
     raise ConfigError(format_validation_error(e, ExperimentConfig), source=source) from None
 
 
+def _leaf_paths(value: Any, prefix: str = "") -> set[str]:
+  """Dotted paths of the non-mapping values of a nested dict."""
+  if not isinstance(value, dict):
+    return {prefix} if prefix else set()
+  out: set[str] = set()
+  for k, v in value.items():
+    out |= _leaf_paths(v, f"{prefix}.{k}" if prefix else str(k))
+  return out
+
+
+def override_memory_fields(overrides: Sequence[str]) -> set[str]:
+  """Dotted names below ``memory`` that ``overrides`` set (``memory.host_pool=8GiB`` ->
+  ``{'host_pool'}``); block swaps (``memory=ula_lru``) set none."""
+  _, dotted = parse_overrides(overrides)
+  try:
+    data = OmegaConf.to_container(OmegaConf.from_dotlist(dotted))
+  except OmegaConfBaseException:
+    return set()  # compose reports it
+  return _leaf_paths(data.get("memory") or {})
+
+
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
   """Loads an experiment file, composes its building blocks, applies ``overrides``
-  (``'a.b=value'`` strings) and validates everything (no compute)."""
-  return validate(compose(path, overrides), source=str(path))
+  (``'a.b=value'`` strings) and validates everything (no compute).
+
+  A memory field the chosen ``memory.system`` never reads is an error when an override
+  sets it: experiment files and building blocks may hold the fields of several systems
+  (a sweep over ``memory=resident,ula_pb_lru`` shares them), so their fields do not count.
+  """
+  data = compose(path, overrides)
+  return validate(data, source=str(path), memory_fields_set=override_memory_fields(overrides))
 
 
 def config_to_yaml(cfg: ExperimentConfig) -> str:

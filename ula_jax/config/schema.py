@@ -8,9 +8,12 @@ arguments) and reject unknown keys (``extra='forbid'``).
 from __future__ import annotations
 
 import re
+import types
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
 from ula_jax.config.request_file import file_lengths
 from ula_jax.core.sizes import parse_size
@@ -20,8 +23,39 @@ BLOCK_SECTIONS = ("model", "memory", "mesh", "workload", "engine", "kernels")
 """Sections that have building blocks under ``configs/<section>/<name>.yaml``."""
 
 
+def _numeric_kind(annotation: Any) -> str | None:
+  """'an integer' / 'a number' when ``annotation`` is int or float (optionally with None
+  or str) and not bool, else None."""
+  args = (typing.get_args(annotation)
+          if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,))
+  if bool in args:
+    return None
+  if int in args:
+    return "an integer"
+  if float in args:
+    return "a number"
+  return None
+
+
+def bool_problem(value: Any, annotation: Any) -> str | None:
+  """What is wrong when a YAML boolean reaches an int or float field (pydantic would take
+  ``true`` as 1, so ``engine.max_batch=true`` would silently run with one row), else None."""
+  kind = _numeric_kind(annotation)
+  if kind is not None and isinstance(value, bool):
+    return f"expected {kind}, not a boolean"
+  return None
+
+
 class Section(BaseModel):
   model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+  @field_validator("*", mode="before")
+  @classmethod
+  def _no_bool_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+    problem = bool_problem(v, cls.model_fields[info.field_name].annotation)
+    if problem:
+      raise ValueError(problem)  # the error names the field and its value
+    return v
 
 
 def _check_size(value: Any, field: str, *, allow_none: bool) -> Any:
@@ -364,9 +398,29 @@ class ExperimentConfig(Section):
     engine["max_context"] = context_bucket(longest_request(wl), page)
     return {**data, "engine": engine}
 
+  @model_validator(mode="before")
+  @classmethod
+  def _model_bools(cls, data: Any) -> Any:
+    """The model section is a plain pydantic model of the models layer: its int and float
+    fields get the same no-boolean check as the config sections."""
+    model = data.get("model") if isinstance(data, dict) else None
+    if isinstance(model, dict):
+      problems = []
+      for name, value in model.items():
+        field = ModelConfig.model_fields.get(name)
+        problem = field is not None and bool_problem(value, field.annotation)
+        if problem:
+          problems.append(f"model.{name}={str(value).lower()}: {problem}")
+      if problems:
+        raise ValueError("\n".join(problems))
+    return data
+
   @model_validator(mode="after")
-  def _check_combinations(self) -> ExperimentConfig:
-    problems = combination_problems(self)
+  def _check_combinations(self, info: ValidationInfo) -> ExperimentConfig:
+    # load_config passes the memory fields the command line set (context
+    # 'memory_fields_set'); validating a dict directly counts every field it gives.
+    explicit = (info.context or {}).get("memory_fields_set")
+    problems = combination_problems(self) + unused_field_problems(self.memory, explicit)
     if problems:
       raise ValueError("\n".join(problems))
     return self
@@ -412,6 +466,14 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
           f"{model.kv_lora_rank}, model.qk_rope_head_dim={model.qk_rope_head_dim}, "
           f"model.kv_dtype={model.kv_dtype!r} (use kernels.attention='pallas' or 'xla')")
 
+  if (mem.system == "hisparse" and mem.hisparse.top_k is not None
+      and mem.hisparse.top_k != model.index_topk):
+    # The indexer selects model.index_topk entries; a buffer sized for another count
+    # would mislabel what ran.
+    problems.append(
+        f"memory.hisparse.top_k={mem.hisparse.top_k}: must equal model.index_topk="
+        f"{model.index_topk} (or be left unset)")
+
   if mem.system == "hisparse" and mem.hisparse.device_buffer_size < top_k:
     problems.append(
         f"memory.hisparse.device_buffer_size={mem.hisparse.device_buffer_size} is smaller "
@@ -439,4 +501,64 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
             f"memory.local_buffer={mem.local_buffer} is smaller than one decode step's "
             f"selection: engine.max_batch * (top-k + 1) = {step} (model.index_topk={top_k})")
 
+  return problems
+
+
+MEMORY_FIELD_USERS: dict[str, tuple[str, ...]] = {
+    "host_pool": ("ula", "hisparse"),
+    "policy": ("ula",),
+    "pb_lru_buckets": ("ula",),
+    "layout": ("ula",),
+    "local_buffer": ("ula",),
+    "index_scoring": ("ula",),
+    "hisparse": ("hisparse",),
+    "far_tier": ("far_tier",),
+}
+"""The memory systems that read each memory field; ``system`` and ``device_pool`` are read
+by every system."""
+
+
+def memory_fields_set(mem: MemoryConfig) -> set[str]:
+  """Dotted names (below ``memory``) of the fields ``mem`` was given explicitly."""
+  out = set()
+  for name in mem.model_fields_set:
+    sub = getattr(mem, name)
+    if isinstance(sub, BaseModel):
+      out |= {f"{name}.{f}" for f in sub.model_fields_set}
+    else:
+      out.add(name)
+  return out
+
+
+def unused_field_problems(mem: MemoryConfig, explicit: set[str] | None = None) -> list[str]:
+  """A problem per memory field set explicitly (``explicit``: dotted names below
+  ``memory``; None = ``mem``'s own fields set) to a value other than its default that
+  ``memory.system`` never reads: the run would silently ignore it.
+
+  Defaults never count, so a building block of one system that states its defaults
+  still composes with another ``memory.system``. ``memory.layout='replicated'`` names
+  what resident does on tp > 1, so resident accepts it."""
+  explicit = memory_fields_set(mem) if explicit is None else explicit
+  problems = []
+  for path in sorted(explicit):
+    users = MEMORY_FIELD_USERS.get(path.split(".")[0])
+    if users is None or mem.system in users:
+      continue
+    owner, value = mem, mem
+    for part in path.split("."):
+      if not isinstance(value, BaseModel) or part not in type(value).model_fields:
+        break  # not a field (schema errors report it)
+      owner, value = value, getattr(value, part)
+    else:
+      if isinstance(value, BaseModel):
+        continue  # a whole section: its fields are listed one by one
+      default = type(owner).model_fields[path.split(".")[-1]].get_default(
+          call_default_factory=True)
+      if value == default or (path == "layout" and value == "replicated"
+                              and mem.system == "resident"):
+        continue
+      problems.append(
+          f"memory.{path}={_plain(value)!r} is not used by memory.system={mem.system!r} "
+          f"(only by {' and '.join(users)}); remove it, or set memory.system="
+          f"{users[0]} to use it")
   return problems

@@ -506,95 +506,119 @@ class Engine:
     finished_count = 0
     last_report = None
 
-    while pending or queue or any(l is not None for rank in rows for l in rank):
-      if max_steps is not None and step >= max_steps:
-        break
-      t0 = time.perf_counter()
-      while pending and pending[0].arrival_step <= step:
-        r = pending.popleft()
-        reason = self._reject_reason(r)
-        if reason is not None:
-          results[r.id] = RequestResult(r.id, r.prompt_len, r.max_new_tokens, "rejected",
-                                        [], reason=reason, arrival_step=r.arrival_step)
-        else:
-          queue.append(r)
-
-      # Admission: FIFO; a request goes to the rank with the most free pages that has a free row.
-      while queue:
-        r = queue[0]
-        need = -(-r.total_len // self.page_size)
-        cands = [(alloc[d].free_pages, -d) for d in range(dp)
-                 if alloc[d].free_pages >= need and any(l is None for l in rows[d])]
-        if not cands:
+    # An interrupt (KeyboardInterrupt, or a subclass a caller raises for SIGTERM, e.g.
+    # from on_step) ends the loop: what was served so far is returned, not lost.
+    interrupted: str | None = None
+    try:
+      while pending or queue or any(l is not None for rank in rows for l in rank):
+        if (not queue and pending and pending[0].arrival_step > step
+            and all(l is None for rank in rows for l in rank)):
+          # Nothing runs until the next arrival: jump to it rather than stepping (and
+          # writing a metrics line) through every idle step in between.
+          step = pending[0].arrival_step
+          if max_steps is not None:
+            step = min(step, max_steps)
+        if max_steps is not None and step >= max_steps:
           break
-        d = -max(cands)[1]
-        row = next(i for i, l in enumerate(rows[d]) if l is None)
-        rows[d][row] = _Live(r, d, row, alloc[d].allocate(need), step, time.perf_counter())
-        queue.popleft()
+        t0 = time.perf_counter()
+        while pending and pending[0].arrival_step <= step:
+          r = pending.popleft()
+          reason = self._reject_reason(r)
+          if reason is not None:
+            results[r.id] = RequestResult(r.id, r.prompt_len, r.max_new_tokens, "rejected",
+                                          [], reason=reason, arrival_step=r.arrival_step)
+          else:
+            queue.append(r)
 
-      # Prefill: the oldest not-yet-prefilled request of each rank runs one chunk.
-      n_prefill, prefill_tokens = self._prefill_round(rows, step)
+        # Admission: FIFO; a request goes to the rank with the most free pages that has a free row.
+        while queue:
+          r = queue[0]
+          need = -(-r.total_len // self.page_size)
+          cands = [(alloc[d].free_pages, -d) for d in range(dp)
+                   if alloc[d].free_pages >= need and any(l is None for l in rows[d])]
+          if not cands:
+            break
+          d = -max(cands)[1]
+          row = next(i for i, l in enumerate(rows[d]) if l is None)
+          rows[d][row] = _Live(r, d, row, alloc[d].allocate(need), step, time.perf_counter())
+          queue.popleft()
 
-      # Decode: every prefilled, unfinished row.
-      t_dec = time.perf_counter()
-      n_decode, stats = self._decode_round(rows, step)
-      decode_time = time.perf_counter() - t_dec if n_decode else 0.0
-      for k, v in stats.items():
-        totals[k] += v
+        # Prefill: the oldest not-yet-prefilled request of each rank runs one chunk.
+        n_prefill, prefill_tokens = self._prefill_round(rows, step)
 
-      # Release finished requests.
-      done = [l for rank in rows for l in rank if l is not None and l.finished]
-      if done:
-        self._release_round(done)
-        for l in done:
-          alloc[l.device].free(l.pages)
-          rows[l.device][l.row] = None
-          results[l.req.id] = RequestResult(
-              l.req.id, l.req.prompt_len, l.req.max_new_tokens, "finished",
-              l.generated, device=l.device, arrival_step=l.req.arrival_step,
-              admitted_step=l.admitted_step, first_token_step=l.first_token_step,
-              finished_step=step, ttft_s=l.ttft_s, decode_time_s=l.decode_time_s)
-          finished_count += 1
+        # Decode: every prefilled, unfinished row.
+        t_dec = time.perf_counter()
+        n_decode, stats = self._decode_round(rows, step)
+        decode_time = time.perf_counter() - t_dec if n_decode else 0.0
+        for k, v in stats.items():
+          totals[k] += v
 
-      if step % self.report_every == 0 or not (pending or queue or done):
-        last_report = self.mem.report(self._report_view())
-      rep = last_report
-      dev_used = int(rep.device_used.sum())
-      if dev_used > peak["device_used"]:
-        peak = {"device_used": dev_used, "report": rep}
-      kind = ("mixed" if n_prefill and n_decode else "prefill" if n_prefill
-              else "decode" if n_decode else "idle")
-      m = StepMetrics(
-          step=step, kind=kind, running=n_decode, prefilling=n_prefill,
-          waiting=len(queue) + sum(1 for rank in rows for l in rank
-                                   if l is not None and not l.prefill_done),
-          finished=finished_count, decode_tokens=n_decode, prefill_tokens=prefill_tokens,
-          step_time_s=time.perf_counter() - t0, decode_time_s=decode_time,
-          tokens_per_s=n_decode / decode_time if decode_time > 0 else 0.0,
-          device_used=dev_used, host_used=int(rep.host_used.sum()),
-          distinct=rep.distinct_total,
-          admitted=sum(1 for rank in rows for l in rank if l is not None), extra=dict(stats))
-      steps.append(m)
-      if on_step is not None:
-        on_step(m)
-      step += 1
+        # Release finished requests.
+        done = [l for rank in rows for l in rank if l is not None and l.finished]
+        if done:
+          self._release_round(done)
+          for l in done:
+            alloc[l.device].free(l.pages)
+            rows[l.device][l.row] = None
+            results[l.req.id] = RequestResult(
+                l.req.id, l.req.prompt_len, l.req.max_new_tokens, "finished",
+                l.generated, device=l.device, arrival_step=l.req.arrival_step,
+                admitted_step=l.admitted_step, first_token_step=l.first_token_step,
+                finished_step=step, ttft_s=l.ttft_s, decode_time_s=l.decode_time_s)
+            finished_count += 1
 
-    # Anything still queued or running when max_steps stops the run is reported, not lost.
+        if step % self.report_every == 0 or not (pending or queue or done):
+          last_report = self.mem.report(self._report_view())
+        rep = last_report
+        dev_used = int(rep.device_used.sum())
+        if dev_used > peak["device_used"]:
+          peak = {"device_used": dev_used, "report": rep}
+        kind = ("mixed" if n_prefill and n_decode else "prefill" if n_prefill
+                else "decode" if n_decode else "idle")
+        m = StepMetrics(
+            step=step, kind=kind, running=n_decode, prefilling=n_prefill,
+            waiting=len(queue) + sum(1 for rank in rows for l in rank
+                                     if l is not None and not l.prefill_done),
+            finished=finished_count, decode_tokens=n_decode, prefill_tokens=prefill_tokens,
+            step_time_s=time.perf_counter() - t0, decode_time_s=decode_time,
+            tokens_per_s=n_decode / decode_time if decode_time > 0 else 0.0,
+            device_used=dev_used, host_used=int(rep.host_used.sum()),
+            distinct=rep.distinct_total,
+            admitted=sum(1 for rank in rows for l in rank if l is not None), extra=dict(stats))
+        steps.append(m)
+        if on_step is not None:
+          on_step(m)
+        step += 1
+    except KeyboardInterrupt as e:
+      # (one that comes after the last request is done interrupts nothing)
+      if pending or queue or any(l is not None for rank in rows for l in rank):
+        interrupted = getattr(e, "signal_name", None) or "SIGINT"
+
+    # Anything still queued or running when max_steps or an interrupt stops the run is
+    # reported, not lost.
+    status, why = (("interrupted", f"interrupted by {interrupted}") if interrupted
+                   else ("rejected", f"engine.max_steps={max_steps} reached"))
     for rank in rows:
       for l in rank:
-        if l is not None:
+        if l is not None and l.req.id not in results:
           results[l.req.id] = RequestResult(
-              l.req.id, l.req.prompt_len, l.req.max_new_tokens, "rejected", l.generated,
-              reason=f"engine.max_steps={max_steps} reached while running",
-              device=l.device, arrival_step=l.req.arrival_step, admitted_step=l.admitted_step)
+              l.req.id, l.req.prompt_len, l.req.max_new_tokens, status, list(l.generated),
+              reason=f"{why} while running", device=l.device,
+              arrival_step=l.req.arrival_step, admitted_step=l.admitted_step)
     for r in list(queue) + list(pending):
-      results[r.id] = RequestResult(r.id, r.prompt_len, r.max_new_tokens, "rejected", [],
-                                    reason=f"engine.max_steps={max_steps} reached while waiting",
+      results[r.id] = RequestResult(r.id, r.prompt_len, r.max_new_tokens, status, [],
+                                    reason=f"{why} while waiting",
                                     arrival_step=r.arrival_step)
+    for r in requests:  # an interrupt inside a step may leave one in none of the lists
+      if r.id not in results:
+        results[r.id] = RequestResult(r.id, r.prompt_len, r.max_new_tokens, status, [],
+                                      reason=why, arrival_step=r.arrival_step)
 
     ordered = [results[r.id] for r in requests]
     wall = time.perf_counter() - t_run
     summary = self._summary(steps, ordered, totals, wall)
+    if interrupted:
+      summary["interrupted_by"] = interrupted
     self.compile_log.stop()
     capacity = peak["report"].as_dict() if peak["report"] is not None else {}
     traces = [r.build() for r in self._recorders] if self._recorders is not None else None

@@ -32,7 +32,7 @@ class Request:
     return self.prompt_len + self.max_new_tokens
 
 
-Status = Literal["finished", "rejected"]
+Status = Literal["finished", "rejected", "interrupted"]
 
 
 @dataclasses.dataclass

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
+from ula_jax.config import ConfigError, ExperimentConfig
 from ula_jax.config.schema import MemoryConfig
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
@@ -34,6 +38,150 @@ def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: Mesh
   return system
 
 
+def sized_system(cfg: ExperimentConfig) -> MemorySystem:
+  """The memory system of ``cfg`` sized and validated as the engine builds it, with no
+  array allocated (``setup`` and ``validate`` read only the config); ConfigError for sizes
+  that can never work."""
+  page = cfg.engine.page_size
+  # The engine rounds max_context up to a page; validation has filled it when unset.
+  max_context = -(-cfg.engine.max_context // page) * page
+  try:
+    cls = system_class(cfg.memory.system, cfg.mesh.tp)
+    system = cls(cfg.memory, cfg.model.kv_geometry(), MeshInfo(cfg.mesh.dp, cfg.mesh.tp),
+                 max_batch=cfg.engine.max_batch, page_size=page, max_context=max_context)
+    system.validate()
+  except ConfigError:
+    raise
+  except ValueError as e:
+    raise ConfigError([str(e)]) from None
+  if max(system.num_logical, system.capacity_tokens) > MAX_ADDRESSES:
+    # Logical addresses, slots and page tables are int32 on the device.
+    sizes = [f"memory.device_pool={cfg.memory.device_pool!r}"]
+    if cfg.memory.system in ("ula", "hisparse"):
+      sizes.append(f"memory.host_pool={cfg.memory.host_pool!r}")
+    if cfg.memory.system == "far_tier":
+      sizes.append(f"memory.far_tier.far_pool={cfg.memory.far_tier.far_pool!r}")
+    raise ConfigError([
+        f"{', '.join(sizes)}: memory.system={cfg.memory.system!r} would hold "
+        f"{max(system.num_logical, system.capacity_tokens)} tokens per device, beyond the "
+        f"{MAX_ADDRESSES} int32 addresses; lower the pool sizes (a null pool is "
+        f"engine.max_batch x engine.max_context tokens)"])
+  return system
+
+
+MAX_ADDRESSES = 2**31 - 1
+"""Tokens one device's pools may hold at most: addresses are int32."""
+
+
+def check_config(cfg: ExperimentConfig) -> None:
+  """Every check that needs the memory system's own sizing (pools against a page or one
+  decode step, the TP local buffer, far-tier sizes, hisparse top-k against the model):
+  ConfigError before anything is computed. The config layer cannot import the memory
+  systems, so ``ula-jax config``, ``run`` and ``sweep`` call this after ``load_config``."""
+  sized_system(cfg)
+
+
+def _host_ram() -> int | None:
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def _gib(n: int) -> str:
+  return f"{n / 2**30:.1f} GiB"
+
+
+def pool_bytes_per_device(system: MemorySystem, mesh: Any) -> dict[str, int] | None:
+  """Bytes of the pools ``system.init_state(mesh)`` would place on one device, by memory
+  kind (``'device'``, ``'pinned_host'``), from their shapes alone: nothing is allocated.
+  None when the state cannot be traced abstractly.
+
+  Pools are made by ``base.device_zeros``; under ``jax.eval_shape`` the arrays lose their
+  shardings and memory kinds, so each call's sharding is recorded as it is made."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+
+  from ula_jax.memory import base
+
+  out: dict[str, int] = {}
+  filler = base._filler
+
+  def recording(mesh_, shape, dtype, memory_kind, fill, spec):
+    per_device = NamedSharding(mesh_, spec).shard_shape(tuple(shape))
+    nbytes = int(np.prod(per_device, dtype=object)) * np.dtype(dtype).itemsize
+    out[memory_kind] = out.get(memory_kind, 0) + nbytes
+    return filler(mesh_, shape, dtype, memory_kind, fill, spec)
+
+  base._filler = recording
+  try:
+    jax.eval_shape(lambda: system.init_state(mesh))
+  except Exception:  # a state built outside jax's tracing: no estimate, no check
+    return None
+  finally:
+    base._filler = filler
+  return out
+
+
+def check_fits_machine(cfg: ExperimentConfig, mesh: Any) -> None:
+  """ConfigError when the pools ``cfg`` asks for exceed this machine's memory, checked
+  before anything is allocated (an allocation that size would fail deep inside XLA or
+  leave the machine swapping): device pools against one device's memory
+  (``memory_stats()['bytes_limit']``), host pools against the host's RAM. On a backend
+  without memory statistics (CPU) both live in host RAM, for every local device."""
+  import jax
+
+  system = sized_system(cfg)
+  per_device = pool_bytes_per_device(system, mesh)
+  if per_device is None:
+    return
+  device_bytes = per_device.get("device", 0)
+  host_bytes = sum(v for k, v in per_device.items() if k != "device")
+  # This process's devices: with jax.distributed the others' memory is theirs to check.
+  mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  if not mine:
+    return
+  dev, local = mine[0], len(mine)
+  try:
+    stats = dev.memory_stats() or {}
+  except Exception:  # some backends raise instead of returning None
+    stats = {}
+  limit = stats.get("bytes_limit")
+  ram = _host_ram()
+  pool = f"memory.device_pool={cfg.memory.device_pool!r}"
+  # The field that sizes the host-side pool: far_tier's far pool, else memory.host_pool
+  # (hisparse: 0 = memory.hisparse.host_to_device_ratio times the device pool).
+  if cfg.memory.system == "far_tier":
+    host_field, host_value = "memory.far_tier.far_pool", cfg.memory.far_tier.far_pool
+  else:
+    host_field, host_value = "memory.host_pool", cfg.memory.host_pool
+  host = f"{host_field}={host_value!r}"
+  if limit:
+    if device_bytes > limit:
+      raise ConfigError([
+          f"{pool}: memory.system={cfg.memory.system!r} would allocate "
+          f"{_gib(device_bytes)} of pools per device, more than the {_gib(limit)} of "
+          f"{dev.platform} device {dev.id}; lower memory.device_pool (or engine.max_batch / "
+          f"engine.max_context when it is null)"])
+    if ram and host_bytes * local > ram:
+      raise ConfigError([
+          f"{host}: memory.system={cfg.memory.system!r} would allocate "
+          f"{_gib(host_bytes)} of host pools per device, {_gib(host_bytes * local)} for the "
+          f"{local} devices of this host, more than its {_gib(ram)} of RAM; lower "
+          f"{host_field}"])
+  elif ram and (device_bytes + host_bytes) * local > ram:
+    # Name the host pool only where the system has one.
+    fields = [pool, host] if host_bytes else [pool]
+    lower = f"memory.device_pool or {host_field}" if host_bytes else "memory.device_pool"
+    raise ConfigError([
+        f"{', '.join(fields)}: memory.system={cfg.memory.system!r} would allocate "
+        f"{_gib(device_bytes + host_bytes)} of pools per device, "
+        f"{_gib((device_bytes + host_bytes) * local)} for the {local} {dev.platform} "
+        f"devices of this host, more than its {_gib(ram)} of RAM; lower {lower} (or "
+        f"engine.max_batch / engine.max_context where a pool is null)"])
+
+
 __all__ = ["INVALID", "CapacityReport", "KVGeometry", "MemorySystem", "MeshInfo",
-           "REGISTRY", "Resolution", "SYSTEM_NAMES", "build_memory_system", "lookup",
-           "parse_size", "system_class"]
+           "REGISTRY", "Resolution", "SYSTEM_NAMES", "build_memory_system", "check_config",
+           "check_fits_machine", "lookup", "parse_size", "sized_system", "system_class"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Sequence
 
 import numpy as np
@@ -13,6 +14,7 @@ STAT_LABELS: dict[str, str] = {
     "requests": "requests",
     "finished": "finished",
     "rejected": "rejected",
+    "interrupted": "interrupted",
     "tokens_generated": "tokens generated",
     "wall_time_s": "wall time (s)",
     "tokens_per_s": "tokens/s (wall)",
@@ -79,6 +81,7 @@ def run_stats(result: RunResult) -> dict[str, Any]:
       "requests": len(reqs),
       "finished": len(finished),
       "rejected": sum(r.status == "rejected" for r in reqs),
+      "interrupted": sum(r.status == "interrupted" for r in reqs),
       "tokens_generated": tokens,
       "wall_time_s": float(wall),
       "tokens_per_s": tokens / wall if wall > 0 else 0.0,
@@ -98,8 +101,19 @@ def run_stats(result: RunResult) -> dict[str, Any]:
   return stats
 
 
-def request_record(r: RequestResult) -> dict[str, Any]:
-  """What ``summary.json`` keeps of a request: enough to compare two runs token by token."""
-  return {"id": r.id, "prompt_len": r.prompt_len, "max_new_tokens": r.max_new_tokens,
-          "status": r.status, "reason": r.reason,
+def prompt_sha1(prompt: Any) -> str:
+  """SHA-1 of a prompt's token ids as little-endian int32: two runs served the same
+  prompt exactly when these agree."""
+  tokens = np.ascontiguousarray(np.asarray(prompt), dtype="<i4")
+  return hashlib.sha1(tokens.tobytes()).hexdigest()
+
+
+def request_record(r: RequestResult, prompt: Any = None) -> dict[str, Any]:
+  """What ``summary.json`` keeps of a request: enough to compare two runs token by token.
+
+  prompt: the request's prompt tokens, for ``prompt_sha1`` (None: not known, null)
+  """
+  return {"id": r.id, "prompt_len": r.prompt_len,
+          "prompt_sha1": None if prompt is None else prompt_sha1(prompt),
+          "max_new_tokens": r.max_new_tokens, "status": r.status, "reason": r.reason,
           "output_tokens": [int(t) for t in r.output_tokens]}

@@ -18,12 +18,13 @@ def file_requests(path: str | Path, vocab_size: int, seed: int = 0) -> list[Requ
   requests = []
   for i, (where, rec) in enumerate(read_records(path)):
     if "prompt" in rec:
-      prompt = np.asarray(rec["prompt"], np.int64)
-      bad = prompt[(prompt < 0) | (prompt >= vocab_size)]
-      if bad.size:
-        raise WorkloadError(f"{where}: field 'prompt' has token id {int(bad[0])} outside "
+      # Checked as Python ints: an id past int64 (10**30) would stop numpy's conversion
+      # with an OverflowError that names no file, line or field.
+      bad = next((t for t in rec["prompt"] if not 0 <= t < vocab_size), None)
+      if bad is not None:
+        raise WorkloadError(f"{where}: field 'prompt' has token id {bad} outside "
                             f"[0, {vocab_size}) (model.vocab_size={vocab_size})")
-      prompt = prompt.astype(np.int32)
+      prompt = np.asarray(rec["prompt"], np.int32)
     else:
       rng = np.random.default_rng([seed, i])
       prompt = zipf_tokens(rng, rec["prompt_len"], vocab_size, ranking=ranking)
