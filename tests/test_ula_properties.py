@@ -774,22 +774,29 @@ def lane_settings(examples: int) -> settings:
                                          HealthCheck.large_base_example])
 
 
-@pytest.mark.parametrize("name", sorted(LANE_SYSTEMS))
-def test_many_short_sequences_match_reference(name):
-  system = LANE_SYSTEMS[name]
-  run, tally = lane_program(system), Tally()
+def drive_lanes(name: str, system, run, check, examples: int) -> None:
+  """Hypothesis draws ``examples`` programs of ``LANES`` sequences each; ``run`` executes
+  them in one compiled call and ``check(system, scripts, xs, out, tally)`` replays them
+  through the model. Asserts the sequences ran and moved data (misses and evictions)."""
+  tally = Tally()
 
-  @lane_settings(LANE_EXAMPLES)
+  @lane_settings(examples)
   @given(PROGRAM)
   def lanes(program):
     scripts, xs = build_scripts(system, program)
     before = tally.misses + tally.evictions
-    check_dp_lanes(system, scripts, xs, run(xs), tally)
+    check(system, scripts, xs, run(xs), tally)
     # Steer generation toward programs that move more data.
     target(float(tally.misses + tally.evictions - before), label="misses + evictions")
 
   lanes()
   print(f"\n[{name}] {tally}")
-  assert tally.sequences >= LANE_EXAMPLES * LANES * soak_factor()
+  assert tally.sequences >= examples * LANES * soak_factor()
   assert tally.misses >= MIN_MOVES and tally.evictions >= MIN_MOVES, str(tally)
   assert tally.missing_steps >= MIN_MOVES // 3 and tally.evicting_steps >= MIN_MOVES // 3
+
+
+@pytest.mark.parametrize("name", sorted(LANE_SYSTEMS))
+def test_many_short_sequences_match_reference(name):
+  system = LANE_SYSTEMS[name]
+  drive_lanes(name, system, lane_program(system), check_dp_lanes, LANE_EXAMPLES)

@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, target
 from jax.sharding import PartitionSpec as P
 
 from ula_jax.config.schema import MemoryConfig
@@ -29,9 +28,8 @@ from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
 from ula_jax.memory.ula.oracle import RefUla, make_ref_policy
 from ula_jax.memory.ula.tp import DirectState, SharedState, TieredStore, UlaTP, UlaTPState
 from ula_jax.memory.ula.state import UlaState
-from tests.test_ula_properties import (DECODE, LANES, PREFILL, PROGRAM, RELEASE, Tally,
-                                       build_scripts, lane_settings, lane_step, same,
-                                       soak_factor)
+from tests.test_ula_properties import (DECODE, PREFILL, RELEASE, Tally, drive_lanes,
+                                       lane_step, same)
 
 TP = 2
 GEO = KVGeometry(num_layers=4, group_size=2, entry_width=2, index_dim=2, top_k=2,
@@ -437,19 +435,4 @@ def check_tp_lanes(system: UlaTP, scripts, xs: dict, ys, tally: Tally) -> None:
 @pytest.mark.parametrize("name", sorted(SYSTEMS))
 def test_many_short_tp_sequences_match_model(name):
   system = SYSTEMS[name]
-  run, tally = tp_lane_program(system), Tally()
-
-  @lane_settings(EXAMPLES)
-  @given(PROGRAM)
-  def lanes(program):
-    scripts, xs = build_scripts(system, program)
-    before = tally.misses + tally.evictions
-    check_tp_lanes(system, scripts, xs, run(xs), tally)
-    # Steer generation toward programs that move more data.
-    target(float(tally.misses + tally.evictions - before), label="misses + evictions")
-
-  lanes()
-  print(f"\n[{name}] {tally}")
-  assert tally.sequences >= EXAMPLES * LANES * soak_factor()
-  assert tally.misses >= MIN_MOVES and tally.evictions >= MIN_MOVES, str(tally)
-  assert tally.missing_steps >= MIN_MOVES // 3 and tally.evicting_steps >= MIN_MOVES // 3
+  drive_lanes(name, system, tp_lane_program(system), check_tp_lanes, EXAMPLES)
