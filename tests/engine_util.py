@@ -28,5 +28,5 @@ def mesh_for(dp: int, tp: int = 1):
 def run_engine(overrides: list[str], requests, base: str = BASE, on_step=None):
   cfg = load_config(base, ["model.preset=tiny", "engine.progress=false"] + list(overrides))
   mesh = mesh_for(cfg.mesh.dp, cfg.mesh.tp)
-  engine = Engine(cfg, mesh, max_context=resolve_max_context(cfg, list(requests)))
+  engine = Engine(cfg, mesh, max_context=resolve_max_context(cfg))
   return engine.run(list(requests), on_step=on_step)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ula_jax.core.addressing import addrs_of_positions
 from ula_jax.core.types import INVALID
 
 W = 8  # entry width of the test geometries
@@ -94,6 +95,19 @@ class Workload:
     self.ctx[row] = self.alloc[row] = None
     return addrs
 
+  def page_table(self, pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """(page_table [B, pages] int32, positions [B] int32): each row's logical pages
+    (INVALID past them and for empty rows) and its context length."""
+    B, ps = self.sys.max_batch, self.sys.page_size
+    table = np.full((B, pages), INVALID, np.int32)
+    positions = np.zeros(B, np.int32)
+    for b in range(B):
+      if self.alloc[b] is not None:
+        row_pages = self.alloc[b][::ps] // ps
+        table[b, :len(row_pages)] = row_pages
+        positions[b] = len(self.ctx[b])
+    return table, positions
+
   def decode_inputs(self, k, p_dup=0.1, p_invalid=0.15, p_inactive=0.2):
     """Random selections (per group) among each row's context and the decoded token."""
     R = self.sys.max_batch
@@ -136,3 +150,26 @@ class Workload:
           for j in np.flatnonzero(sel_valid[g, b]):
             np.testing.assert_array_equal(reads[i][b, j], self.truth[l][int(sel[g, b, j])])
         i += 1
+
+
+def group_step(system, state, g, layers, new_addr, active, key_new, q, w, page_table,
+               positions, entries):
+  """One layer group of a decode step in the model's order: write_index_keys, select,
+  resolve, move_layer for every layer of the group, then per layer write_token and
+  read_pool. ``g`` and ``layers`` (the group's layers) are Python ints or traced int32
+  scalars; key_new [B, DI], q [B, HI, DI], w [B, HI], page_table [B, P], positions [B],
+  entries [n, B, W] (n = len(layers)).
+  returns (state, sel_addr [B, k], sel_valid [B, k], res, reads [n, B, k, W]): the rows
+  read at ``base + res.slots`` (invalid slots read row ``base``)."""
+  state = system.write_index_keys(state, g, jnp.where(active, new_addr, INVALID), key_new)
+  sel_pos, sel_valid = system.select(state, g, q, w, page_table, positions, active)
+  sel_addr = addrs_of_positions(page_table, sel_pos, system.page_size)
+  state, res = system.resolve(state, g, sel_addr, sel_valid, new_addr, active)
+  for l in layers:
+    state = system.move_layer(state, l, res)
+  reads = []
+  for i, l in enumerate(layers):
+    state = system.write_token(state, l, res, entries[i], active)
+    pool, base = system.read_pool(state, l)
+    reads.append(pool[base + jnp.maximum(res.slots, 0)])
+  return state, sel_addr, sel_valid, res, jnp.stack(reads)

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tests.memory_util import CHUNK, W, Workload, local_state, prefill_fn, step_fn
+from tests.memory_util import (CHUNK, W, Workload, group_step, local_state, prefill_fn,
+                               step_fn)
 from tests.test_hisparse import Oracle, make_cfg, make_system
-from ula_jax.core.addressing import addrs_of_positions
-from ula_jax.core.types import INVALID, KVGeometry
+from ula_jax.core.types import KVGeometry
 
 HI = 2  # indexer heads
 
@@ -110,19 +110,11 @@ def test_scan_over_groups_matches_python_ints(rng):
 
   def body(state, g, keys, q_I, w, page_table, positions, new_addr, active, new_e):
     """One group; g a Python int or traced int32."""
-    state = system.write_index_keys(state, g, jnp.where(active, new_addr, INVALID), keys)
-    sel_pos, sel_valid = system.select(state, g, q_I, w, page_table, positions, active)
-    sel_addr = addrs_of_positions(page_table, sel_pos, ps)
-    state, res = system.resolve(state, g, sel_addr, sel_valid, new_addr, active)
-    for j in range(gs):
-      state = system.move_layer(state, g * gs + j, res)
-    reads = []
-    for j in range(gs):
-      layer = g * gs + j
-      state = system.write_token(state, layer, res, new_e[layer], active)
-      pool, base = system.read_pool(state, layer)
-      reads.append(pool[base + jnp.maximum(res.slots, 0)])
-    return state, (sel_addr, sel_valid, res.slots, res.new_slot, res.stats, jnp.stack(reads))
+    layers = [g * gs + j for j in range(gs)]
+    state, sel_addr, sel_valid, res, reads = group_step(
+        system, state, g, layers, new_addr, active, keys, q_I, w, page_table, positions,
+        jnp.stack([new_e[l] for l in layers]))
+    return state, (sel_addr, sel_valid, res.slots, res.new_slot, res.stats, reads)
 
   @jax.jit
   def scanned(state, keys, q_I, w, page_table, positions, new_addr, active, new_e):
@@ -158,13 +150,7 @@ def test_scan_over_groups_matches_python_ints(rng):
   picked = 0
   for t in range(6):
     _, _, new_addr, active = wl.decode_inputs(geo.top_k, p_inactive=0.25)
-    page_table = np.full((R, P), INVALID, np.int32)
-    positions = np.zeros(R, np.int32)
-    for b in range(R):
-      if wl.alloc[b] is not None:
-        pages = wl.alloc[b][::ps] // ps
-        page_table[b, :len(pages)] = pages
-        positions[b] = len(wl.ctx[b])
+    page_table, positions = wl.page_table(P)
     keys = rng.normal(size=(G, R, DI)).astype(np.float32)
     q_I = rng.normal(size=(G, R, HI, DI)).astype(np.float32)
     w = rng.random((G, R, HI)).astype(np.float32)

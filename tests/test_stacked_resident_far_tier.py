@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.memory_util import CHUNK, W, Workload, local_state
+from tests.memory_util import CHUNK, W, Workload, group_step, local_state
 from ula_jax.config.schema import FarTierConfig, MemoryConfig
-from ula_jax.core.addressing import addrs_of_positions
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
 from ula_jax.memory import build_memory_system
 
@@ -39,24 +38,10 @@ def make_system(kind, geo, max_batch=3, page_size=4, max_context=40):
                              page_size=page_size, max_context=max_context)
 
 
-def group_body(system, state, g, layers, new_addr, active, key_new, q, w, page_table,
-               positions, entries):
-  """One layer group of a decode step. g: Python int or traced int32 []; layers: the
-  group's layers (Python ints or traced int32 []); key_new [B, DI], q [B, HI, DI],
-  w [B, HI], page_table [B, P], positions [B], entries [n, B, W] (n = len(layers)).
-  Returns (state, sel_addr [B, k], sel_valid [B, k], slots [B, k], stats, reads [n, B, k, W])."""
-  state = system.write_index_keys(state, g, jnp.where(active, new_addr, INVALID), key_new)
-  sel_pos, sel_valid = system.select(state, g, q, w, page_table, positions, active)
-  sel_addr = addrs_of_positions(page_table, sel_pos, system.page_size)
-  state, res = system.resolve(state, g, sel_addr, sel_valid, new_addr, active)
-  for l in layers:
-    state = system.move_layer(state, l, res)
-  reads = []
-  for i, l in enumerate(layers):
-    state = system.write_token(state, l, res, entries[i], active)
-    pool, base = system.read_pool(state, l)
-    reads.append(pool[base + jnp.maximum(res.slots, 0)])
-  return state, sel_addr, sel_valid, res.slots, res.stats, jnp.stack(reads)
+def group_body(system, state, g, layers, *args):
+  """``group_step``, returning (state, sel_addr, sel_valid, slots, stats, reads)."""
+  state, sel_addr, sel_valid, res, reads = group_step(system, state, g, layers, *args)
+  return state, sel_addr, sel_valid, res.slots, res.stats, reads
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,13 +86,7 @@ class Driver:
     geo, wl, B, ps = self.sys.geo, self.wl, self.sys.max_batch, self.sys.page_size
     _, _, new_addr, active = wl.decode_inputs(geo.top_k, p_inactive=0.25)
     P = max(len(a) for a in wl.alloc if a is not None) // ps
-    page_table = np.full((B, P), INVALID, np.int32)
-    positions = np.zeros(B, np.int32)
-    for b in range(B):
-      if wl.alloc[b] is not None:
-        pages = wl.alloc[b][::ps] // ps
-        page_table[b, :len(pages)] = pages
-        positions[b] = len(wl.ctx[b])
+    page_table, positions = wl.page_table(P)
     entries = wl.entries(B)  # [L, B, W]
     per_group = []
     for g in range(geo.num_groups):

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ula_jax.core.addressing import addrs_of_positions, all_addrs
+from ula_jax.core.addressing import all_addrs
 from ula_jax.core.types import KVGeometry
+from tests.memory_util import group_step
 from tests.test_ula_tp import TPDriver, build, make_cfg, mesh_of
 
 B, PAGE, PAGES = 2, 4, 6  # decode rows, page size, pages per row
@@ -39,24 +40,13 @@ def make_driver(geo: KVGeometry, layout: str, host: int) -> TPDriver:
   return TPDriver(s, mesh_of(DP, TP))
 
 
-def group_step(s, st, g, layers, page_table, positions, new_addr, active, q, w, entries,
-               keys):
-  """One group of ``decode_step`` in the model's order. ``g`` and ``layers`` (the
-  group's layers) are Python ints or traced int32 scalars; ``entries`` [len(layers),
-  B, W] and ``keys`` [B, DI] are the group's. returns (state, (sel_addr, sel_valid,
-  slots, reads [len(layers), B, k, W], stats))."""
-  st = s.write_index_keys(st, g, new_addr, keys)
-  sel_pos, sel_valid = s.select(st, g, q, w, page_table, positions, active)
-  sel_addr = addrs_of_positions(page_table, sel_pos, PAGE)
-  st, res = s.resolve(st, g, sel_addr, sel_valid, new_addr, active)
-  for l in layers:
-    st = s.move_layer(st, l, res)
-  reads = []
-  for j, l in enumerate(layers):
-    st = s.write_token(st, l, res, entries[j], active)
-    pool, base = s.read_pool(st, l)
-    reads.append(pool[base + jnp.clip(res.slots, 0, None)])
-  return st, (sel_addr, sel_valid, res.slots, jnp.stack(reads), res.stats)
+def tp_group_step(s, st, g, layers, page_table, positions, new_addr, active, q, w, entries,
+                  keys):
+  """``group_step`` with this file's argument order; returns (state, (sel_addr,
+  sel_valid, slots, reads [len(layers), B, k, W], stats))."""
+  st, sel_addr, sel_valid, res, reads = group_step(s, st, g, layers, new_addr, active, keys, q,
+                                                   w, page_table, positions, entries)
+  return st, (sel_addr, sel_valid, res.slots, reads, res.stats)
 
 
 def python_step(s, st, *args):
@@ -66,7 +56,7 @@ def python_step(s, st, *args):
   outs = []
   for g in range(s.geo.num_groups):
     ls = list(s.geo.group_layers(g))
-    st, out = group_step(s, st, g, ls, page_table, positions, new_addr, active, q[g], w,
+    st, out = tp_group_step(s, st, g, ls, page_table, positions, new_addr, active, q[g], w,
                          entries[ls[0]:ls[-1] + 1], keys[g])
     outs.append(out)
   return st, outs
@@ -79,7 +69,7 @@ def traced_step(s, st, gidx, lidx, *args):
   outs = []
   for g in range(s.geo.num_groups):
     ls = list(s.geo.group_layers(g))
-    st, out = group_step(s, st, gidx[g], [lidx[l] for l in ls], page_table, positions,
+    st, out = tp_group_step(s, st, gidx[g], [lidx[l] for l in ls], page_table, positions,
                          new_addr, active, q[g], w, entries[ls[0]:ls[-1] + 1], keys[g])
     outs.append(out)
   return st, outs
@@ -95,7 +85,7 @@ def scan_step(s, st, *args):
   def body(st, xs):
     g, q_g, ent_g, keys_g = xs
     layers = [g * gs + j for j in range(gs)]
-    return group_step(s, st, g, layers, page_table, positions, new_addr, active, q_g, w,
+    return tp_group_step(s, st, g, layers, page_table, positions, new_addr, active, q_g, w,
                       ent_g, keys_g)
 
   st, out = jax.lax.scan(body, st, (jnp.arange(G, dtype=jnp.int32), q, ent, keys))

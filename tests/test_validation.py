@@ -222,16 +222,17 @@ def test_pools_beyond_int32_addresses_are_a_config_error(capsys):
 
 
 def test_gpu_platform_without_a_gpu_exits_2(tmp_path):
-  import jax
+  import os
 
-  if any(d.platform == "gpu" for d in jax.devices()):
-    pytest.skip("this machine has a GPU")
-  # A fresh process: selecting the platform changes jax's global configuration.
+  # A fresh process, with every GPU hidden (so this runs on a GPU machine too): selecting
+  # the platform changes jax's global configuration.
+  env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+  env.pop("JAX_PLATFORMS", None)
   proc = subprocess.run(
       [sys.executable, "-c", "import sys; from ula_jax.cli.main import main; sys.exit(main())",
        "run", QUICKSTART, "mesh.platform=gpu",
        "--no-progress", "--out", str(tmp_path / "run")],
-      capture_output=True, text=True, timeout=120, check=False)
+      capture_output=True, text=True, timeout=120, check=False, env=env)
   assert proc.returncode == EXIT_USAGE, proc.stderr[-2000:]
   assert "mesh.platform='gpu'" in proc.stderr
 

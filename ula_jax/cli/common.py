@@ -35,14 +35,15 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
   add_config_arguments(p)
-  p.add_argument("--out", metavar="DIR", help="run directory (default: "
-                 "{experiment.out_dir}/{experiment.name}-{timestamp}); an existing non-empty "
-                 "one is refused unless --overwrite")
-  add_overwrite_argument(p)
-  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  add_output_arguments(p, "run directory (default: "
+                       "{experiment.out_dir}/{experiment.name}-{timestamp})")
 
 
-def add_overwrite_argument(p: argparse.ArgumentParser) -> None:
+def add_output_arguments(p: argparse.ArgumentParser, out_help: str) -> None:
+  """--out DIR (``out_help`` says what it holds), --overwrite and --no-progress."""
+  p.add_argument("--out", metavar="DIR",
+                 help=f"{out_help}; an existing non-empty one is refused unless --overwrite")
   p.add_argument("--overwrite", action="store_true",
                  help="replace the contents of an existing --out directory (a previous "
                  "run or sweep)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")

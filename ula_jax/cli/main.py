@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 from ula_jax.config import (ConfigError, config_to_yaml, load_config, parse_value,
                             split_override)
 from ula_jax.cli.common import (EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, Verb, add_config_arguments,
-                                add_overwrite_argument, add_run_arguments, console)
+                                add_output_arguments, add_run_arguments, console)
 from ula_jax.report.output import (RunDirError, RunInterrupted, exit_status, handle_signals,
                                    raise_interrupted)
 from ula_jax.workloads import WorkloadError
@@ -129,11 +129,8 @@ def _sweep_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("items", nargs="*", metavar="key=v1,v2|key=value",
                  help="a comma-separated list of values is swept (cartesian product over "
                  "all swept keys); a single value is a fixed override")
-  p.add_argument("--out", metavar="DIR", help="sweep directory, one run directory per "
-                 "combination (default: {experiment.out_dir}/{name}-sweep-{timestamp}); an "
-                 "existing non-empty one is refused unless --overwrite")
-  add_overwrite_argument(p)
-  p.add_argument("--no-progress", action="store_true", help="no progress bars")
+  add_output_arguments(p, "sweep directory, one run directory per combination (default: "
+                       "{experiment.out_dir}/{name}-sweep-{timestamp})")
 
 
 def _sweep(args: argparse.Namespace) -> int:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import time
 from typing import Any, Callable
 
@@ -42,7 +41,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ula_jax.config.schema import ExperimentConfig, context_bucket
+from ula_jax.config.schema import ExperimentConfig
 from ula_jax.core import compat
 from ula_jax.core.compilation import CompileLog
 from ula_jax.engine.packing import StatePacking, pack_jit, split_jit
@@ -57,22 +56,11 @@ from ula_jax.models import transformer as tfm
 STEP_PROGRAMS = ("decode", "speculate", "redo", "prefill", "release")
 
 
-def resolve_max_context(cfg: ExperimentConfig, requests: list[Request] | None = None) -> int:
-  """Tokens per request the engine is built for (``engine.max_context`` or derived).
-
-  Derived: the longest request of the workload (given requests, else the synthetic
-  workload's upper bounds), rounded up to a context bucket (``config.schema.context_bucket``).
-  """
+def resolve_max_context(cfg: ExperimentConfig) -> int:
+  """Tokens per request the engine is built for: ``engine.max_context``, which the schema
+  derives from the workload when it is unset (``config.schema.context_bucket``)."""
   page = cfg.engine.page_size
-  if cfg.engine.max_context is not None:
-    return -(-cfg.engine.max_context // page) * page
-  if requests:
-    n = max(r.total_len for r in requests)
-  else:
-    w = cfg.workload
-    n = (max(1, math.ceil(w.prompt_len[1] * w.length_scale))
-         + max(1, math.ceil(w.output_len[1] * w.output_scale)))
-  return context_bucket(n, page)
+  return -(-cfg.engine.max_context // page) * page
 
 
 def check_tp_heads(num_heads: int, tp: int) -> None:

@@ -63,7 +63,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax.config.schema import MemoryConfig
-from ula_jax.core.types import KVGeometry, MeshInfo, Resolution
+from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
 
 @dataclasses.dataclass(frozen=True)
 class CapacityReport:
@@ -316,6 +316,33 @@ class MemorySystem(abc.ABC):
     from ula_jax.kernels.fetch import evict_rows
     return evict_rows(dev_pool, dev_idx, host_pool, host_idx, impl=self.fetch_impl,
                       interpret=self.fetch_interpret)
+
+  def check_layer(self, layer: int | jax.Array, group: Any) -> None:
+    """Raises where ``layer`` is not in ``group`` (the group a Resolution was planned
+    for). Only concrete indices are checked: with traced ones (the model's scan) the
+    model's loop is what pairs layers with their group."""
+    try:
+      layer, group = int(layer), int(group)
+    except TypeError:  # a tracer or an abstract value (jax's errors are TypeErrors)
+      return
+    if layer not in self.geo.group_layers(group):
+      raise ValueError(f"layer={layer} is not in layer group {group} "
+                       f"(layers {list(self.geo.group_layers(group))}) that this "
+                       f"Resolution planned")
+
+  def write_token_through(self, dev_pool: jax.Array, dev_per_layer: int,
+                          backing: jax.Array, backing_per_layer: int,
+                          layer: int | jax.Array, res: Resolution, addr: jax.Array,
+                          entry: jax.Array, active: jax.Array
+                          ) -> tuple[jax.Array, jax.Array]:
+    """The decoded token's row ``entry`` [B, W] into its device slot (``res.new_slot``)
+    and through to a backing pool at row ``addr`` [B] (systems whose host or far pool
+    holds every entry). Returns (dev_pool, backing)."""
+    ok = active & (res.new_slot >= 0)
+    dev_rows = layer_rows(layer, jnp.where(ok, res.new_slot, INVALID), dev_per_layer)
+    dev_pool = set_rows(dev_pool, dev_rows, entry)
+    back_rows = layer_rows(layer, jnp.where(ok, addr, INVALID), backing_per_layer)
+    return dev_pool, self.evict_rows(dev_pool, dev_rows, backing, back_rows)
 
   def run_summary(self, steps: list, requests: list) -> dict:
     """System-specific figures for a finished run's summary (e.g. modeled times)."""

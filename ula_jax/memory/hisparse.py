@@ -58,7 +58,7 @@ from jax.sharding import Mesh
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, layer_rows,
-                                 set_rows, tp_replicated)
+                                 tp_replicated)
 
 _BIG = np.iinfo(np.int32).max
 
@@ -316,23 +316,11 @@ class HiSparse(MemorySystem):
     return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot, plan=plan,
                              stats=stats)
 
-  def _check_layer(self, layer: int | jax.Array, res: Resolution) -> None:
-    """Raises where ``layer`` is not in the group that planned ``res``. Only concrete
-    indices can be checked: with a traced layer or group (the model's scan) the model's
-    loop is what pairs them."""
-    try:
-      layer, g = int(layer), int(res.plan.group)
-    except TypeError:  # a tracer (ConcretizationTypeError is a TypeError) or an abstract value
-      return
-    if layer not in self.geo.group_layers(g):
-      raise ValueError(f"layer={layer} is not in layer group {g} "
-                       f"(layers {list(self.geo.group_layers(g))}) that this Resolution planned")
-
   def move_layer(self, state: HiSparseState, layer: int | jax.Array, res: Resolution
                  ) -> HiSparseState:
     """Fetches the misses of ``res`` for one layer: host row ``l * N + addr`` -> device row
     ``l * S + slot`` (INVALID pairs stay negative and are skipped)."""
-    self._check_layer(layer, res)
+    self.check_layer(layer, res.plan.group)
     host_rows = layer_rows(layer, res.plan.host_idx, self.num_logical)
     dev_rows = layer_rows(layer, res.plan.dev_idx, self.device_slots)
     pool = self.fetch_rows(state.host_pool, host_rows, state.dev_pool, dev_rows)
@@ -342,12 +330,10 @@ class HiSparse(MemorySystem):
                   entry: jax.Array, active: jax.Array) -> HiSparseState:
     """Writes the decoded token's row (entry [B, W]) to its device slot and through to
     the host pool."""
-    self._check_layer(layer, res)
-    ok = active & (res.new_slot >= 0)
-    dev_rows = layer_rows(layer, jnp.where(ok, res.new_slot, INVALID), self.device_slots)
-    pool = set_rows(state.dev_pool, dev_rows, entry)
-    host_rows = layer_rows(layer, jnp.where(ok, res.plan.new_addr, INVALID), self.num_logical)
-    host = self.evict_rows(pool, dev_rows, state.host_pool, host_rows)
+    self.check_layer(layer, res.plan.group)
+    pool, host = self.write_token_through(state.dev_pool, self.device_slots, state.host_pool,
+                                          self.num_logical, layer, res, res.plan.new_addr,
+                                          entry, active)
     return state.replace(dev_pool=pool, host_pool=host)
 
   def read_pool(self, state: HiSparseState, layer: int | jax.Array

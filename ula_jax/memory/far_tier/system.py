@@ -43,8 +43,7 @@ from jax.sharding import Mesh
 
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
-from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, layer_rows,
-                                 set_rows)
+from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, layer_rows)
 from ula_jax.memory.far_tier.link_model import (COUNTER_KEYS, FarTopology, LinkSpec, link_preset,
                                        modeled_run)
 
@@ -225,19 +224,9 @@ class FarTier(MemorySystem):
     return state, Resolution(slots=slots.astype(jnp.int32), valid=sel_valid, new_slot=new_slot,
                              plan=plan, stats=stats)
 
-  def _check_layer(self, layer: int | jax.Array, res: Resolution) -> None:
-    """Raises where ``layer`` and the planned group are both known at trace time and the
-    layer is not in the group (traced indices are the model's loop: not checked)."""
-    layer, g = _concrete_int(layer), _concrete_int(res.plan.group)
-    if layer is None or g is None:
-      return
-    if layer not in self.geo.group_layers(g):
-      raise ValueError(f"layer={layer} is not in layer group {g} "
-                       f"(layers {list(self.geo.group_layers(g))}) that this Resolution planned")
-
   def move_layer(self, state: FarTierState, layer: int | jax.Array, res: Resolution
                  ) -> FarTierState:
-    self._check_layer(layer, res)
+    self.check_layer(layer, res.plan.group)
     if self.mode == "full_prefetch":
       return state
     pool = self.fetch_rows(state.far_pools, layer_rows(layer, res.plan.far_idx, self.num_logical),
@@ -248,12 +237,10 @@ class FarTier(MemorySystem):
                   entry: jax.Array, active: jax.Array) -> FarTierState:
     """Writes the decoded token's row (entry [B, W]) on the device and through to the far
     pool."""
-    self._check_layer(layer, res)
-    ok = active & (res.new_slot >= 0)
-    dev_rows = layer_rows(layer, jnp.where(ok, res.new_slot, INVALID), self.device_slots)
-    pool = set_rows(state.dev_pools, dev_rows, entry)
-    far_rows = layer_rows(layer, jnp.where(ok, res.plan.new_addr, INVALID), self.num_logical)
-    far = self.evict_rows(pool, dev_rows, state.far_pools, far_rows)
+    self.check_layer(layer, res.plan.group)
+    pool, far = self.write_token_through(state.dev_pools, self.device_slots, state.far_pools,
+                                         self.num_logical, layer, res, res.plan.new_addr,
+                                         entry, active)
     return state.replace(dev_pools=pool, far_pools=far)
 
   def read_pool(self, state: FarTierState, layer: int | jax.Array
@@ -344,12 +331,3 @@ class FarTier(MemorySystem):
             "far_pool_tokens_per_rank": self.num_logical,
         },
     )
-
-
-def _concrete_int(x: Any) -> int | None:
-  """``x`` as a Python int where its value is known here, else None (a tracer, or an
-  abstract value such as ``jax.eval_shape``'s)."""
-  try:
-    return int(x)
-  except TypeError:  # jax's concretization errors are TypeErrors too
-    return None
