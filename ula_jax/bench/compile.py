@@ -80,12 +80,17 @@ def main(argv: list[str]) -> int:
   p.add_argument("--layers", default="8,32,78", help="model.num_layers values")
   p.add_argument("--batch", type=int, default=8, help="engine.max_batch")
   p.add_argument("--context", type=int, default=1024, help="engine.max_context")
+  p.add_argument("--steps", default=",".join(KINDS),
+                 help="the steps compiled: decode, prefill or both (comma-separated)")
   p.add_argument("--json", default="runs/bench/compile.json")
   args = p.parse_intermixed_args(argv)
+  kinds = tuple(k.strip() for k in args.steps.split(",") if k.strip())
+  if not kinds or any(k not in KINDS for k in kinds):
+    p.error(f"--steps={args.steps!r}: expected a comma-separated subset of {', '.join(KINDS)}")
   systems = [s.strip() for s in args.systems.split(",") if s.strip()]
   layers = parse_sizes(args.layers, flag="--layers", minimum=1)
   out = measure(args.config, args.overrides, systems, layers, batch=args.batch,
-                context=args.context)
+                context=args.context, kinds=kinds)
   table = []
   for system, by_n in out["systems"].items():
     for n, row in by_n.items():

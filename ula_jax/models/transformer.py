@@ -55,7 +55,7 @@ class Projection(NamedTuple):
   c_q: jax.Array  # [N, Q] q latent
   q_nope: jax.Array  # [N, H, dn] (H: this rank's heads under tensor parallelism)
   q_rope: jax.Array  # [N, H, dr], rotated
-  entry: jax.Array  # [N, W] concat(c, k_rope) in kv_dtype
+  entry: jax.Array  # [N, W] concat(c, k_rope) as stored (model.kv_layout: W values or bytes)
 
 
 class DecoderLayer(nnx.Module):
@@ -79,22 +79,65 @@ class DecoderLayer(nnx.Module):
 
 
 class GroupBlock(nnx.Module):
-  """One index-sharing layer group: its decoder layers and its indexer (the indexer
-  reads the group's first layer's projection)."""
+  """One index-sharing layer group: its first decoder layer (whose projection the
+  group's indexer reads), the rest of its layers as runs of same-shaped layers with
+  stacked parameters (``Segment.runs``), and its indexer."""
 
   def __init__(self, cfg: ModelConfig, dense: tuple[bool, ...], *, rngs: nnx.Rngs):
-    self.layers = nnx.List([DecoderLayer(cfg, d, rngs=rngs) for d in dense])
+    self.first = DecoderLayer(cfg, dense[0], rngs=rngs)
+    self.runs = nnx.List([_stacked(lambda d=d: DecoderLayer(cfg, d, rngs=rngs), n)
+                          for d, n in _runs(dense[1:])])
     self.indexer = Indexer(cfg, rngs=rngs)
+
+  def layer(self, i: int) -> DecoderLayer:
+    """The group's ``i``-th layer with its own (unstacked) parameters."""
+    if i == 0:
+      return self.first
+    i -= 1
+    for stack in self.runs:
+      graphdef, params = nnx.split(stack)
+      n = jax.tree.leaves(params)[0].shape[0]
+      if i < n:
+        return nnx.merge(graphdef, jax.tree.map(lambda x: x[i], params))
+      i -= n
+    raise IndexError(f"layer {i}: past the group's last layer")
+
+
+def _runs(dense: tuple[bool, ...]) -> list[tuple[bool, int]]:
+  """Consecutive equal flags as (flag, count) pairs."""
+  out: list[tuple[bool, int]] = []
+  for d in dense:
+    if out and out[-1][0] == d:
+      out[-1] = (d, out[-1][1] + 1)
+    else:
+      out.append((d, 1))
+  return out
+
+
+def _stacked(make: Callable[[], nnx.Module], n: int) -> nnx.Module:
+  """``make()`` called ``n`` times, as one module whose every parameter has a leading
+  ``[n]`` axis."""
+  mods = [make() for _ in range(n)]
+  nnx.update(mods[0], jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in mods]))
+  return mods[0]
 
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
   """Consecutive layer groups of the same shape (layer count, dense or MoE per layer):
-  their parameters are stacked and the layer stack runs them as one ``lax.scan``."""
+  their parameters are stacked and the layer stack runs them as one ``lax.scan``; within
+  a group, the first layer runs on its own (the group's selection needs its projection)
+  and the rest as ``runs``."""
 
   first_group: int
   num_groups: int
   dense: tuple[bool, ...]  # per layer of each group: a dense MLP (else MoE)
+
+  @property
+  def runs(self) -> list[tuple[bool, int]]:
+    """The group's layers after the first as runs of equal shape: (dense, count); each
+    run is one inner ``lax.scan``."""
+    return _runs(self.dense[1:])
 
 
 def group_segments(cfg: ModelConfig) -> tuple[Segment, ...]:
@@ -113,10 +156,7 @@ def group_segments(cfg: ModelConfig) -> tuple[Segment, ...]:
 
 def _stacked_blocks(cfg: ModelConfig, seg: Segment, rngs: nnx.Rngs) -> GroupBlock:
   """A ``GroupBlock`` whose every parameter has a leading ``[seg.num_groups]`` axis."""
-  blocks = [GroupBlock(cfg, seg.dense, rngs=rngs) for _ in range(seg.num_groups)]
-  states = [nnx.state(b) for b in blocks]
-  nnx.update(blocks[0], jax.tree.map(lambda *xs: jnp.stack(xs), *states))
-  return blocks[0]
+  return _stacked(lambda: GroupBlock(cfg, seg.dense, rngs=rngs), seg.num_groups)
 
 
 class Transformer(nnx.Module):
@@ -146,7 +186,7 @@ class Transformer(nnx.Module):
   def layer(self, layer: int) -> DecoderLayer:
     """Decoder layer ``layer`` with its own parameters."""
     g = layer // self.cfg.index_share
-    return self.block(g).layers[layer - g * self.cfg.index_share]
+    return self.block(g).layer(layer - g * self.cfg.index_share)
 
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     """[N] int32 -> [N, D]."""
@@ -158,7 +198,7 @@ class Transformer(nnx.Module):
                       preferred_element_type=F32)
 
 
-Select = Callable[[jax.Array, list, Projection, Indexer, Any], tuple[Any, Any]]
+Select = Callable[[jax.Array, tuple[jax.Array, int], Projection, Indexer, Any], tuple[Any, Any]]
 Attend = Callable[[jax.Array, DecoderLayer, Projection, Any, Any], tuple[jax.Array, Any]]
 
 
@@ -166,32 +206,47 @@ def _run_layers(model: Transformer, x_nd: jax.Array, pos_n: jax.Array, carry: An
                 select: Select, attend: Attend,
                 heads: HeadRange | None = None) -> tuple[jax.Array, Any]:
   """The layer stack, shared by every way of running the model: one ``lax.scan`` over
-  the groups of each ``Segment`` (a handful per model), so the program does not grow
-  with depth.
+  the groups of each ``Segment`` (a handful per model), and within a group the first
+  layer then one inner ``lax.scan`` per run of same-shaped layers, so the program does
+  not grow with depth and holds few copies of each layer's code.
 
-  Per group g: ``sel, carry = select(g, layers, first-layer projection, indexer, carry)``
-  (``layers``: the group's layer indices); then per layer l of the group,
+  Per group g: ``sel, carry = select(g, (first layer, layer count), first-layer
+  projection, indexer, carry)``; then per layer l of the group,
   ``out, carry = attend(l, layer, projection, sel, carry)`` with the attention output
-  [N, D]. ``g`` and ``l`` are traced int32 scalars. The callbacks own the KV storage and
-  thread it through ``carry``.
+  [N, D]. ``g``, ``l`` and the first layer are traced int32 scalars (the count a Python
+  int). The callbacks own the KV storage and thread it through ``carry``.
   heads: the heads whose queries the projections hold (None = all).
   returns (final hidden [N, D], carry)
   """
   share = model.cfg.index_share
+
+  def run_body(sel, graphdef):
+    def body(xc, xs):
+      x, c = xc
+      p, l = xs
+      layer = nnx.merge(graphdef, p)
+      out, c = attend(l, layer, layer.pre_attention(x, pos_n, heads), sel, c)
+      return (layer.post_attention(x, out), c), None
+    return body
+
   for seg, stack in zip(group_segments(model.cfg), model.segments):
     graphdef, params = nnx.split(stack)
 
-    def body(xc, xs, graphdef=graphdef, n=len(seg.dense)):
+    def body(xc, xs, graphdef=graphdef, seg=seg):
       x, c = xc
       p, g = xs
       block = nnx.merge(graphdef, p)
-      layers = [g * share + i for i in range(n)]
-      first = block.layers[0].pre_attention(x, pos_n, heads)
-      sel, c = select(g, layers, first, block.indexer, c)
-      for i, (l, layer) in enumerate(zip(layers, block.layers)):
-        proj = first if i == 0 else layer.pre_attention(x, pos_n, heads)
-        out, c = attend(l, layer, proj, sel, c)
-        x = layer.post_attention(x, out)
+      l0 = g * share
+      first = block.first.pre_attention(x, pos_n, heads)
+      sel, c = select(g, (l0, len(seg.dense)), first, block.indexer, c)
+      out, c = attend(l0, block.first, first, sel, c)
+      x = block.first.post_attention(x, out)
+      start = 1
+      for (_, n), run in zip(seg.runs, block.runs):
+        run_graphdef, run_params = nnx.split(run)
+        layers = l0 + jnp.arange(start, start + n, dtype=jnp.int32)
+        (x, c), _ = jax.lax.scan(run_body(sel, run_graphdef), (x, c), (run_params, layers))
+        start += n
       return (x, c), None
 
     groups = jnp.arange(seg.first_group, seg.first_group + seg.num_groups, dtype=jnp.int32)
@@ -222,7 +277,8 @@ def _absorbed_attention(layer: DecoderLayer, proj: Projection, pool: jax.Array,
   output is accumulated in float32 and summed over the ``tp_axis`` ranks.
   """
   o_lat = sparse_mla_attention(layer.attn.absorb(proj.q_nope, heads), proj.q_rope, pool,
-                               slots, valid, scale=scale, impl=impl)
+                               slots, valid, scale=scale, impl=impl,
+                               kv_layout=layer.attn.layout.kind)
   if tp_axis is None:
     return layer.attn.out(o_lat)
   share_nd = layer.attn.out(o_lat, heads, dtype=F32)
@@ -298,12 +354,13 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
 
   def select(g, layers, first: Projection, indexer: Indexer, c):
     st = mem.write_index_keys(c["mem"], g, new_addr, indexer.key(first.h))
+    l0, n = layers
     q_I, w = indexer.query(first.h, first.c_q)
     sel_pos, sel_valid = mem.select(st, g, q_I, w, page_table, positions, active)
     sel_addr = jnp.where(sel_valid, addrs_of_positions(page_table, sel_pos, ps), INVALID)
     st, res = mem.resolve(st, g, sel_addr, sel_valid, new_addr, active)
-    for l in layers:  # exact layer-wise prefetch: every move is known now
-      st = mem.move_layer(st, l, res)
+    # Exact layer-wise prefetch: every layer's moves are known now.
+    st = jax.lax.fori_loop(0, n, lambda i, st: mem.move_layer(st, l0 + i, res), st)
     c = {**c, "mem": st, "stats": _add_stats(c["stats"], res.stats)}
     if return_selection:
       c["sel_addr"] = c["sel_addr"].at[g].set(sel_addr)
@@ -335,7 +392,8 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
 class PrefillWorkspace:
   """Dense KV of one request (or of a batch, with a leading [B] axis on every leaf).
 
-  kv:         [L * T_cap, W] entries in kv_dtype, layer l's position t at row l * T_cap + t
+  kv:         [L * T_cap, W] stored entry rows (``cfg.entry_layout``: kv_dtype values or
+              fp8 bytes), layer l's position t at row l * T_cap + t
   index_keys: [G, T_cap, K] indexer keys in kv_dtype, by position
   """
 
@@ -355,7 +413,8 @@ def init_workspace(cfg: ModelConfig, capacity: int, batch: int | None = None
     raise ValueError(f"workspace capacity={capacity}: must be >= 1 position")
   lead = () if batch is None else (batch,)
   return PrefillWorkspace(
-      kv=jnp.zeros((*lead, cfg.num_layers * capacity, cfg.entry_width), cfg.kv_dtype),
+      kv=jnp.zeros((*lead, cfg.num_layers * capacity, cfg.entry_layout.row_width),
+                   cfg.entry_layout.row_dtype),
       index_keys=jnp.zeros((*lead, cfg.num_groups, capacity, cfg.index_head_dim),
                            cfg.kv_dtype))
 
@@ -367,7 +426,7 @@ def prefill_chunk(model: Transformer, workspace: PrefillWorkspace, tokens: jax.A
   tokens:  [C] int32 at positions start .. start+C-1; only the first ``length`` count
   start:   [] int32 (chunks of a request run in order from position 0)
   length:  [] int32, 1 <= length <= C; start + length <= workspace.capacity
-  returns (entries: [L, C, W] in kv_dtype, layer-major,
+  returns (entries: [L, C, W] stored rows (``cfg.entry_layout``), layer-major,
            index_keys: [G, C, K] in kv_dtype,
            last_logits: [V] float32 at position start+length-1,
            workspace with the chunk's rows written)
@@ -385,7 +444,7 @@ def prefill_chunk(model: Transformer, workspace: PrefillWorkspace, tokens: jax.A
   valid = i < length
   cand = (jnp.arange(T_cap, dtype=jnp.int32)[None, :] <= pos[:, None]) & valid[:, None]
   carry = {"kv": workspace.kv, "keys": workspace.index_keys,
-           "entries": jnp.zeros((L, C, cfg.entry_width), cfg.kv_dtype),
+           "entries": jnp.zeros((L, C, cfg.entry_layout.row_width), cfg.entry_layout.row_dtype),
            "keys_out": jnp.zeros((G, C, cfg.index_head_dim), cfg.kv_dtype)}
 
   def select(g, layers, first: Projection, indexer: Indexer, c):
