@@ -82,11 +82,38 @@ def test_indexer_module_shapes_and_key_dtype(rng):
   indexer = Indexer(cfg, rngs=nnx.Rngs(0))
   x = jnp.asarray(rng.standard_normal((5, cfg.hidden_size)), jnp.float32)
   cq = jnp.asarray(rng.standard_normal((5, cfg.q_lora_rank)), jnp.float32)
-  q, w = indexer.query(x, cq)
-  key = indexer.key(x)
+  pos = jnp.arange(5, dtype=jnp.int32)
+  q, w = indexer.query(x, cq, pos)
+  key = indexer.key(x, pos)
   assert q.shape == (5, cfg.index_n_heads, cfg.index_head_dim)
   assert w.shape == (5, cfg.index_n_heads) and w.dtype == jnp.float32
   assert key.shape == (5, cfg.index_head_dim) and key.dtype == jnp.bfloat16
   # Keys are RMS-normalised (before the bfloat16 rounding of storage).
   rms = np.sqrt(np.mean(np.asarray(key, np.float32) ** 2, axis=-1))
   np.testing.assert_allclose(rms, 1.0, rtol=2e-2)
+
+
+def test_indexer_scores_depend_on_relative_position(rng):
+  """RoPE on the first index_rope dimensions: the same query and key contents score
+  alike at the same distance, differently at another; without it, alike everywhere."""
+  for rope, moves in ((None, True), (0, False)):
+    cfg = ModelConfig(preset="tiny", kv_dtype="float32", index_rope_dim=rope)
+    assert cfg.index_rope == (cfg.index_head_dim // 2 if rope is None else 0)
+    indexer = Indexer(cfg, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((1, cfg.hidden_size)), jnp.float32)
+    cq = jnp.asarray(rng.standard_normal((1, cfg.q_lora_rank)), jnp.float32)
+
+    def dot(qp, kp):
+      q, _ = indexer.query(x, cq, jnp.asarray([qp], jnp.int32))
+      k = indexer.key(x, jnp.asarray([kp], jnp.int32))
+      return np.asarray(jnp.einsum("nik,nk->ni", q, k))
+
+    np.testing.assert_allclose(dot(10, 3), dot(107, 100), rtol=1e-4, atol=1e-4)
+    assert (not np.allclose(dot(10, 3), dot(10, 9), atol=1e-3)) == moves
+
+
+def test_index_rope_dim_is_validated():
+  with pytest.raises(ValueError, match="model.index_rope_dim=3"):
+    ModelConfig(preset="tiny", index_rope_dim=3)
+  with pytest.raises(ValueError, match="model.index_rope_dim=64"):
+    ModelConfig(preset="tiny", index_rope_dim=64)

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ula_jax.workloads",),  # requests: synthetic or from a file
     ("ula_jax.report",),  # run directories, tables, plots, compare
     ("ula_jax.run",),  # one experiment end to end
+    ("ula_jax.train",),  # training the model on text (ula-jax train)
     ("ula_jax.bench",),  # benchmarks
     ("ula_jax.cli",),  # the command line, multi-process launch
 ]

@@ -117,6 +117,9 @@ def split_command(command: Sequence[str]) -> tuple[str, list[str]]:
   if verb not in LAUNCHABLE:
     raise LaunchError(f"launch: verb {verb!r} cannot be launched; expected one of "
                       f"{list(LAUNCHABLE)}")
+  if any(a == "--resume" or a.startswith("--resume=") for a in rest):
+    raise LaunchError("launch: run --resume continues a checkpointed run, and only "
+                      "single-process runs write checkpoints; use ula-jax run --resume DIR")
   return verb, rest
 
 
@@ -250,6 +253,10 @@ def launch_local(num_processes: int, command: Sequence[str],
   # Config errors surface here, once, before any process starts.
   args = _run_parser().parse_args(rest)
   cfg = load_config(args.config, args.overrides)
+  if cfg.engine.checkpoint_every and num_processes > 1:
+    raise LaunchError(f"launch: engine.checkpoint_every={cfg.engine.checkpoint_every}: "
+                      f"checkpoints are written by single-process runs only; set "
+                      f"engine.checkpoint_every=0")
   need = cfg.mesh.num_devices
   per_process = devices_per_process or -(-need // num_processes)
   check_split(need, num_processes, per_process)

@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Sequence
 from ula_jax.config import (ConfigError, config_to_yaml, load_config, parse_value,
                             split_override)
 from ula_jax.cli.common import (EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, Verb, add_config_arguments,
-                                add_output_arguments, add_run_arguments, console)
+                                add_output_arguments, console)
 from ula_jax.report.output import (RunDirError, RunInterrupted, exit_status, handle_signals,
                                    raise_interrupted)
+from ula_jax.cli.trace import add_trace_arguments, run_trace
+from ula_jax.train.command import add_train_arguments, run_train
 from ula_jax.workloads import WorkloadError
 
 if TYPE_CHECKING:
@@ -35,10 +37,48 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------------------------
 
 
+def _run_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("config", nargs="?",
+                 help="experiment YAML (e.g. experiments/quickstart/config.yaml); none with "
+                 "--resume")
+  p.add_argument("overrides", nargs="*", metavar="key=value",
+                 help="dotted overrides, values parsed as YAML (memory.system=ula, "
+                 "workload.prompt_len=[128,256]), or section=block (memory=ula_pb_lru)")
+  add_output_arguments(p, "run directory (default: "
+                       "{experiment.out_dir}/{experiment.name}-{timestamp})")
+  p.add_argument("--resume", metavar="DIR",
+                 help="continue the interrupted run in DIR from its last checkpoint "
+                 "(engine.checkpoint_every) with DIR's config.yaml, and write it into DIR; "
+                 "overrides may change only fields that change no token (engine.max_steps, "
+                 "engine.checkpoint_every, engine.progress, ...: the README lists them)")
+  p.set_defaults(usage_error=p.error)
+
+
 def _run(args: argparse.Namespace) -> int:
   from ula_jax.memory import check_config
-  from ula_jax.run import run_experiment
+  from ula_jax.run import resume_experiment, run_experiment
 
+  if args.resume is not None:
+    items = ([args.config] if args.config is not None else []) + list(args.overrides)
+    problem = next((f"--resume {args.resume} takes the config from {args.resume}/"
+                    f"config.yaml; give no CONFIG ({item!r}), only key=value overrides"
+                    for item in items if "=" not in item), None)
+    if problem is None and (args.out is not None or args.overwrite):
+      problem = (f"--resume {args.resume} writes the run back into {args.resume}; "
+                 f"--out and --overwrite do not apply")
+    if problem is not None:
+      print(f"error: {problem}", file=sys.stderr)
+      return EXIT_USAGE
+
+    def machine(cfg: ExperimentConfig) -> Mesh:
+      check_config(cfg)
+      return _machine_mesh(cfg)
+
+    resume_experiment(args.resume, items, progress=not args.no_progress, machine=machine,
+                      console=console())
+    return EXIT_OK
+  if args.config is None:
+    args.usage_error("the following arguments are required: config (or --resume DIR)")
   cfg = load_config(args.config, args.overrides)
   check_config(cfg)
   mesh = _machine_mesh(cfg)
@@ -55,7 +95,8 @@ def _machine_mesh(cfg: ExperimentConfig) -> Mesh:
 
   configure_platform(cfg)
   mesh = build_mesh(cfg)
-  check_fits_machine(cfg, mesh)
+  if cfg.workload.kind != "trace":  # a trace replay allocates no pools
+    check_fits_machine(cfg, mesh)
   return mesh
 
 
@@ -160,7 +201,8 @@ def _sweep(args: argparse.Namespace) -> int:
     raise ConfigError(problems, source=str(args.config))
   configure_platform(cfgs[0], num_devices=max(c.mesh.num_devices for c in cfgs))
   for cfg in cfgs:
-    check_fits_machine(cfg, build_mesh(cfg))
+    if cfg.workload.kind != "trace":  # a trace replay allocates no pools
+      check_fits_machine(cfg, build_mesh(cfg))
 
   name = cfgs[0].experiment.name
   out = Path(args.out or Path(cfgs[0].experiment.out_dir) / f"{name}-sweep-{timestamp()}")
@@ -322,7 +364,8 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 VERBS: dict[str, Verb] = {v.name: v for v in [
-    Verb("run", "run one experiment", add_run_arguments, _run),
+    Verb("run", "run one experiment, or resume an interrupted one (--resume DIR)", _run_args,
+         _run),
     Verb("sweep", "run the cartesian product of value lists, one table", _sweep_args, _sweep),
     Verb("config", "print the resolved config (validation only, no compute)", add_config_arguments,
          _config),
@@ -331,6 +374,11 @@ VERBS: dict[str, Verb] = {v.name: v for v in [
     Verb("bench", "benchmarks (fetch, attention, resolve, step_cost, tp_link, serving, "
          "kernel_report): a table and JSON", _bench_args,
          _bench),
+    Verb("train", "train the MLA + DSA model on text (dense warm-up with the indexer's KL, "
+         "then top-k attention); orbax checkpoints, --resume", add_train_arguments, run_train),
+    Verb("trace", "selection traces: locality statistics (stats), a synthetic trace "
+         "(generate), SGLang indexer_topk arrays (import); replay one with ula-jax run and "
+         "workload.kind=trace", add_trace_arguments, run_trace),
     Verb("launch", "run an experiment as several jax.distributed processes (one host or "
          "many)", _launch_args, _launch),
 ]}

@@ -188,10 +188,13 @@ class MeshConfig(Section):
 
 
 class WorkloadConfig(Section):
-  """The requests: seeded synthetic long-document summarisation, or a file."""
+  """The requests: seeded synthetic long-document summarisation, or a file; or a
+  selection trace replayed through the memory system without the model."""
 
-  kind: Literal["synthetic", "file"] = Field(
-      "synthetic", description="synthetic requests, or requests read from workload.path")
+  kind: Literal["synthetic", "file", "trace"] = Field(
+      "synthetic", description="synthetic requests, requests read from workload.path, or "
+      "'trace': replay the selections of workload.trace through the memory system without "
+      "the model (metadata only)")
   seed: int = Field(0, ge=0, description="seed of lengths, token ids and arrivals")
   num_requests: int = Field(8, ge=1, description="synthetic requests to generate")
   prompt_len: tuple[int, int] = Field(
@@ -208,6 +211,20 @@ class WorkloadConfig(Section):
   path: str | None = Field(
       None, description="JSONL or JSON list of requests, for kind='file' (relative to the "
       "working directory)")
+  prefill: Literal["compute", "synthetic"] = Field(
+      "compute", description="how prompt KV is made: 'compute' runs the model over the prompt; "
+      "'synthetic' writes prompt positions [0, P-1) with entries and indexer keys from a "
+      "generator seeded by workload.seed, the request id and the position (no model "
+      "compute; every memory system gets the same bits), and the first decode step takes "
+      "the prompt's last token. Selections over synthetic keys are not a trained model's")
+  trace: str | None = Field(
+      None, description="for kind='trace': a selection trace (.npz or trace directory, "
+      "ula-jax trace generate / import) or a run directory recorded with "
+      "engine.record_trace (its ranks' traces); the model section gives its KV geometry")
+  trace_replay: Literal["fast", "system"] = Field(
+      "fast", description="kind='trace': 'fast' replays ula (DP), hisparse and resident "
+      "through NumPy models of their metadata (the same counts; GLM-5-sized traces on a "
+      "CPU), 'system' through the memory system's own jax transitions (every system)")
 
   @field_validator("prompt_len", mode="before")
   @classmethod
@@ -224,6 +241,9 @@ class WorkloadConfig(Section):
     if self.kind == "file" and not self.path:
       raise ValueError("workload.kind='file' needs workload.path (a JSONL or JSON file of "
                        "requests)")
+    if self.kind == "trace" and not self.trace:
+      raise ValueError("workload.kind='trace' needs workload.trace (a trace .npz or "
+                       "directory, or a run directory recorded with engine.record_trace)")
     return self
 
   @property
@@ -267,6 +287,19 @@ class EngineConfig(Section):
   compilation_cache_dir: str | None = Field(
       None, description="folder of the persistent compilation cache; None = "
       "$XDG_CACHE_HOME/ula_jax/xla (~/.cache/ula_jax/xla)")
+  checkpoint_every: int = Field(
+      0, ge=0, description="engine steps between checkpoints of the run (memory-system "
+      "state, scheduler, metrics; the latest kept in the run directory's checkpoint/), one "
+      "also at SIGINT/SIGTERM; ula-jax run --resume DIR continues from it; 0 = none")
+
+  @model_validator(mode="after")
+  def _checkpoints_without_trace(self) -> EngineConfig:
+    if self.checkpoint_every and self.record_trace:
+      raise ValueError(f"engine.checkpoint_every={self.checkpoint_every} cannot be combined "
+                       f"with engine.record_trace=true: a selection trace is not "
+                       f"checkpointed; set engine.checkpoint_every=0 or "
+                       f"engine.record_trace=false")
+    return self
 
 
 class KernelsConfig(Section):
@@ -465,6 +498,12 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
           f"columns; got model.num_heads / mesh.tp = {heads}, model.kv_lora_rank="
           f"{model.kv_lora_rank}, model.qk_rope_head_dim={model.qk_rope_head_dim}, "
           f"model.kv_dtype={model.kv_dtype!r} (use kernels.attention='pallas' or 'xla')")
+
+  if model.kv_layout != "bf16" and cfg.kernels.attention != "xla":
+    problems.append(
+        f"kernels.attention={cfg.kernels.attention!r} reads model.kv_layout='bf16' rows "
+        f"only; with model.kv_layout={model.kv_layout!r} use kernels.attention='xla' (or "
+        f"set model.kv_layout='bf16')")
 
   if (mem.system == "hisparse" and mem.hisparse.top_k is not None
       and mem.hisparse.top_k != model.index_topk):

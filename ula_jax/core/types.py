@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ula_jax.core.kv_layout import EntryLayout
+
 INVALID = -1  # an unused address or slot
 
 
@@ -24,11 +26,23 @@ class KVGeometry:
 
   num_layers: int
   group_size: int  # layers per index-sharing group; the last group may be shorter
-  entry_width: int  # values per layer per token: kv_lora_rank + qk_rope_head_dim
+  # One layer's stored row of one token: entry_width elements of kv_dtype. With the
+  # bf16 layout, kv_lora_rank + qk_rope_head_dim values; with the fp8 layout, bytes
+  # (uint8). Memory systems move rows without looking inside them.
+  entry_width: int
   index_dim: int  # width of one indexer key
   top_k: int
   kv_dtype: str = "bfloat16"
   index_dtype: str = "bfloat16"
+  # How a row encodes an entry (``model.kv_layout``); None: plain rows of entry_width
+  # values in kv_dtype. Only what makes entries (synthetic prefill) needs it.
+  layout: EntryLayout | None = None
+
+  def __post_init__(self):
+    if self.layout is not None and (self.entry_width, jnp.dtype(self.kv_dtype)) != (
+        self.layout.row_width, jnp.dtype(self.layout.row_dtype)):
+      raise ValueError(f"entry_width={self.entry_width}, kv_dtype={self.kv_dtype!r}: expected "
+                       f"the layout's rows, {self.layout.row_width} x {self.layout.row_dtype}")
 
   @property
   def num_groups(self) -> int:

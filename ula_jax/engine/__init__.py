@@ -5,11 +5,11 @@ from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 
 def __getattr__(name):
   # The engine pulls in the model and jax; import it only when asked for.
-  if name in ("Engine", "resolve_max_context"):
+  if name in ("Engine", "RunState", "resolve_max_context"):
     from ula_jax.engine import engine
     return getattr(engine, name)
   raise AttributeError(name)
 
 
-__all__ = ["Engine", "Request", "RequestResult", "RunResult", "StepMetrics",
+__all__ = ["Engine", "Request", "RequestResult", "RunResult", "RunState", "StepMetrics",
            "resolve_max_context"]

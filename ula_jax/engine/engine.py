@@ -5,6 +5,8 @@ each one ``shard_map`` over the ``('dp', 'tp')`` mesh so that every dp rank serv
 own requests from its own pools:
 
 * ``prefill``: one chunk of one request per dp rank (ranks with nothing to prefill skip);
+  with ``workload.prefill='synthetic'`` its entries come from ``synthetic_prefill``, not
+  the model;
 * ``decode``: one token for every decoding row of every dp rank, greedy;
 * ``release``: frees the logical addresses of one finished request per dp rank.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 from typing import Any, Callable
 
@@ -44,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ula_jax.config.schema import ExperimentConfig
 from ula_jax.core import compat
 from ula_jax.core.compilation import CompileLog
+from ula_jax.engine import synthetic_prefill
 from ula_jax.engine.packing import StatePacking, pack_jit, split_jit
 from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 from ula_jax.memory import INVALID, MeshInfo, build_memory_system
@@ -61,6 +65,20 @@ def resolve_max_context(cfg: ExperimentConfig) -> int:
   derives from the workload when it is unset (``config.schema.context_bucket``)."""
   page = cfg.engine.page_size
   return -(-cfg.engine.max_context // page) * page
+
+
+def store_prefill(mem: Any, state: Any, addrs: jax.Array, valid: jax.Array,
+                  entries: jax.Array, keys: jax.Array, row: jax.Array) -> Any:
+  """A prompt chunk into a memory system's local state (inside ``shard_map``).
+
+  addrs: [C] int32 logical addresses; valid: [C] bool; entries: [L, C, W];
+  keys: [G, C, K] indexer keys; row: [] int32 the request's decode row
+  """
+  state = mem.write_prefill(state, addrs, valid, entries, row)
+  # A loop on the device, not one write per group: the program stays the same size
+  # whatever the depth.
+  return jax.lax.fori_loop(0, keys.shape[0],
+                           lambda g, st: mem.write_index_keys(st, g, addrs, keys[g]), state)
 
 
 def check_tp_heads(num_heads: int, tp: int) -> None:
@@ -182,6 +200,38 @@ class _Live:
     return len(self.generated) >= self.req.max_new_tokens
 
 
+@dataclasses.dataclass
+class RunState:
+  """The host side of a run in progress: ``Engine.run``'s scheduling state, the results
+  and metrics so far. With the memory system's state and the prefill workspace it is
+  what a checkpoint holds (``engine.checkpoint``)."""
+
+  requests: list[Request]  # every request of the run, in the caller's order
+  pending: collections.deque  # [Request] not yet arrived, by arrival step
+  queue: collections.deque  # [Request] arrived, waiting for admission
+  rows: list[list[_Live | None]]  # [dp][max_batch] the decode rows
+  alloc: list[PageAllocator]  # [dp] free logical pages
+  results: dict[str, RequestResult] = dataclasses.field(default_factory=dict)
+  steps: list[StepMetrics] = dataclasses.field(default_factory=list)
+  totals: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  step: int = 0  # the next engine step
+  finished_count: int = 0
+  peak: dict = dataclasses.field(default_factory=lambda: {"device_used": -1, "report": None})
+  last_report: Any = None  # CapacityReport of the last report step
+  elapsed_s: float = 0.0  # wall time already run (before a resume)
+  resumed_at: list[int] = dataclasses.field(default_factory=list)  # steps resumed from
+  # True between steps (the fields above agree with the device state), False within one.
+  at_boundary: bool = True
+
+  @classmethod
+  def start(cls, requests: list[Request], dp: int, max_batch: int,
+            num_pages: int) -> RunState:
+    return cls(requests=list(requests),
+               pending=collections.deque(sorted(requests, key=lambda r: r.arrival_step)),
+               queue=collections.deque(), rows=[[None] * max_batch for _ in range(dp)],
+               alloc=[PageAllocator(num_pages) for _ in range(dp)])
+
+
 class Engine:
   """Decodes requests with a model and a memory system on a ``('dp', 'tp')`` mesh.
 
@@ -202,6 +252,13 @@ class Engine:
     self.pages_per_row = self.max_context // self.page_size
     self.chunk = min(ecfg.prefill_chunk, self.max_context)
     self.geo = cfg.model.kv_geometry()
+    # workload.prefill='synthetic': prompt KV from a seeded generator (``synthetic_prefill``)
+    # in chunks sized by bytes (there are no activations), and no prefill workspace.
+    self.synthetic = cfg.workload.prefill == "synthetic"
+    if self.synthetic:
+      self.chunk = synthetic_prefill.chunk_len(self.geo, self.chunk, self.max_context)
+      if jax.process_index() == 0:
+        logging.getLogger(__name__).warning("warning: %s", synthetic_prefill.NOTE)
     self.mem = build_memory_system(cfg.memory, self.geo, MeshInfo(self.dp, self.tp),
                                    max_batch=self.max_batch, page_size=self.page_size,
                                    max_context=self.max_context,
@@ -220,7 +277,11 @@ class Engine:
     self.record_trace = ecfg.record_trace
     self._recorders = None
 
-    model = tfm.Transformer(cfg.model, rngs=nnx.Rngs(cfg.model.param_seed))
+    if cfg.model.checkpoint is None:
+      model = tfm.Transformer(cfg.model, rngs=nnx.Rngs(cfg.model.param_seed))
+    else:  # trained parameters (model.checkpoint); orbax is imported only then
+      from ula_jax.models.checkpoint import load_model
+      model = load_model(cfg.model)
     self.graphdef, params = nnx.split(model)
     replicated = NamedSharding(mesh, P())
     self.params = jax.tree.map(lambda x: global_array(x, replicated), params)
@@ -230,7 +291,7 @@ class Engine:
     self._packing = (StatePacking.plan(state, self._state_specs)
                      if ecfg.pack_state else None)
     self.state = state
-    self.workspace = self._init_workspace()
+    self.workspace = None if self.synthetic else self._init_workspace()
     self._build_steps()
 
   # ``carry`` is the state as the jitted steps (``_decode``, ``_prefill``, ``_release``)
@@ -285,7 +346,6 @@ class Engine:
     param_specs = jax.tree.map(lambda _: P(), self.params)
     attention = self.attention_impl
     page_size = self.page_size
-    geo = self.geo
     tp_axis = "tp" if self.tp > 1 else None
 
     record = self.record_trace
@@ -354,12 +414,7 @@ class Engine:
         pos = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
         valid = jnp.arange(tokens.shape[0]) < length
         addrs = jnp.where(valid, addrs_of_positions(page_row, pos, page_size), INVALID)
-        state = mem.write_prefill(state, addrs, valid, entries, row)
-        # A loop on the device, not one write per group: the program stays the same size
-        # whatever the depth.
-        state = jax.lax.fori_loop(
-            0, geo.num_groups,
-            lambda g, st: mem.write_index_keys(st, g, addrs, keys[g]), state)
+        state = store_prefill(mem, state, addrs, valid, entries, keys, row)
         return state, ws, jnp.argmax(last_logits).astype(jnp.int32)
 
       def skip(state, ws):
@@ -445,6 +500,38 @@ class Engine:
       self._redo = jax.jit(redo, donate_argnums=(1,))
     self._prefill = jax.jit(prefill, donate_argnums=(1, 2))
     self._release = jax.jit(release, donate_argnums=(0,))
+    if self.synthetic:
+      self._prefill = self._synthetic_prefill_step()
+
+  def _synthetic_prefill_step(self) -> Callable:
+    """The jitted prefill of ``workload.prefill='synthetic'``: one chunk of one request per
+    dp rank, its entries and keys from ``synthetic_prefill.synthetic_chunk``; no model.
+
+    (carry, rid [dp] int32 request keys, start [dp] int32 first positions,
+     addrs [dp, C] int32 logical addresses (INVALID past the chunk's length),
+     row [dp] int32, do [dp] bool) -> carry
+    """
+    mesh, mem, geo, packing = self.mesh, self.mem, self.geo, self._packing
+    seed, state_specs = self.cfg.workload.seed, self._state_specs
+
+    def local(state, rid, start, addrs, row, do):
+      rid, start, addrs, row, do = rid[0], start[0], addrs[0], row[0], do[0]
+
+      def run(state):
+        entries, keys = synthetic_prefill.synthetic_chunk(geo, seed, rid, start,
+                                                          addrs.shape[0])
+        return store_prefill(mem, state, addrs, addrs >= 0, entries, keys, row)
+
+      state = jax.lax.cond(do, run, lambda st: st, mem.to_local(state))
+      return mem.from_local(state)
+
+    def prefill(carry, *args):  # named as the compute path's step (``STEP_PROGRAMS``)
+      state = carry if packing is None else packing.unpack(*carry)
+      state = compat.shard_map(local, mesh=mesh, in_specs=(state_specs,) + (P("dp"),) * 5,
+                               out_specs=state_specs)(state, *args)
+      return state if packing is None else packing.pack(state, mesh)
+
+    return jax.jit(prefill, donate_argnums=(0,))
 
   def _put(self, x: np.ndarray) -> jax.Array:
     """[dp, ...] host values -> a global array, row d on dp rank d (tp replicated)."""
@@ -472,27 +559,30 @@ class Engine:
     return None
 
   def run(self, requests: list[Request],
-          on_step: Callable[[StepMetrics], None] | None = None) -> RunResult:
-    """Serves ``requests`` to completion (or ``engine.max_steps``)."""
+          on_step: Callable[[StepMetrics], None] | None = None, *,
+          resume: RunState | None = None) -> RunResult:
+    """Serves ``requests`` to completion (or ``engine.max_steps``).
+
+    resume: the state of an earlier run of the same ``requests`` (restored from a
+      checkpoint with the memory system's state, ``engine.checkpoint.restore``): the run
+      goes on from its step, its results and metrics so far included
+
+    ``self.run_state`` is the run's ``RunState`` while it runs and after it returns;
+    ``on_step`` is called between steps (``at_boundary``), where a checkpoint may be taken.
+    """
     dp, B = self.dp, self.max_batch
     self.compile_log.start()
-    alloc = [PageAllocator(self.mem.num_logical // self.page_size) for _ in range(dp)]
     if self.record_trace:
       from ula_jax.memory.ula.trace import TraceRecorder
       self._recorders = [TraceRecorder(self.geo, max_batch=B, num_logical=self.mem.num_logical,
                                        page_size=self.page_size) for _ in range(dp)]
-    rows: list[list[_Live | None]] = [[None] * B for _ in range(dp)]
-    pending = collections.deque(sorted(requests, key=lambda r: r.arrival_step))
-    queue: collections.deque[Request] = collections.deque()
-    results: dict[str, RequestResult] = {}
-    steps: list[StepMetrics] = []
-    totals: collections.Counter = collections.Counter()
-    peak = {"device_used": -1, "report": None}
+    rs = resume or RunState.start(requests, dp, B, self.mem.num_logical // self.page_size)
+    self.run_state = rs
+    rows, pending, queue, alloc = rs.rows, rs.pending, rs.queue, rs.alloc
+    results, steps, totals = rs.results, rs.steps, rs.totals
+    peak, step, finished_count, last_report = rs.peak, rs.step, rs.finished_count, rs.last_report
     max_steps = self.cfg.engine.max_steps
-    t_run = time.perf_counter()
-    step = 0
-    finished_count = 0
-    last_report = None
+    t_run = time.perf_counter() - rs.elapsed_s
 
     # An interrupt (KeyboardInterrupt, or a subclass a caller raises for SIGTERM, e.g.
     # from on_step) ends the loop: what was served so far is returned, not lost.
@@ -508,6 +598,7 @@ class Engine:
             step = min(step, max_steps)
         if max_steps is not None and step >= max_steps:
           break
+        rs.at_boundary = False
         t0 = time.perf_counter()
         while pending and pending[0].arrival_step <= step:
           r = pending.popleft()
@@ -574,16 +665,21 @@ class Engine:
             distinct=rep.distinct_total,
             admitted=sum(1 for rank in rows for l in rank if l is not None), extra=dict(stats))
         steps.append(m)
+        step += 1
+        rs.step, rs.finished_count, rs.peak, rs.last_report = (step, finished_count, peak,
+                                                              last_report)
+        rs.elapsed_s = time.perf_counter() - t_run
+        rs.at_boundary = True
         if on_step is not None:
           on_step(m)
-        step += 1
     except KeyboardInterrupt as e:
       # (one that comes after the last request is done interrupts nothing)
       if pending or queue or any(l is not None for rank in rows for l in rank):
         interrupted = getattr(e, "signal_name", None) or "SIGINT"
 
     # Anything still queued or running when max_steps or an interrupt stops the run is
-    # reported, not lost.
+    # reported, not lost (in a copy: ``run_state`` stays as the loop left it).
+    results = dict(results)
     status, why = (("interrupted", f"interrupted by {interrupted}") if interrupted
                    else ("rejected", f"engine.max_steps={max_steps} reached"))
     for rank in rows:
@@ -605,6 +701,8 @@ class Engine:
     ordered = [results[r.id] for r in requests]
     wall = time.perf_counter() - t_run
     summary = self._summary(steps, ordered, totals, wall)
+    if rs.resumed_at:
+      summary["resumed_at_steps"] = list(rs.resumed_at)
     if interrupted:
       summary["interrupted_by"] = interrupted
     self.compile_log.stop()
@@ -615,6 +713,8 @@ class Engine:
                      traces=traces)
 
   def _prefill_round(self, rows, step) -> tuple[int, int]:
+    if self.synthetic:
+      return self._synthetic_prefill_round(rows)
     dp, C = self.dp, self.chunk
     tokens = np.zeros((dp, C), np.int32)
     start = np.zeros((dp,), np.int32)
@@ -644,11 +744,53 @@ class Engine:
       if l is None:
         continue
       if self._recorders is not None:
-        self._recorders[d].prefill(self._addrs(l.pages, l.prefilled, int(length[d])))
+        self._recorders[d].prefill(self._addrs(l.pages, l.prefilled, int(length[d])),
+                                   row=l.row)
       l.prefilled += int(length[d])
       if l.prefill_done:
         l.generated.append(int(tok[d]))
         l.first_token_step, l.ttft_s = step, now - l.admitted_time
+    return int(do.sum()), int(length.sum())
+
+  def _synthetic_prefill_round(self, rows) -> tuple[int, int]:
+    """``workload.prefill='synthetic'``: the oldest not-yet-prefilled request of each rank
+    gets its next chunk of positions ``[0, P - 1)`` from the generator. A request is
+    prefilled once those are written: its first decode step takes the prompt's last token
+    at position ``P - 1``, and that step's logits give its first token."""
+    dp, C = self.dp, self.chunk
+    rid = np.zeros((dp,), np.uint32)
+    start = np.zeros((dp,), np.int32)
+    addrs = np.full((dp, C), INVALID, np.int32)
+    row = np.zeros((dp,), np.int32)
+    length = np.zeros((dp,), np.int32)
+    chosen: list[_Live | None] = [None] * dp
+    for d in range(dp):
+      cands = [l for l in rows[d] if l is not None and not l.prefill_done]
+      for l in cands:  # nothing (more) to generate: position P - 1 is decode's
+        if l.prefilled >= l.req.prompt_len - 1:
+          l.prefilled = l.req.prompt_len
+      cands = [l for l in cands if not l.prefill_done]
+      if not cands:
+        continue
+      l = min(cands, key=lambda l: (l.admitted_step, l.row))
+      n = min(C, l.req.prompt_len - 1 - l.prefilled)
+      rid[d] = synthetic_prefill.request_key(l.req.id)
+      start[d], length[d], row[d] = l.prefilled, n, l.row
+      addrs[d, :n] = self._addrs(l.pages, l.prefilled, n)
+      chosen[d] = l
+    do = length > 0
+    if not do.any():
+      return 0, 0
+    self.carry = self._prefill(self.carry, self._put(rid.view(np.int32)), self._put(start),
+                               self._put(addrs), self._put(row), self._put(do))
+    for d, l in enumerate(chosen):
+      if l is None:
+        continue
+      if self._recorders is not None:
+        self._recorders[d].prefill(addrs[d, :length[d]], row=l.row)
+      l.prefilled += int(length[d])
+      if l.prefilled >= l.req.prompt_len - 1:
+        l.prefilled = l.req.prompt_len
     return int(do.sum()), int(length.sum())
 
   def _decode_round(self, rows, step) -> tuple[int, dict]:
@@ -662,7 +804,8 @@ class Engine:
       for b, l in enumerate(rows[d]):
         if l is None or not l.prefill_done or l.finished or l.first_token_step == step:
           continue
-        tokens[d, b] = l.generated[-1]
+        # (synthetic prefill: the first step decodes the prompt's last token)
+        tokens[d, b] = l.generated[-1] if l.generated else l.req.prompt[-1]
         positions[d, b] = l.req.prompt_len + len(l.generated) - 1
         page_table[d, b, :len(l.pages)] = l.pages
         active[d, b] = True
@@ -692,6 +835,8 @@ class Engine:
         rec.decode(sel["sel_addr"][d], sel["sel_valid"][d], sel["new_addr"][d], active[d])
     dt = time.perf_counter() - t0
     for l in live:
+      if not l.generated:  # synthetic prefill: this step gave the first token
+        l.first_token_step, l.ttft_s = step, t0 + dt - l.admitted_time
       l.generated.append(int(nxt[l.device, l.row]))
       l.decode_time_s += dt
     totals = {k: int(v.sum()) for k, v in stats.items()}
@@ -725,6 +870,12 @@ class Engine:
     """The jitted step ``kind`` (``decode``, ``speculate`` or ``prefill``) lowered for
     idle inputs (no active row, nothing to prefill): ``.compile()`` compiles it, as the
     first step of that kind would (``ula-jax bench compile``)."""
+    if kind == "prefill" and self.synthetic:
+      dp, C = self.dp, self.chunk
+      z = lambda *shape: self._put(np.zeros(shape, np.int32))
+      return self._prefill.lower(self.carry, z(dp), z(dp),
+                                 self._put(np.full((dp, C), INVALID, np.int32)), z(dp),
+                                 self._put(np.zeros((dp,), bool)))
     if kind == "prefill":
       dp, C = self.dp, self.chunk
       z = lambda *shape: self._put(np.zeros(shape, np.int32))
@@ -767,7 +918,7 @@ class Engine:
           length[d] = l.req.prompt_len + len(l.generated) - 1
           row[d] = l.row
           if self._recorders is not None:
-            self._recorders[d].release(self._addrs(l.pages, 0, int(length[d])))
+            self._recorders[d].release(self._addrs(l.pages, 0, int(length[d])), row=l.row)
       self.carry = self._release(self.carry, self._put(page_row), self._put(length),
                                  self._put(row))
 
@@ -795,7 +946,11 @@ class Engine:
         "tokens_per_s": gen / wall if wall else 0.0,
         "peak_running": max((s.running for s in steps), default=0),
         "capacity_tokens_per_rank": self.mem.capacity_tokens,
+        "prefill": self.cfg.workload.prefill,
+        "prefill_chunk": self.chunk,
     }
+    if self.synthetic:
+      out["prefill_note"] = synthetic_prefill.NOTE
     out.update({f"total_{k}": v for k, v in totals.items()})
     out.update(self.mem.run_summary(steps, reqs))
     if totals.get("hits", 0) + totals.get("misses", 0):

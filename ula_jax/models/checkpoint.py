@@ -6,7 +6,10 @@ A checkpoint is a directory::
     path/params/             the parameter state (orbax StandardCheckpointer)
 
 Restoring checks that the given config has the same geometry (every field except
-``preset`` and ``param_seed``, which only say where the values came from).
+``preset``, ``param_seed`` and ``checkpoint``, which only say where the values came from,
+and ``kv_layout``, which says how the KV cache is stored).
+``load_model`` builds the model a config names: restored from ``cfg.checkpoint``, or
+drawn from ``cfg.param_seed``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from ula_jax.models.transformer import Transformer
 
 CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
-_PROVENANCE = ("preset", "param_seed")
+_PROVENANCE = ("preset", "param_seed", "checkpoint")
+# How KV entries are stored shapes no parameter: saved with one model.kv_layout, the
+# parameters decode with either.
+_STORAGE = ("kv_layout",)
 
 
 def save_params(model: Transformer, path: str | pathlib.Path, *,
@@ -51,7 +57,7 @@ def restore_params(cfg: ModelConfig, path: str | pathlib.Path) -> Transformer:
   saved = json.loads((path / CONFIG_FILE).read_text())
   given = cfg.model_dump()
   diff = [f"model.{k}: saved {saved.get(k)!r}, given {given[k]!r}"
-          for k in given if k not in _PROVENANCE and saved.get(k) != given[k]]
+          for k in given if k not in _PROVENANCE + _STORAGE and saved.get(k) != given[k]]
   if diff:
     raise ValueError(f"checkpoint path={str(path)!r} has another geometry: "
                      + "; ".join(diff))
@@ -62,3 +68,15 @@ def restore_params(cfg: ModelConfig, path: str | pathlib.Path) -> Transformer:
   with ocp.StandardCheckpointer() as ckpt:
     state = ckpt.restore(path / PARAMS_DIR, abstract)
   return nnx.merge(graphdef, state)
+
+
+def load_model(cfg: ModelConfig) -> Transformer:
+  """The model ``cfg`` names: restored from ``cfg.checkpoint`` when set, else drawn from
+  ``cfg.param_seed``. A checkpoint that is missing or has another geometry is a
+  ValueError naming ``model.checkpoint``."""
+  if cfg.checkpoint is None:
+    return Transformer(cfg, rngs=nnx.Rngs(cfg.param_seed))
+  try:
+    return restore_params(cfg, cfg.checkpoint)
+  except (FileNotFoundError, ValueError) as e:
+    raise ValueError(f"model.checkpoint={cfg.checkpoint!r}: {e}") from None

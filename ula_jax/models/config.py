@@ -11,8 +11,9 @@ import difflib
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ula_jax.core.kv_layout import EntryLayout, KVLayoutKind, check_fp8_latent
 from ula_jax.core.types import KVGeometry
 from ula_jax.models.presets import PRESETS
 
@@ -53,6 +54,10 @@ class ModelConfig(BaseModel):
   v_head_dim: int
   index_n_heads: int
   index_head_dim: int
+  index_rope_dim: int | None = Field(
+      None, description="indexer query and key dimensions rotated by RoPE (the first ones; "
+      "DeepSeek-V3.2: 64 of 128), so the indexer can rank by position as well as content; "
+      "None = half of index_head_dim, at most 64; 0 = none")
   index_topk: int
   index_share: int
   intermediate_size: int
@@ -64,8 +69,19 @@ class ModelConfig(BaseModel):
   rms_norm_eps: float
   max_position: int
   dtype: DType  # parameters and activations (norms, softmax and logits run in float32)
-  kv_dtype: DType  # stored KV entries and indexer keys
+  kv_dtype: DType  # stored KV entries (kv_layout 'bf16') and indexer keys
+  kv_layout: KVLayoutKind = Field(
+      "bf16", description="how KV entries are stored (ula_jax.core.kv_layout): 'bf16' as "
+      "kv_lora_rank + qk_rope_head_dim values in kv_dtype (1152 B per token and layer for "
+      "512 + 64 in bfloat16); 'fp8' in DeepSeek-V3.2's FP8 layout of 656 B (the latent in "
+      "float8_e4m3fn with one float32 scale per 128 values, the rope key in bfloat16), "
+      "quantised once when written and dequantised by attention; needs kv_lora_rank a "
+      "multiple of 128")
   param_seed: int = 0
+  # A directory written by ``checkpoint.save_params`` (``ula-jax train`` writes one as
+  # ``<run>/model``), relative to the working directory: the parameters are read from it
+  # instead of drawn from ``param_seed``; its geometry must equal this config's.
+  checkpoint: str | None = None
 
   @model_validator(mode="before")
   @classmethod
@@ -113,14 +129,35 @@ class ModelConfig(BaseModel):
     if self.num_experts_per_tok > self.num_experts:
       raise ValueError(f"model.num_experts_per_tok={self.num_experts_per_tok}: must be <= "
                        f"num_experts={self.num_experts}")
+    if self.kv_layout == "fp8":
+      check_fp8_latent(self.kv_lora_rank)
+    r = self.index_rope_dim
+    if r is not None and (r < 0 or r % 2 or r > self.index_head_dim):
+      raise ValueError(f"model.index_rope_dim={r}: must be an even number between 0 and "
+                       f"index_head_dim={self.index_head_dim} (or null: half of it, at "
+                       f"most 64)")
     return self
+
+  @property
+  def index_rope(self) -> int:
+    """Indexer dimensions RoPE rotates (``index_rope_dim`` resolved)."""
+    if self.index_rope_dim is not None:
+      return self.index_rope_dim
+    return min(64, self.index_head_dim // 2 // 2 * 2)
 
   # -- derived -----------------------------------------------------------------------
 
   @property
   def entry_width(self) -> int:
-    """Values per token per layer in the KV store: latent + shared rope key."""
+    """Values of one token's entry per layer: latent + shared rope key (before
+    ``kv_layout`` encodes them: ``entry_layout.row_width`` elements are stored)."""
     return self.kv_lora_rank + self.qk_rope_head_dim
+
+  @property
+  def entry_layout(self) -> EntryLayout:
+    """How an entry is stored (``kv_layout``): rows of ``row_width`` x ``row_dtype``."""
+    return EntryLayout(self.kv_layout, self.kv_lora_rank, self.qk_rope_head_dim,
+                       self.kv_dtype)
 
   @property
   def num_groups(self) -> int:
@@ -135,8 +172,10 @@ class ModelConfig(BaseModel):
     return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
 
   def kv_geometry(self) -> KVGeometry:
-    """What a memory system needs to know (indexer keys are stored in ``kv_dtype``)."""
+    """What a memory system needs to know: pools hold ``entry_layout``'s rows (656 bytes
+    with the fp8 layout), indexer keys are stored in ``kv_dtype``."""
+    layout = self.entry_layout
     return KVGeometry(num_layers=self.num_layers, group_size=self.index_share,
-                      entry_width=self.entry_width, index_dim=self.index_head_dim,
-                      top_k=self.index_topk, kv_dtype=self.kv_dtype,
-                      index_dtype=self.kv_dtype)
+                      entry_width=layout.row_width, index_dim=self.index_head_dim,
+                      top_k=self.index_topk, kv_dtype=layout.row_dtype,
+                      index_dtype=self.kv_dtype, layout=layout)

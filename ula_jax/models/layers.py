@@ -2,7 +2,8 @@
 
 Dimension letters: N rows (tokens or batch rows), T candidate positions, D hidden,
 H heads, Q q_lora_rank, C kv_lora_rank, E experts, F MLP width, I indexer heads,
-K indexer head dim, W entry width (C + rope dim).
+K indexer head dim, W entry width (C + rope dim values; stored as a row of
+``MLAttention.layout.row_width`` elements, ``model.kv_layout``).
 
 Parameters are stored in ``cfg.dtype``; norms, RoPE, softmax, indexer scores and the
 router run in float32.
@@ -145,6 +146,7 @@ class MLAttention(nnx.Module):
     self.kv_lora_rank = C
     self.rope_theta = cfg.rope_theta
     self.kv_dtype = cfg.kv_dtype
+    self.layout = cfg.entry_layout  # model.kv_layout: how entries are stored
 
   def project(self, x_nd: jax.Array, pos_n: jax.Array, heads: HeadRange | None = None
               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -153,16 +155,23 @@ class MLAttention(nnx.Module):
     x_nd: [N, D] normed hidden; pos_n: [N] int32 positions
     heads: the heads to compute queries for (None = all H)
     returns c_q [N, Q], q_nope [N, H, dn], q_rope [N, H, dr] (rotated; H = heads.count
-            when split), entry [N, W] in kv_dtype (the same for any ``heads``)
+            when split), entry: the stored row [N, layout.row_width] (kv_dtype values,
+            or fp8 bytes; the same for any ``heads``). Encoded once here, so every
+            store and every attention path sees the same bytes.
     """
-    cq_nq = self.q_norm(x_nd @ self.w_dq[...])
+    cq_nq = self.query_latent(x_nd)
     q_nhe = jnp.einsum("nq,qhe->nhe", cq_nq, _heads(self.w_uq[...], 1, heads))
     q_nope, q_rope = q_nhe[..., :self.nope_dim], q_nhe[..., self.nope_dim:]
     q_rope = apply_rope(q_rope, pos_n[:, None], self.rope_theta)
     c_nc = self.kv_norm(x_nd @ self.w_dkv[...])
     kr_nr = apply_rope(x_nd @ self.w_kr[...], pos_n, self.rope_theta)
-    entry = jnp.concatenate([c_nc, kr_nr], axis=-1).astype(self.kv_dtype)
+    entry = self.layout.encode(jnp.concatenate([c_nc, kr_nr], axis=-1))
     return cq_nq, q_nope, q_rope, entry
+
+  def query_latent(self, x_nd: jax.Array) -> jax.Array:
+    """The q latent c_q [N, Q] of a normed hidden state [N, D] (what the indexer reads
+    besides the hidden state)."""
+    return self.q_norm(x_nd @ self.w_dq[...])
 
   def absorb(self, q_nope_nhd: jax.Array, heads: HeadRange | None = None) -> jax.Array:
     """q_lat[h] = q_nope[h] W_uk[h]^T: [N, H, dn] -> [N, H, C] (H = heads.count when split)."""
@@ -185,10 +194,10 @@ class MLAttention(nnx.Module):
             mask_nt: jax.Array, scale: float) -> jax.Array:
     """Non-absorbed MLA (per-head keys and values materialised), for checking.
 
-    entries_ntw: [N, T, W] each row's candidate entries; mask_nt: [N, T] bool
+    entries_ntw: [N, T, W] each row's candidate stored rows (``layout``); mask_nt: [N, T]
     returns [N, D]
     """
-    ent = entries_ntw.astype(F32)
+    ent = self.layout.decode(entries_ntw)
     c_ntc, kr_ntr = ent[..., :self.kv_lora_rank], ent[..., self.kv_lora_rank:]
     k_nthd = jnp.einsum("ntc,hcd->nthd", c_ntc, self.w_uk[...].astype(F32))
     v_nthv = jnp.einsum("ntc,hcv->nthv", c_ntc, self.w_uv[...].astype(F32))
@@ -209,7 +218,8 @@ class Indexer(nnx.Module):
   """Scores every past position with a few small ReLU heads and keeps the top-k.
 
   q_I = c_q W_q [I, K] (from the attention's q latent), k_I = RMSNorm(x W_k) [K] (one key
-  per token, stored by the memory system), w = x W_w [I];
+  per token, stored by the memory system), w = x W_w [I]; the first ``index_rope``
+  dimensions of q_I and k_I rotated by RoPE at their positions;
   score_t = sum_i w_i relu(q_I[i] . k_I_t).
   """
 
@@ -221,17 +231,30 @@ class Indexer(nnx.Module):
     self.k_norm = RMSNorm(K, cfg.rms_norm_eps, dt)
     self.w_w = normal_param(rngs, (D, I), D, dt)
     self.key_dtype = cfg.kv_dtype
+    self.rope = cfg.index_rope
+    self.rope_theta = cfg.rope_theta
 
-  def query(self, x_nd: jax.Array, cq_nq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x_nd: [N, D] normed hidden; cq_nq: [N, Q] -> q_I [N, I, K], w [N, I] float32."""
-    q_nik = jnp.einsum("nq,qik->nik", cq_nq, self.w_q[...])
+  def _rotate(self, x: jax.Array, pos: jax.Array) -> jax.Array:
+    """The first ``rope`` dimensions of x [..., K] rotated at ``pos`` (broadcast to
+    ``x.shape[:-1]``)."""
+    if not self.rope:
+      return x
+    r = self.rope
+    return jnp.concatenate([apply_rope(x[..., :r], pos, self.rope_theta), x[..., r:]], -1)
+
+  def query(self, x_nd: jax.Array, cq_nq: jax.Array, pos_n: jax.Array
+            ) -> tuple[jax.Array, jax.Array]:
+    """x_nd: [N, D] normed hidden; cq_nq: [N, Q]; pos_n: [N] int32 positions
+    -> q_I [N, I, K], w [N, I] float32."""
+    q_nik = self._rotate(jnp.einsum("nq,qik->nik", cq_nq, self.w_q[...]), pos_n[:, None])
     I = q_nik.shape[1]
     w_ni = (x_nd @ self.w_w[...]).astype(F32) * I ** -0.5
     return q_nik, w_ni
 
-  def key(self, x_nd: jax.Array) -> jax.Array:
-    """[N, D] -> [N, K] index keys in kv_dtype (the stored precision)."""
-    return self.k_norm(x_nd @ self.w_k[...]).astype(self.key_dtype)
+  def key(self, x_nd: jax.Array, pos_n: jax.Array) -> jax.Array:
+    """[N, D] normed hidden, [N] int32 positions -> [N, K] index keys in kv_dtype (the
+    stored precision)."""
+    return self._rotate(self.k_norm(x_nd @ self.w_k[...]), pos_n).astype(self.key_dtype)
 
 
 # ----------------------------------------------------------------------------------

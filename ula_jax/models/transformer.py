@@ -78,22 +78,32 @@ class DecoderLayer(nnx.Module):
     return x_nd + self.ffn(self.ffn_norm(x_nd))
 
 
+class IndexerInput(NamedTuple):
+  """What a group's indexer reads of the group's first layer."""
+
+  h: jax.Array  # [N, D] the first layer's normed input
+  c_q: jax.Array  # [N, Q] its q latent
+
+
 class GroupBlock(nnx.Module):
-  """One index-sharing layer group: its first decoder layer (whose projection the
-  group's indexer reads), the rest of its layers as runs of same-shaped layers with
-  stacked parameters (``Segment.runs``), and its indexer."""
+  """One index-sharing layer group: its decoder layers as runs of same-shaped layers
+  with stacked parameters (``Segment.runs``), and its indexer (which reads the first
+  layer's normed input and q latent)."""
 
   def __init__(self, cfg: ModelConfig, dense: tuple[bool, ...], *, rngs: nnx.Rngs):
-    self.first = DecoderLayer(cfg, dense[0], rngs=rngs)
     self.runs = nnx.List([_stacked(lambda d=d: DecoderLayer(cfg, d, rngs=rngs), n)
-                          for d, n in _runs(dense[1:])])
+                          for d, n in _runs(dense)])
     self.indexer = Indexer(cfg, rngs=rngs)
+
+  def indexer_input(self, x_nd: jax.Array) -> IndexerInput:
+    """The first layer's normed input and q latent for hidden state ``x_nd`` [N, D]."""
+    graphdef, params = nnx.split(self.runs[0])
+    first = nnx.merge(graphdef, jax.tree.map(lambda x: x[0], params))
+    h_nd = first.attn_norm(x_nd)
+    return IndexerInput(h_nd, first.attn.query_latent(h_nd))
 
   def layer(self, i: int) -> DecoderLayer:
     """The group's ``i``-th layer with its own (unstacked) parameters."""
-    if i == 0:
-      return self.first
-    i -= 1
     for stack in self.runs:
       graphdef, params = nnx.split(stack)
       n = jax.tree.leaves(params)[0].shape[0]
@@ -126,8 +136,7 @@ def _stacked(make: Callable[[], nnx.Module], n: int) -> nnx.Module:
 class Segment:
   """Consecutive layer groups of the same shape (layer count, dense or MoE per layer):
   their parameters are stacked and the layer stack runs them as one ``lax.scan``; within
-  a group, the first layer runs on its own (the group's selection needs its projection)
-  and the rest as ``runs``."""
+  a group, each run of same-shaped layers is one inner ``lax.scan``."""
 
   first_group: int
   num_groups: int
@@ -135,9 +144,8 @@ class Segment:
 
   @property
   def runs(self) -> list[tuple[bool, int]]:
-    """The group's layers after the first as runs of equal shape: (dense, count); each
-    run is one inner ``lax.scan``."""
-    return _runs(self.dense[1:])
+    """The group's layers as runs of equal shape: (dense, count)."""
+    return _runs(self.dense)
 
 
 def group_segments(cfg: ModelConfig) -> tuple[Segment, ...]:
@@ -198,7 +206,8 @@ class Transformer(nnx.Module):
                       preferred_element_type=F32)
 
 
-Select = Callable[[jax.Array, tuple[jax.Array, int], Projection, Indexer, Any], tuple[Any, Any]]
+Select = Callable[[jax.Array, tuple[jax.Array, int], IndexerInput, Indexer, Any],
+                  tuple[Any, Any]]
 Attend = Callable[[jax.Array, DecoderLayer, Projection, Any, Any], tuple[jax.Array, Any]]
 
 
@@ -206,15 +215,17 @@ def _run_layers(model: Transformer, x_nd: jax.Array, pos_n: jax.Array, carry: An
                 select: Select, attend: Attend,
                 heads: HeadRange | None = None) -> tuple[jax.Array, Any]:
   """The layer stack, shared by every way of running the model: one ``lax.scan`` over
-  the groups of each ``Segment`` (a handful per model), and within a group the first
-  layer then one inner ``lax.scan`` per run of same-shaped layers, so the program does
-  not grow with depth and holds few copies of each layer's code.
+  the groups of each ``Segment`` (a handful per model) and, within a group, one inner
+  ``lax.scan`` per run of same-shaped layers (GLM-5: four copies of a layer's code in
+  the whole program), so the program does not grow with depth.
 
-  Per group g: ``sel, carry = select(g, (first layer, layer count), first-layer
-  projection, indexer, carry)``; then per layer l of the group,
-  ``out, carry = attend(l, layer, projection, sel, carry)`` with the attention output
-  [N, D]. ``g``, ``l`` and the first layer are traced int32 scalars (the count a Python
-  int). The callbacks own the KV storage and thread it through ``carry``.
+  Per group g: ``sel, carry = select(g, (first layer, layer count), indexer input,
+  indexer, carry)`` with the first layer's normed input and q latent
+  (``GroupBlock.indexer_input``; the first layer computes them again with its
+  queries); then per layer l of the group, ``out, carry = attend(l, layer, projection,
+  sel, carry)`` with the attention output [N, D]. ``g``, ``l`` and the first layer are
+  traced int32 scalars (the count a Python int). The callbacks own the KV storage and
+  thread it through ``carry``.
   heads: the heads whose queries the projections hold (None = all).
   returns (final hidden [N, D], carry)
   """
@@ -237,11 +248,8 @@ def _run_layers(model: Transformer, x_nd: jax.Array, pos_n: jax.Array, carry: An
       p, g = xs
       block = nnx.merge(graphdef, p)
       l0 = g * share
-      first = block.first.pre_attention(x, pos_n, heads)
-      sel, c = select(g, (l0, len(seg.dense)), first, block.indexer, c)
-      out, c = attend(l0, block.first, first, sel, c)
-      x = block.first.post_attention(x, out)
-      start = 1
+      sel, c = select(g, (l0, len(seg.dense)), block.indexer_input(x), block.indexer, c)
+      start = 0
       for (_, n), run in zip(seg.runs, block.runs):
         run_graphdef, run_params = nnx.split(run)
         layers = l0 + jnp.arange(start, start + n, dtype=jnp.int32)
@@ -352,10 +360,10 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
     carry["sel_addr"] = jnp.full((G, B, k), INVALID, jnp.int32)
     carry["sel_valid"] = jnp.zeros((G, B, k), bool)
 
-  def select(g, layers, first: Projection, indexer: Indexer, c):
-    st = mem.write_index_keys(c["mem"], g, new_addr, indexer.key(first.h))
+  def select(g, layers, first: IndexerInput, indexer: Indexer, c):
+    st = mem.write_index_keys(c["mem"], g, new_addr, indexer.key(first.h, positions))
     l0, n = layers
-    q_I, w = indexer.query(first.h, first.c_q)
+    q_I, w = indexer.query(first.h, first.c_q, positions)
     sel_pos, sel_valid = mem.select(st, g, q_I, w, page_table, positions, active)
     sel_addr = jnp.where(sel_valid, addrs_of_positions(page_table, sel_pos, ps), INVALID)
     st, res = mem.resolve(st, g, sel_addr, sel_valid, new_addr, active)
@@ -447,11 +455,11 @@ def prefill_chunk(model: Transformer, workspace: PrefillWorkspace, tokens: jax.A
            "entries": jnp.zeros((L, C, cfg.entry_layout.row_width), cfg.entry_layout.row_dtype),
            "keys_out": jnp.zeros((G, C, cfg.index_head_dim), cfg.kv_dtype)}
 
-  def select(g, layers, first: Projection, indexer: Indexer, c):
+  def select(g, layers, first: IndexerInput, indexer: Indexer, c):
     del layers
-    key = indexer.key(first.h)
+    key = indexer.key(first.h, pos)
     keys = c["keys"].at[g, jnp.where(valid, pos, T_cap)].set(key, mode="drop")
-    q_I, w = indexer.query(first.h, first.c_q)
+    q_I, w = indexer.query(first.h, first.c_q, pos)
     sel = select_topk(index_scores(q_I, w, keys[g]), cand, cfg.index_topk)
     return sel, {**c, "keys": keys, "keys_out": c["keys_out"].at[g].set(key)}
 
@@ -493,11 +501,11 @@ def decode_dense_reference(model: Transformer, workspace: PrefillWorkspace,
   cand = jnp.arange(T_cap, dtype=jnp.int32)[None, :] <= positions[:, None]
   carry = {"kv": workspace.kv, "keys": workspace.index_keys}
 
-  def select(g, layers, first: Projection, indexer: Indexer, c):
+  def select(g, layers, first: IndexerInput, indexer: Indexer, c):
     del layers
     keys = c["keys"].at[rows, g, jnp.where(ok, positions, T_cap)].set(
-        indexer.key(first.h), mode="drop")
-    q_I, w = indexer.query(first.h, first.c_q)
+        indexer.key(first.h, positions), mode="drop")
+    q_I, w = indexer.query(first.h, first.c_q, positions)
     sel_pos, sel_valid = select_topk(index_scores(q_I, w, keys[:, g]), cand, cfg.index_topk)
     # The selection as a [B, T_cap] mask (invalid picks land in a dropped extra column).
     mask = jnp.zeros((B, T_cap + 1), bool).at[

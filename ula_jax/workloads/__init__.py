@@ -1,4 +1,5 @@
-"""Workloads: the requests an experiment serves (synthetic or from a file)."""
+"""Workloads: the requests an experiment serves (synthetic or from a file), or a
+selection trace it replays without the model (``trace.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ def build_requests(cfg: ExperimentConfig) -> list[Request]:
     return synthetic_requests(wl, cfg.model.vocab_size)
   if wl.kind == "file":
     return file_requests(wl.path, cfg.model.vocab_size, seed=wl.seed)
-  raise ValueError(f"workload.kind={wl.kind!r}: expected one of ['synthetic', 'file']")
+  if wl.kind == "trace":
+    raise ValueError("workload.kind='trace' serves no requests through the engine: its trace "
+                     "replays through the memory system (ula_jax.workloads.trace, ula-jax run)")
+  raise ValueError(f"workload.kind={wl.kind!r}: expected one of ['synthetic', 'file', 'trace']")
 
 
 __all__ = ["WorkloadError", "arrival_steps", "build_requests", "file_lengths",

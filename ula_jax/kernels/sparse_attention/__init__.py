@@ -3,7 +3,8 @@
 One public entry point, ``sparse_mla_attention``, validates shapes and dispatches on
 ``impl`` (a config field, ``kernels.attention``):
 
-* ``'xla'``: ``reference.sparse_mla_attention_reference`` (plain jnp; also the fallback);
+* ``'xla'``: ``reference.sparse_mla_attention_reference`` (plain jnp; also the fallback;
+  the only one that reads ``model.kv_layout='fp8'`` rows, dequantised after the gather);
 * ``'pallas'``: ``pallas.sparse_mla_attention_pallas``, same signature;
 * ``'mosaic'``: ``mosaic.sparse_mla_attention_fastest``, the Pallas Mosaic GPU kernel in
   its fastest launch (Hopper GPUs only; 64 heads, 512 + 64 bf16 columns).
@@ -18,6 +19,9 @@ import importlib
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
+
+from ula_jax.core import kv_layout as kv_layout_lib
 
 # impl name -> "module:function"
 IMPLS: dict[str, str] = {
@@ -36,32 +40,47 @@ def impl_function(impl: str) -> Callable[..., jax.Array]:
 
 def sparse_mla_attention(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
                          slots: jax.Array, valid: jax.Array, *, scale: float,
-                         impl: str = "xla", interpret: bool | None = None) -> jax.Array:
+                         impl: str = "xla", interpret: bool | None = None,
+                         kv_layout: str = "bf16") -> jax.Array:
   """Absorbed-form MLA attention over selected pool rows.
 
   q_lat:  [B, H, Dl] latent queries
   q_rope: [B, H, Dr] rotary queries
-  pool:   [S, Dl + Dr] entries ``concat(c, k_rope)``
+  pool:   [S, Dl + Dr] entries ``concat(c, k_rope)``; with ``kv_layout='fp8'`` their
+          rows [S, Dl + 4 Dl/128 + 2 Dr] uint8 (``core.kv_layout``)
   slots:  [B, k] int32 pool rows to read (ignored where not valid)
   valid:  [B, k] bool; a row with nothing valid returns zeros
   scale:  softmax scale; impl: one of ``IMPLS``
   interpret: Pallas interpret mode (None: on everywhere but on GPU); 'xla' ignores it
+  kv_layout: how the pool's rows encode entries (``model.kv_layout``); 'fp8' rows are
+          dequantised after the gather, by the 'xla' implementation only
   returns o_lat: [B, H, Dl] float32
   """
   fn = impl_function(impl)
+  kv_layout_lib.check_kind(kv_layout)
+  if kv_layout != "bf16" and impl != "xla":
+    raise ValueError(f"kernels.attention={impl!r} reads model.kv_layout='bf16' rows only; "
+                     f"with model.kv_layout={kv_layout!r} use kernels.attention='xla'")
   if q_lat.ndim != 3 or q_rope.shape[:2] != q_lat.shape[:2] or q_rope.ndim != 3:
     raise ValueError(f"q_lat.shape={q_lat.shape}, q_rope.shape={q_rope.shape}: expected "
                      "[B, H, Dl] and [B, H, Dr] with the same B and H")
   B, _, Dl = q_lat.shape
   Dr = q_rope.shape[-1]
-  if pool.ndim != 2 or pool.shape[1] != Dl + Dr:
+  if kv_layout == "bf16" and (pool.ndim != 2 or pool.shape[1] != Dl + Dr):
     raise ValueError(f"pool.shape={pool.shape}: expected [S, Dl + Dr] = [S, {Dl + Dr}]")
+  if kv_layout == "fp8":
+    W = kv_layout_lib.row_width(kv_layout, Dl, Dr)
+    if pool.ndim != 2 or pool.shape[1] != W or pool.dtype != jnp.uint8:
+      raise ValueError(f"pool: got {pool.dtype}{list(pool.shape)}, expected uint8 "
+                       f"[S, Dl + 4 Dl/128 + 2 Dr] = [S, {W}] (model.kv_layout='fp8')")
   if slots.ndim != 2 or slots.shape[0] != B or valid.shape != slots.shape:
     raise ValueError(f"slots.shape={slots.shape}, valid.shape={valid.shape}: expected "
                      f"both [B, k] with B={B}")
   # One config field (kernels.interpret) serves every kernel: only Pallas' Triton kernel
   # has an interpret mode.
   kwargs = {"interpret": interpret} if impl == "pallas" else {}
+  if kv_layout != "bf16":
+    kwargs["kv_layout"] = kv_layout
   return fn(q_lat, q_rope, pool, slots, valid, scale=scale, **kwargs)
 
 

@@ -37,6 +37,7 @@ machines ``lower_for_cuda`` checks that it lowers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -799,6 +800,14 @@ def sparse_mla_attention_fastest(q_lat: jax.Array, q_rope: jax.Array, pool: jax.
   if jax.default_backend() != "gpu":
     raise ValueError(f"kernels.attention='mosaic' runs on Hopper GPUs only (the backend is "
                      f"{jax.default_backend()!r}); use 'pallas' or 'xla'")
+  return _fastest_shared(q_lat, q_rope, pool, slots, valid, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _fastest_shared(q_lat, q_rope, pool, slots, valid, *, scale: float):
+  """``sparse_mla_attention_mosaic`` in ``FASTEST``, as one jitted function: a program
+  with several call sites of the same shapes (a decode step's layers) lowers the kernel
+  once, and every site carries the same module, which is compiled once."""
   return sparse_mla_attention_mosaic(q_lat, q_rope, pool, slots, valid, scale=scale,
                                      config=FASTEST)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ula_jax.core import kv_layout as kv_layout_lib
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -35,22 +37,24 @@ def masked_softmax(s: jax.Array, mask: jax.Array) -> jax.Array:
 
 def sparse_mla_attention_reference(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
                                    slots: jax.Array, valid: jax.Array, *,
-                                   scale: float) -> jax.Array:
+                                   scale: float, kv_layout: str = "bf16") -> jax.Array:
   """Attention of every head over the selected pool rows.
 
   q_lat:  [B, H, Dl] latent queries (q_nope absorbed through W_uk)
   q_rope: [B, H, Dr] rotary queries
-  pool:   [S, Dl + Dr] entries (any float dtype; read as float32)
+  pool:   [S, Dl + Dr] entries (any float dtype; read as float32), or with
+          ``kv_layout='fp8'`` their rows [S, Dl + 4 Dl/128 + 2 Dr] uint8
   slots:  [B, k] int32 pool rows (ignored where not valid)
   valid:  [B, k] bool
   scale:  softmax scale
+  kv_layout: 'bf16' | 'fp8' (``core.kv_layout``): only the gathered rows are decoded
   returns o_lat: [B, H, Dl] float32
   """
   Dl = q_lat.shape[-1]
   # Invalid slots may hold INVALID (-1); read row 0 instead and zero it below: a
   # weight of 0 times an uninitialised (NaN) row would still be NaN.
   idx = jnp.where(valid, jnp.clip(slots, 0, pool.shape[0] - 1), 0)
-  ent_bkw = jnp.where(valid[..., None], pool[idx].astype(jnp.float32), 0.0)
+  ent_bkw = jnp.where(valid[..., None], kv_layout_lib.decode(pool[idx], kv_layout, Dl), 0.0)
   # The gathered rows are the same in every memory system, its pool's shape is not: keep
   # the gather out of the fusions below so their code depends only on [B, k, W].
   ent_bkw = jax.lax.optimization_barrier(ent_bkw)

@@ -1,21 +1,15 @@
-"""Selection traces: record what decoding selected, replay it through any ula policy.
+"""Selection traces through ula: replay a trace under each ula policy, side by side.
 
-A trace is one dp rank's stream of events, in the order the engine ran them:
-
-* ``PREFILL``: a chunk of prompt addresses was written (placement: device, then host);
-* ``DECODE``: one decode step: per layer group the selection ``sel_addr[t, g]``,
-  ``sel_valid[t, g]``, and the step's new tokens ``new_addr[t]`` / ``active[t]``;
-* ``RELEASE``: a finished request's addresses were freed.
+The trace format and its recorder are ``ula_jax.memory.traces.format`` (re-exported here:
+``SelectionTrace``, ``TraceRecorder``, ``PREFILL`` / ``DECODE`` / ``RELEASE``).
 
 Replaying runs only ula's metadata path (``prefill_meta`` / ``resolve_meta`` /
 ``release_meta``: tables, owners, policy; no pools, no data) and counts hits, misses and
 evictions, so policies and pool sizes can be compared on the same selections. A replay is
-one compiled ``lax.scan`` over the trace's events: no host round trip per step. The
-addresses are logical, so a trace replays under any ``memory.device_pool`` /
-``memory.host_pool`` whose capacity covers ``trace.num_logical``.
-
-File format: ``SelectionTrace.save(path)`` writes an ``.npz`` (``np.savez``) with one
-array per field (scalars as 0-d arrays); ``SelectionTrace.load(path)`` reads it back.
+one compiled ``lax.scan`` over the trace's events: no host round trip per step (meant for
+recorded runs; ``ula_jax.memory.traces.replay`` replays traces of any size through any
+memory system). The addresses are logical, so a trace replays under any
+``memory.device_pool`` / ``memory.host_pool`` whose capacity covers ``trace.num_logical``.
 """
 
 from __future__ import annotations
@@ -30,179 +24,14 @@ import numpy as np
 from jax import lax
 
 from ula_jax.config.schema import MemoryConfig
-from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
+from ula_jax.core.types import INVALID, MeshInfo
+from ula_jax.memory.traces.format import (DECODE, EVENT_NAMES, PREFILL, RELEASE,
+                                          SelectionTrace, TraceRecorder)
 from ula_jax.memory.ula.dp import Ula
 
-PREFILL, DECODE, RELEASE = 0, 1, 2
-EVENT_NAMES = {PREFILL: "prefill", DECODE: "decode", RELEASE: "release"}
-
-
-@dataclasses.dataclass(frozen=True)
-class SelectionTrace:
-  """One dp rank's recorded selections (numpy; ``E`` events, ``T`` decode steps,
-  ``A`` prefill/release addresses, ``G`` groups, ``B`` rows, ``k`` selected per row).
-
-  kind:      [E] int8 PREFILL / DECODE / RELEASE, in the order they ran
-  ref:       [E] int32 DECODE: the step ``t``; PREFILL/RELEASE: offset into ``addrs``
-  count:     [E] int32 PREFILL/RELEASE: how many addresses (DECODE: 0)
-  addrs:     [A] int32 the prefill and release addresses, event after event
-  sel_addr:  [T, G, B, k] int32 logical addresses selected (INVALID where not valid)
-  sel_valid: [T, G, B, k] bool
-  new_addr:  [T, B] int32 each row's new token (INVALID for inactive rows)
-  active:    [T, B] bool
-  num_logical: logical addresses of the rank the trace was recorded on
-  page_size, num_layers, group_size, entry_width, index_dim, kv_dtype: the run's
-    engine page and KV geometry (so byte-sized pools convert to the same tokens)
-  """
-
-  kind: np.ndarray
-  ref: np.ndarray
-  count: np.ndarray
-  addrs: np.ndarray
-  sel_addr: np.ndarray
-  sel_valid: np.ndarray
-  new_addr: np.ndarray
-  active: np.ndarray
-  num_logical: int
-  page_size: int
-  num_layers: int
-  group_size: int
-  entry_width: int
-  index_dim: int
-  kv_dtype: str = "bfloat16"
-
-  @property
-  def num_steps(self) -> int:
-    return int(self.sel_addr.shape[0])
-
-  @property
-  def num_groups(self) -> int:
-    return int(self.sel_addr.shape[1])
-
-  @property
-  def max_batch(self) -> int:
-    return int(self.sel_addr.shape[2])
-
-  @property
-  def top_k(self) -> int:
-    return int(self.sel_addr.shape[3])
-
-  def geometry(self) -> KVGeometry:
-    return KVGeometry(num_layers=self.num_layers, group_size=self.group_size,
-                      entry_width=self.entry_width, index_dim=self.index_dim,
-                      top_k=self.top_k, kv_dtype=self.kv_dtype)
-
-  def validate(self) -> None:
-    """Raises ValueError naming the inconsistent field."""
-    T, G, B, k = self.sel_addr.shape if self.sel_addr.ndim == 4 else (None,) * 4
-    if T is None:
-      raise ValueError(f"trace.sel_addr has shape {self.sel_addr.shape}: expected "
-                       f"[steps, groups, batch, k]")
-    shapes = {"sel_valid": (self.sel_valid, (T, G, B, k)), "new_addr": (self.new_addr, (T, B)),
-              "active": (self.active, (T, B)), "ref": (self.ref, self.kind.shape),
-              "count": (self.count, self.kind.shape)}
-    for name, (arr, want) in shapes.items():
-      if arr.shape != want:
-        raise ValueError(f"trace.{name} has shape {arr.shape}: expected {want}")
-    if G != -(-self.num_layers // self.group_size):
-      raise ValueError(f"trace.sel_addr has {G} layer groups; num_layers={self.num_layers} "
-                       f"and group_size={self.group_size} make "
-                       f"{-(-self.num_layers // self.group_size)}")
-    bad = ~np.isin(self.kind, list(EVENT_NAMES))
-    if bad.any():
-      raise ValueError(f"trace.kind={int(self.kind[bad][0])}: expected one of "
-                       f"{sorted(EVENT_NAMES)} (prefill, decode, release)")
-    dec = self.kind == DECODE
-    if not np.array_equal(np.sort(self.ref[dec]), np.arange(T)):
-      raise ValueError(f"trace.ref: the decode events name steps {self.ref[dec].tolist()}; "
-                       f"expected each of 0..{T - 1} once")
-    io = ~dec
-    if (self.ref[io] < 0).any() or (self.ref[io] + self.count[io] > self.addrs.shape[0]).any():
-      raise ValueError(f"trace.ref/count: a prefill or release range falls outside "
-                       f"trace.addrs (length {self.addrs.shape[0]})")
-    used = [self.addrs, self.sel_addr[self.sel_valid], self.new_addr[self.active]]
-    top = max((int(a.max()) for a in used if a.size), default=-1)
-    if top >= self.num_logical:
-      raise ValueError(f"trace.num_logical={self.num_logical}: the trace uses address {top}")
-
-  def save(self, path) -> None:
-    np.savez(path, **{f.name: np.asarray(getattr(self, f.name))
-                      for f in dataclasses.fields(self)})
-
-  @classmethod
-  def load(cls, path) -> SelectionTrace:
-    with np.load(path) as z:
-      kw = {}
-      for f in dataclasses.fields(cls):
-        v = z[f.name]
-        kw[f.name] = v.item() if v.ndim == 0 else v
-    kw["kv_dtype"] = str(kw["kv_dtype"])
-    return cls(**kw)
-
-
-class TraceRecorder:
-  """Builds a ``SelectionTrace`` from the events of one dp rank, in order."""
-
-  def __init__(self, geometry: KVGeometry, *, max_batch: int, num_logical: int,
-               page_size: int):
-    self.geo, self.B = geometry, max_batch
-    self.num_logical, self.page_size = num_logical, page_size
-    self._kind: list[int] = []
-    self._ref: list[int] = []
-    self._count: list[int] = []
-    self._addrs: list[np.ndarray] = []
-    self._n_addrs = 0
-    self._steps: list[tuple[np.ndarray, ...]] = []
-
-  def _io(self, kind: int, addrs, valid) -> None:
-    a = np.asarray(addrs, np.int32).reshape(-1)
-    if valid is not None:
-      a = a[np.asarray(valid, bool).reshape(-1)]
-    a = a[a >= 0]
-    self._kind.append(kind)
-    self._ref.append(self._n_addrs)
-    self._count.append(a.shape[0])
-    self._addrs.append(a)
-    self._n_addrs += a.shape[0]
-
-  def prefill(self, addrs, valid=None) -> None:
-    """addrs: [C] int32 written by one prefill chunk (valid: [C] bool, optional)."""
-    self._io(PREFILL, addrs, valid)
-
-  def release(self, addrs, valid=None) -> None:
-    """addrs: [N] int32 freed (valid: [N] bool, optional)."""
-    self._io(RELEASE, addrs, valid)
-
-  def decode(self, sel_addr, sel_valid, new_addr, active) -> None:
-    """sel_addr/sel_valid: [G, B, k]; new_addr/active: [B] (one decode step)."""
-    sel_valid = np.asarray(sel_valid, bool)
-    sel_addr = np.where(sel_valid, np.asarray(sel_addr, np.int32), INVALID)
-    active = np.asarray(active, bool)
-    new_addr = np.where(active, np.asarray(new_addr, np.int32), INVALID)
-    self._kind.append(DECODE)
-    self._ref.append(len(self._steps))
-    self._count.append(0)
-    self._steps.append((sel_addr, sel_valid, new_addr, active))
-
-  def build(self) -> SelectionTrace:
-    G, B, k = self.geo.num_groups, self.B, self.geo.top_k
-    cols = list(zip(*self._steps)) if self._steps else [[]] * 4
-    stack = lambda xs, shape, dtype: (np.stack(xs).astype(dtype) if xs
-                                      else np.zeros((0, *shape), dtype))
-    trace = SelectionTrace(
-        kind=np.asarray(self._kind, np.int8), ref=np.asarray(self._ref, np.int32),
-        count=np.asarray(self._count, np.int32),
-        addrs=(np.concatenate(self._addrs).astype(np.int32) if self._addrs
-               else np.zeros((0,), np.int32)),
-        sel_addr=stack(cols[0], (G, B, k), np.int32),
-        sel_valid=stack(cols[1], (G, B, k), bool),
-        new_addr=stack(cols[2], (B,), np.int32), active=stack(cols[3], (B,), bool),
-        num_logical=self.num_logical, page_size=self.page_size,
-        num_layers=self.geo.num_layers, group_size=self.geo.group_size,
-        entry_width=self.geo.entry_width, index_dim=self.geo.index_dim,
-        kv_dtype=self.geo.kv_dtype)
-    trace.validate()
-    return trace
+__all__ = ["DECODE", "EVENT_NAMES", "PREFILL", "RELEASE", "ReplayResult", "SelectionTrace",
+           "TraceRecorder", "compare_policies", "compare_policies_per_rank", "replay",
+           "system_for_trace"]
 
 
 # ----------------------------------------------------------------------------------

@@ -1,0 +1,274 @@
+"""ula-jax train: the data split, the training forward against the served model, both
+stages, checkpoints and resume, serving a trained model, and config errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ula_jax.cli.main import main
+from ula_jax.config import ConfigError
+from ula_jax.models import checkpoint
+from ula_jax.models import transformer as tfm
+from ula_jax.models.config import ModelConfig
+from ula_jax.train import cost
+from ula_jax.train.config import DataConfig, load_train_config
+from ula_jax.train.data import (BOS, ByteTokenizer, eval_windows, is_heldout, list_files,
+                                load_corpus, train_batch, unigram_log_probs, unigram_loss)
+from ula_jax.train.forward import ForwardOptions, _kl_rows, sequence_terms
+from ula_jax.train.loop import train
+
+from tests.engine_util import run_engine
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "experiments/train_small/tiny.yaml"
+
+
+def _params(path: Path, cfg: ModelConfig) -> list[np.ndarray]:
+  return [np.asarray(x) for x in
+          jax.tree.leaves(nnx.state(checkpoint.restore_params(cfg, path)))]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+  return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """The tiny config trained straight through (3 dense + 3 sparse steps)."""
+  cfg = load_train_config(TINY)
+  result = train(cfg, tmp_path_factory.mktemp("train") / "run", progress=False)
+  return cfg, result
+
+
+# ----------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------
+
+
+def test_data_split_is_deterministic_and_the_held_out_files_are_disjoint():
+  cfg = DataConfig(heldout_fraction=0.1, max_bytes=200_000)
+  a, b = load_corpus(cfg), load_corpus(cfg)
+  assert a.sha1 == b.sha1 and a.train_files == b.train_files
+  np.testing.assert_array_equal(a.train, b.train)
+  np.testing.assert_array_equal(a.heldout, b.heldout)
+  assert a.heldout_files and a.train_files
+  assert not set(a.train_files) & set(a.heldout_files)
+  assert all(is_heldout(f, 0.1) for f in a.heldout_files)
+  assert not any(is_heldout(f, 0.1) for f in a.train_files)
+  # Over the whole library the held-out share is close to the fraction, by file count.
+  files = list_files(a.root, (".py",))
+  share = np.mean([is_heldout(f, 0.1) for f in files])
+  assert 0.05 < share < 0.15, share
+  assert not any("site-packages" in f for f in files)
+  # Each file is a separator and its bytes.
+  first = (a.root / a.train_files[0]).read_bytes()
+  assert a.train[0] == BOS
+  assert bytes(a.train[1:1 + len(first)].astype(np.uint8)) == first
+  # Training windows depend only on (seed, step); held-out windows are fixed.
+  np.testing.assert_array_equal(train_batch(a.train, 5, 3, 64, 0), train_batch(b.train, 5, 3, 64, 0))
+  assert not np.array_equal(train_batch(a.train, 5, 3, 64, 0), train_batch(a.train, 6, 3, 64, 0))
+  w = eval_windows(a.heldout, 4, 64)
+  assert w.shape == (4, 65) and w.dtype == np.int32
+  with pytest.raises(ValueError, match=r"fewer than one window of train.seq_len \+ 1"):
+    eval_windows(a.heldout[:10], 4, 64)
+  with pytest.raises(ValueError, match=r"data.root='/nonexistent': not a directory"):
+    load_corpus(DataConfig(root="/nonexistent"))
+
+
+def test_byte_tokenizer_and_unigram_baseline():
+  tok = ByteTokenizer()
+  ids = tok.encode("é = 1\n")
+  assert ids[0] == BOS and tok.decode(ids) == "é = 1\n".encode()
+  assert tok.vocab_size == 257
+  # Hand-checked: tokens 0, 0, 1 (+1 smoothing over 3 ids) -> p = 3/6, 2/6, 1/6.
+  log_p = unigram_log_probs(np.array([0, 0, 1], np.uint16), 3)
+  np.testing.assert_allclose(np.exp(log_p), [0.5, 1 / 3, 1 / 6])
+  windows = np.array([[2, 0, 1]])  # targets 0 and 1
+  assert unigram_loss(log_p, windows) == pytest.approx(-(np.log(0.5) + np.log(1 / 3)) / 2)
+
+
+# ----------------------------------------------------------------------------------
+# the training forward
+# ----------------------------------------------------------------------------------
+
+
+def test_kl_rows_hand_checked():
+  p = jnp.array([[0.5, 0.5, 0.0]])
+  mask = jnp.array([[True, True, False]])
+  log_q = jnp.log(jnp.array([[0.25, 0.75, 1.0]]))
+  want = 0.5 * np.log(0.5 / 0.25) + 0.5 * np.log(0.5 / 0.75)
+  np.testing.assert_allclose(_kl_rows(p, log_q, mask), [want], rtol=1e-6)
+  assert float(_kl_rows(p, jnp.log(p + (p == 0)), mask)[0]) == 0.0
+
+
+def test_sparse_training_forward_is_the_served_function(seed):
+  """Stage 2 trains what serving computes: the sparse training forward's loss at every
+  position equals the loss of the logits the served prefill gives there (float32),
+  with query blocks smaller than the sequence. With k >= T the top-k captures all of
+  the dense attention."""
+  cfg = ModelConfig(preset="tiny", vocab_size=257, num_layers=2, index_topk=4,
+                    param_seed=seed % 1000)
+  model = tfm.Transformer(cfg)
+  T = 32  # 4 blocks of 8 in 4 key segments
+  tokens = np.random.default_rng(seed).integers(0, 257, T + 1).astype(np.int32)
+  got = jax.jit(lambda x, y: sequence_terms(model, x, y, ForwardOptions(True, 8)))(
+      tokens[:-1], tokens[1:])
+  graphdef, params = nnx.split(model)
+  ws = tfm.init_workspace(cfg, T)
+  losses = []
+  for t in range(T):
+    _, _, logits, ws = tfm.prefill_chunk_jit(graphdef, params, ws, jnp.asarray(tokens[t:t + 1]),
+                                             jnp.int32(t), jnp.int32(1))
+    losses.append(float(jax.nn.logsumexp(logits) - logits[tokens[t + 1]]))
+  np.testing.assert_allclose(float(got["lm"]), sum(losses), rtol=2e-5)
+  assert np.all(np.asarray(got["kl"]) >= -1e-5)
+
+  model = tfm.Transformer(cfg.model_copy(update={"index_topk": T}))
+  dense = jax.jit(lambda x, y: sequence_terms(model, x, y, ForwardOptions(False, 8, measure=True)))(
+      tokens[:-1], tokens[1:])
+  np.testing.assert_allclose(np.asarray(dense["mass"]) / T, 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_indexer_learns_only_from_the_kl_and_the_model_only_from_the_lm_loss(sparse, seed):
+  cfg = ModelConfig(preset="tiny", vocab_size=257, num_layers=1, index_share=1,
+                    num_dense_layers=1, index_topk=4, param_seed=seed % 1000)
+  graphdef, params = nnx.split(tfm.Transformer(cfg))
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 257, 17), jnp.int32)
+  opts = ForwardOptions(sparse, 16)
+
+  def term(name):
+    return lambda p: sequence_terms(nnx.merge(graphdef, p), tokens[:-1], tokens[1:],
+                                    opts)[name].sum()
+
+  g_lm, g_kl = jax.jit(lambda p: (jax.grad(term("lm"))(p), jax.grad(term("kl"))(p)))(params)
+  for (path, lm), kl in zip(jax.tree_util.tree_leaves_with_path(g_lm), jax.tree.leaves(g_kl)):
+    name = jax.tree_util.keystr(path)
+    if "indexer" in name:
+      assert not np.any(np.asarray(lm)), name
+      assert np.any(np.asarray(kl)), name
+    else:
+      assert not np.any(np.asarray(kl)), name
+
+
+def test_cost_counts_every_parameter():
+  for m in (ModelConfig(preset="tiny"), ModelConfig(preset="small", vocab_size=257)):
+    model = nnx.eval_shape(lambda m=m: tfm.Transformer(m))
+    assert cost.all_params(m) == sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+
+
+# ----------------------------------------------------------------------------------
+# training, checkpoints, resume
+# ----------------------------------------------------------------------------------
+
+
+def test_tiny_training_runs_both_stages_and_learns(trained):
+  cfg, result = trained
+  run = result.run_dir
+  assert result.status == "finished"
+  rows = _metrics(run)
+  assert [r["stage"] for r in rows] == ["dense"] * 3 + ["sparse"] * 3
+  assert [r["step"] for r in rows] == list(range(1, 7))
+  assert rows[-1]["lm"] < rows[0]["lm"] - 0.5, [r["lm"] for r in rows]
+  assert all(np.isfinite(r["kl"]) and r["kl"] >= 0 for r in rows)
+  evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+  assert [e["step"] for e in evals] == [3, 6]  # the end of each stage
+  s = json.loads((run / "summary.json").read_text())
+  ev = s["eval"]
+  assert s["status"] == "finished" and s["step"] == 6
+  assert ev["loss"] == ev["loss_sparse"] and ev["bits_per_byte"] == pytest.approx(
+      ev["loss"] / np.log(2))
+  assert 0 < ev["captured_mass_beyond_k"] <= ev["captured_mass"] <= 1
+  assert len(ev["captured_mass_per_layer"]) == cfg.model.num_layers
+  assert s["unigram"]["loss"] > 0 and s["corpus"]["heldout_files"] > 0
+  assert (run / "curves.png").stat().st_size > 0
+  assert (run / "model" / checkpoint.CONFIG_FILE).is_file()
+  assert (run / "config.yaml").is_file()
+  assert load_train_config(run / "config.yaml") == cfg
+
+
+def test_interrupted_training_resumes_to_the_same_parameters(trained, tmp_path):
+  cfg, whole = trained
+  run = tmp_path / "run"
+  part = train(cfg, run, progress=False, stop_at=4)
+  assert part.status == "stopped" and part.summary["step"] == 4
+  # A stopped run leaves the model at its last step (a resumed run replaces it).
+  assert (run / "model").exists() and not (run / "requests.jsonl").exists()
+  with pytest.raises(ConfigError, match=r"--resume .*the config differs from the run's "
+                                        r"\(config.yaml\): train.lr: run has 0.003, given 0.01"):
+    train(load_train_config(TINY, ["train.lr=0.01"]), resume=run, progress=False)
+  done = train(cfg, resume=run, progress=False)
+  assert done.status == "finished"
+  for a, b in zip(_params(whole.run_dir / "model", cfg.model), _params(run / "model", cfg.model)):
+    np.testing.assert_array_equal(a, b)
+  strip = lambda rows: [{k: v for k, v in r.items() if "time" not in k and "per_s" not in k}
+                        for r in rows]
+  assert strip(_metrics(run)) == strip(_metrics(whole.run_dir))
+
+
+def test_cli_train_and_its_refusals(trained, tmp_path, capsys):
+  _, result = trained
+  assert main(["train", str(TINY), "--no-progress", "--out", str(tmp_path / "run")]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"held-out loss \d+\.\d+ nats/token \(\d+\.\d+ bits/byte; unigram baseline "
+                   r"\d+\.\d+ nats/token", out), out
+  assert f"training run directory: {tmp_path / 'run'} (status finished)" in out
+  assert main(["train", str(TINY), "--out", "x", "--resume", "y"]) == 2
+  assert "not both" in capsys.readouterr().err
+  assert main(["train", str(TINY), "--no-progress", "--out", str(result.run_dir)]) == 2
+  assert "exists and is not empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.seq_lne=64", r"unknown field 'train.seq_lne' \(did you mean 'seq_len'\?\)"),
+    ("train.batch_size=0", r"train.batch_size=0: must be >= 1"),
+    ("train.attention_block=48", r"train.seq_len=64 is not a multiple of "
+                                 r"train.attention_block=48"),
+    ("model.vocab_size=256", r"model.vocab_size=256: the byte-level tokenizer needs >= 257"),
+    ("model.checkpoint=somewhere", r"model.checkpoint='somewhere': training starts from "
+                                   r"model.param_seed"),
+    ("data.heldout_fraction=1.5", r"data.heldout_fraction=1.5: must be < 1"),
+    ("train.dense_steps=true", r"train.dense_steps=True: expected an integer, not a boolean"),
+    ("train.seq_len=512", r"train.seq_len=512 is beyond model.max_position=256"),
+])
+def test_bad_config_fields_are_named(override, message):
+  with pytest.raises(ConfigError, match=message):
+    load_train_config(TINY, [override])
+
+
+# ----------------------------------------------------------------------------------
+# model.checkpoint: serving the trained model
+# ----------------------------------------------------------------------------------
+
+
+def test_model_checkpoint_makes_a_run_use_the_trained_parameters(trained):
+  cfg, result = trained
+  model_dir = result.run_dir / "model"
+  m = cfg.model
+  geometry = [f"model.{k}={'null' if v is None else v}" for k, v in m.model_dump().items()
+              if k not in ("preset", "checkpoint", "param_seed")]
+  prompt = ByteTokenizer().encode("def f(x):\n    return x")
+  from ula_jax.engine import Request
+  reqs = [Request(id="r0", prompt=prompt, max_new_tokens=8)]
+  common = ["mesh.dp=1", "engine.max_batch=1", "engine.max_context=64", "workload.num_requests=1",
+            "workload.length_scale=1.0", "workload.prompt_len=[8,16]",
+            "workload.output_len=[4,8]", *geometry]
+  served = run_engine([*common, f"model.checkpoint={model_dir}"], reqs)
+  tokens = served.requests[0].output_tokens
+  trained_model = checkpoint.restore_params(m, model_dir)
+  np.testing.assert_array_equal(tokens, tfm.generate_reference(trained_model, prompt, 8))
+  untrained = tfm.Transformer(m)
+  # Committed to a device as restored arrays are, so both share the compiled programs.
+  nnx.update(untrained, jax.device_put(nnx.state(untrained), jax.devices()[0]))
+  assert not np.array_equal(tokens, tfm.generate_reference(untrained, prompt, 8))
+  with pytest.raises(ValueError, match=r"model.checkpoint=.*has another geometry: "
+                                       r"model.hidden_size: saved 64, given 32"):
+    run_engine([*common, "model.hidden_size=32", f"model.checkpoint={model_dir}"], reqs)
