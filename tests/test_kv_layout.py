@@ -311,9 +311,10 @@ def test_tokens_equal_across_systems_fp8(prefill):
       "kernels.resolve_fast_path=false"]
   tokens = {}
   # far_tier reads the rows its pool holds, which come back bit for bit
-  # (test_fp8_rows_round_trip_through_pools); ula's TP mode with computed prefill only.
-  systems = [n for n in ENGINE_SYSTEMS
-             if n != "far_tier" and (prefill == "compute" or n != "ula_tp")]
+  # (test_fp8_rows_round_trip_through_pools); with synthetic prefill, resident against
+  # ula (every system's synthetic tokens: tests/test_synthetic_prefill.py).
+  systems = [n for n in ENGINE_SYSTEMS if n != "far_tier"
+             and (prefill == "compute" or n in ("resident", "ula"))]
   for name in systems:
     result = run_engine(base + ENGINE_SYSTEMS[name], _requests())
     assert [r.status for r in result.requests] == ["finished"] * len(_requests())

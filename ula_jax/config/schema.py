@@ -401,6 +401,23 @@ def longest_request(workload: WorkloadConfig) -> int:
   return workload.prompt_range[1] + workload.output_range[1]
 
 
+def check_model_bools(data: Any) -> Any:
+  """A config's raw ``model`` section, checked: the section is a plain pydantic model of
+  the models layer, and its int and float fields get the same no-boolean check as the
+  config sections (ValueError listing every such field). Returns ``data``."""
+  model = data.get("model") if isinstance(data, dict) else None
+  if isinstance(model, dict):
+    problems = []
+    for name, value in model.items():
+      field = ModelConfig.model_fields.get(name)
+      problem = field is not None and bool_problem(value, field.annotation)
+      if problem:
+        problems.append(f"model.{name}={str(value).lower()}: {problem}")
+    if problems:
+      raise ValueError("\n".join(problems))
+  return data
+
+
 class ExperimentConfig(Section):
   """A whole experiment: every section, validated together."""
 
@@ -434,19 +451,7 @@ class ExperimentConfig(Section):
   @model_validator(mode="before")
   @classmethod
   def _model_bools(cls, data: Any) -> Any:
-    """The model section is a plain pydantic model of the models layer: its int and float
-    fields get the same no-boolean check as the config sections."""
-    model = data.get("model") if isinstance(data, dict) else None
-    if isinstance(model, dict):
-      problems = []
-      for name, value in model.items():
-        field = ModelConfig.model_fields.get(name)
-        problem = field is not None and bool_problem(value, field.annotation)
-        if problem:
-          problems.append(f"model.{name}={str(value).lower()}: {problem}")
-      if problems:
-        raise ValueError("\n".join(problems))
-    return data
+    return check_model_bools(data)
 
   @model_validator(mode="after")
   def _check_combinations(self, info: ValidationInfo) -> ExperimentConfig:

@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ula_jax.config.errors import ConfigError, format_validation_error
 from ula_jax.config.loader import compose
-from ula_jax.config.schema import Section, bool_problem
+from ula_jax.config.schema import Section, check_model_bools
 from ula_jax.models.config import ModelConfig
 
 BYTE_VOCAB = 257
@@ -138,17 +138,7 @@ class TrainConfig(Section):
   @model_validator(mode="before")
   @classmethod
   def _model_bools(cls, data: Any) -> Any:
-    model = data.get("model") if isinstance(data, dict) else None
-    if isinstance(model, dict):
-      problems = []
-      for name, value in model.items():
-        field = ModelConfig.model_fields.get(name)
-        problem = field is not None and bool_problem(value, field.annotation)
-        if problem:
-          problems.append(f"model.{name}={str(value).lower()}: {problem}")
-      if problems:
-        raise ValueError("\n".join(problems))
-    return data
+    return check_model_bools(data)
 
   @model_validator(mode="after")
   def _check(self) -> TrainConfig:
@@ -169,9 +159,8 @@ class TrainConfig(Section):
     if t.seq_len % block:
       problems.append(f"train.seq_len={t.seq_len} is not a multiple of "
                       f"train.attention_block={t.attention_block}")
-    layout = getattr(m, "kv_layout", "bf16")  # a field of newer ModelConfigs
-    if layout != "bf16":
-      problems.append(f"model.kv_layout={layout!r}: training computes on unquantised "
+    if m.kv_layout != "bf16":
+      problems.append(f"model.kv_layout={m.kv_layout!r}: training computes on unquantised "
                       f"entries; train with 'bf16' (the trained parameters serve either "
                       f"layout)")
     if m.checkpoint is not None:
