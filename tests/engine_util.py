@@ -10,6 +10,21 @@ from ula_jax.engine import Engine, Request, resolve_max_context
 
 BASE = "experiments/quickstart/config.yaml"
 
+TOP_K = 8  # the tiny preset's index_topk
+ROWS = 2  # decode rows per dp rank in the tight-pool runs (engine.max_batch)
+TIGHT_SYSTEMS = {
+    "resident": [],
+    # a device pool of 1.5 selections per row: most decode steps miss and evict
+    "ula": ["memory.system=ula", f"memory.device_pool={int(1.5 * TOP_K * ROWS)}",
+            "memory.host_pool=1024"],
+    # a buffer of one selection per (request, group)
+    "hisparse": ["memory.system=hisparse", f"memory.hisparse.device_buffer_size={TOP_K}",
+                 "memory.hisparse.host_to_device_ratio=32"],
+    "far_tier": ["memory.system=far_tier"],
+}
+"""Overrides per memory system for tiny-model runs of ``ROWS`` rows whose decode steps
+miss and evict (the tests that compare every system's tokens)."""
+
 
 def make_requests(num: int, seed: int, prompt: tuple[int, int], output: tuple[int, int],
                   vocab: int = 256) -> tuple[Request, ...]:

@@ -9,22 +9,17 @@ import functools
 
 import pytest
 
-from tests.engine_util import make_requests, run_engine
+from tests.engine_util import ROWS, TIGHT_SYSTEMS, make_requests, run_engine
 from ula_jax.config import load_config
 from ula_jax.models import transformer as tfm
 
 # 22 layers, 3 dense, groups of 4: [D D D M] [M M M M] x 4 [M M]: three segments.
 DEEP = ["model.num_layers=22", "model.num_dense_layers=3", "model.index_share=4"]
-TOP_K = 8
-ROWS = 2
-POOL = int(1.5 * TOP_K * ROWS)
-
 SYSTEMS = {
-    "ula_pb_lru": ["memory.system=ula", f"memory.device_pool={POOL}", "memory.host_pool=1024"],
+    "ula_pb_lru": TIGHT_SYSTEMS["ula"],
     "ula_tp_mod": ["memory.system=ula", "mesh.tp=2", "memory.layout=mod"],
-    "hisparse": ["memory.system=hisparse", f"memory.hisparse.device_buffer_size={TOP_K}",
-                 "memory.hisparse.host_to_device_ratio=32"],
-    "far_tier": ["memory.system=far_tier"],
+    "hisparse": TIGHT_SYSTEMS["hisparse"],
+    "far_tier": TIGHT_SYSTEMS["far_tier"],
 }
 
 

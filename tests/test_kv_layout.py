@@ -30,7 +30,7 @@ from ula_jax.memory import build_memory_system
 from ula_jax.models import transformer as tfm
 from ula_jax.models.config import ModelConfig
 from ula_jax.models.layers import MLAttention
-from tests.engine_util import BASE, make_requests, run_engine
+from tests.engine_util import BASE, ROWS, TIGHT_SYSTEMS, make_requests, run_engine
 from tests.memory_util import CHUNK, Workload, local_state, prefill_fn, step_fn
 
 BF16, F8 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn
@@ -274,18 +274,12 @@ def test_fp8_rows_round_trip_through_pools(rng, name):
 # ----------------------------------------------------------------------------------
 
 
-TOP_K, ROWS = 8, 2  # the tiny preset's index_topk; decode rows per dp rank
 # Two dense layers in two layer groups (one scanned segment): half the compile time of
 # the tiny preset's four, the same code paths.
 SMALL = dict(kv_layout="fp8", kv_lora_rank=128, num_layers=2, num_dense_layers=2,
              index_share=1)
 ENGINE_SYSTEMS = {
-    "resident": [],
-    "ula": ["memory.system=ula", f"memory.device_pool={int(1.5 * TOP_K * ROWS)}",
-            "memory.host_pool=1024"],
-    "hisparse": ["memory.system=hisparse", f"memory.hisparse.device_buffer_size={TOP_K}",
-                 "memory.hisparse.host_to_device_ratio=32"],
-    "far_tier": ["memory.system=far_tier"],
+    **TIGHT_SYSTEMS,
     # ula TP mode: heads over 2 tp ranks, entries spread over their pools and fetched
     # from their host pools into the local buffer.
     "ula_tp": ["mesh.dp=1", "mesh.tp=2", "memory.system=ula", "memory.device_pool=48",

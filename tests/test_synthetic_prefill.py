@@ -21,24 +21,14 @@ from ula_jax.engine import Engine, Request, resolve_max_context
 from ula_jax.engine import synthetic_prefill as sp
 from ula_jax.models import transformer as tfm
 from ula_jax.models.config import ModelConfig
-from tests.engine_util import BASE, make_requests, mesh_for
+from tests.engine_util import BASE, ROWS, TIGHT_SYSTEMS, make_requests, mesh_for
 
-TOP_K = 8  # the tiny preset's index_topk
-ROWS = 2
-SMALL_POOL = int(1.5 * TOP_K * ROWS)
 # The resolve's all-hit fast path is left out: it changes no token (tests/test_exactness.py
 # runs it) and takes a third of the compile time of these runs.
 SYNTHETIC = ["workload.prefill=synthetic", "model.preset=tiny", "engine.progress=false",
              "kernels.resolve_fast_path=false"]
 
-SYSTEMS = {
-    "resident": [],
-    "ula_small": ["memory.system=ula", f"memory.device_pool={SMALL_POOL}",
-                  "memory.host_pool=1024"],
-    "hisparse_small": ["memory.system=hisparse", f"memory.hisparse.device_buffer_size={TOP_K}",
-                       "memory.hisparse.host_to_device_ratio=32"],
-    "far_tier": ["memory.system=far_tier"],
-}
+SYSTEMS = TIGHT_SYSTEMS
 
 
 @functools.lru_cache(maxsize=None)
