@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from ula_jax.config.schema import ExperimentConfig
+from ula_jax.core.serialize import dumps
 from ula_jax.core.addressing import PageAllocator
 from ula_jax.engine.engine import Engine, RunState, _Live
 from ula_jax.engine.types import Request, RequestResult, StepMetrics
@@ -113,7 +114,7 @@ def save(engine: Engine, root: str | Path) -> Path:
       doc = _host_doc(engine, rs)
       doc["device_leaves"] = [{"path": p, "shape": list(x.shape), "dtype": str(x.dtype)}
                               for p, x in zip(paths, leaves)]
-      (tmp / HOST_FILE).write_text(json.dumps(doc, default=_to_json) + "\n")
+      (tmp / HOST_FILE).write_text(dumps(doc) + "\n")
       shutil.rmtree(final, ignore_errors=True)  # (a folder of that name left incomplete)
       os.rename(tmp, final)
     except BaseException:
@@ -185,14 +186,6 @@ def _report_doc(rep: CapacityReport | None) -> dict | None:
   return {"system": rep.system, "entry_bytes": rep.entry_bytes, "extra": rep.extra,
           **{f: {"dtype": str(getattr(rep, f).dtype), "value": getattr(rep, f).tolist()}
              for f in _REPORT_ARRAYS}}
-
-
-def _to_json(value: Any) -> Any:
-  if isinstance(value, np.generic):
-    return value.item()
-  if isinstance(value, np.ndarray):
-    return value.tolist()
-  raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 # ----------------------------------------------------------------------------------

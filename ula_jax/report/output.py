@@ -10,7 +10,6 @@ and still writes the run directory.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import errno
 import fcntl
@@ -24,8 +23,8 @@ import threading
 from pathlib import Path
 from typing import IO, Any, Iterator, Mapping
 
-import numpy as np
 
+from ula_jax.core.serialize import dumps
 from ula_jax.engine.types import RunResult, StepMetrics
 from ula_jax.report.stats import request_record, run_stats
 
@@ -34,23 +33,6 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 REQUESTS_FILE = "requests.jsonl"
 RUN_PLOT = "run.png"
-
-
-def to_json(value: Any) -> Any:
-  """``json.dumps`` default: numpy scalars and arrays, dataclasses, paths."""
-  if isinstance(value, np.generic):
-    return value.item()
-  if isinstance(value, np.ndarray):
-    return value.tolist()
-  if dataclasses.is_dataclass(value) and not isinstance(value, type):
-    return dataclasses.asdict(value)
-  if isinstance(value, Path):
-    return str(value)
-  raise TypeError(f"{type(value).__name__} is not JSON serialisable")
-
-
-def dumps(value: Any, **kw: Any) -> str:
-  return json.dumps(value, default=to_json, **kw)
 
 
 def timestamp() -> str:
