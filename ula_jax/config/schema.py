@@ -17,6 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_valida
 
 from ula_jax.config.request_file import file_lengths
 from ula_jax.core.sizes import parse_size
+from ula_jax.kernels.sparse_attention import layout_problem
 from ula_jax.models.config import ModelConfig
 
 BLOCK_SECTIONS = ("model", "memory", "mesh", "workload", "engine", "kernels")
@@ -504,11 +505,9 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
           f"{model.kv_lora_rank}, model.qk_rope_head_dim={model.qk_rope_head_dim}, "
           f"model.kv_dtype={model.kv_dtype!r} (use kernels.attention='pallas' or 'xla')")
 
-  if model.kv_layout != "bf16" and cfg.kernels.attention != "xla":
-    problems.append(
-        f"kernels.attention={cfg.kernels.attention!r} reads model.kv_layout='bf16' rows "
-        f"only; with model.kv_layout={model.kv_layout!r} use kernels.attention='xla' (or "
-        f"set model.kv_layout='bf16')")
+  layout = layout_problem(cfg.kernels.attention, model.kv_layout)
+  if layout:
+    problems.append(layout)
 
   if (mem.system == "hisparse" and mem.hisparse.top_k is not None
       and mem.hisparse.top_k != model.index_topk):

@@ -38,6 +38,16 @@ def impl_function(impl: str) -> Callable[..., jax.Array]:
   return getattr(importlib.import_module(module), fn)
 
 
+def layout_problem(impl: str, kv_layout: str) -> str | None:
+  """Why attention implementation ``impl`` cannot read ``kv_layout`` rows (None when it
+  can): only 'xla' dequantises fp8 rows."""
+  if kv_layout != "bf16" and impl != "xla":
+    return (f"kernels.attention={impl!r} reads model.kv_layout='bf16' rows only; with "
+            f"model.kv_layout={kv_layout!r} use kernels.attention='xla' (or set "
+            f"model.kv_layout='bf16')")
+  return None
+
+
 def sparse_mla_attention(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
                          slots: jax.Array, valid: jax.Array, *, scale: float,
                          impl: str = "xla", interpret: bool | None = None,
@@ -58,9 +68,9 @@ def sparse_mla_attention(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
   """
   fn = impl_function(impl)
   kv_layout_lib.check_kind(kv_layout)
-  if kv_layout != "bf16" and impl != "xla":
-    raise ValueError(f"kernels.attention={impl!r} reads model.kv_layout='bf16' rows only; "
-                     f"with model.kv_layout={kv_layout!r} use kernels.attention='xla'")
+  problem = layout_problem(impl, kv_layout)
+  if problem:
+    raise ValueError(problem)
   if q_lat.ndim != 3 or q_rope.shape[:2] != q_lat.shape[:2] or q_rope.ndim != 3:
     raise ValueError(f"q_lat.shape={q_lat.shape}, q_rope.shape={q_rope.shape}: expected "
                      "[B, H, Dl] and [B, H, Dr] with the same B and H")
