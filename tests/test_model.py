@@ -247,6 +247,23 @@ def test_decode_step_matches_prefill(rig, rng):
                                  rtol=TOL["float32"], atol=TOL["float32"])
 
 
+def test_decode_step_rejects_stats_its_system_does_not_declare(rig):
+  class Undeclared(Resident):  # counts something stat_keys() does not name
+    def resolve(self, *args):
+      state, res = super().resolve(*args)
+      return state, res.replace(stats={"hits": jnp.int32(0)})
+
+  mem = Undeclared(MemoryConfig(), CFG.kv_geometry(), MeshInfo(dp=1, tp=1), max_batch=B,
+                   page_size=PAGE, max_context=T_MAX)
+  graphdef, params = nnx.split(rig.model)
+  zeros = jnp.zeros(B, jnp.int32)
+  with pytest.raises(ValueError, match=r"Undeclared.resolve returned stats \['hits'\]; "
+                                       r"its stat_keys\(\) declares \[\]"):
+    jax.eval_shape(lambda p, st: tfm.decode_step(
+        nnx.merge(graphdef, p), mem, st, zeros, zeros, jnp.zeros((B, PAGES), jnp.int32),
+        jnp.ones(B, bool)), params, rig.fresh_state())
+
+
 def test_decode_step_matches_dense_reference_with_inactive_rows(rig, rng):
   steps = 12  # from position 0 past top-k = 8 and across a page boundary
   seqs = rng.integers(0, CFG.vocab_size, (B, T_MAX)).astype(np.int32)

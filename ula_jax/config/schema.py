@@ -484,7 +484,9 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
         f"{eng.page_size}; use {-(-eng.max_context // eng.page_size) * eng.page_size}")
 
   longest = longest_request(wl)
-  if longest > model.max_position:
+  # A trace replay runs no model: its requests' lengths are the trace's, checked when
+  # it is loaded (``workloads.trace``).
+  if wl.kind != "trace" and longest > model.max_position:
     problems.append(
         f"workload: the longest request has {longest} tokens (prompt + output), beyond "
         f"model.max_position={model.max_position}; shorten the workload "

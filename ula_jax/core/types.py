@@ -111,6 +111,8 @@ class DecodeMemory(Protocol):
 
   page_size: int
 
+  def stat_keys(self) -> tuple[str, ...]: ...
+
   def write_index_keys(self, state: Any, group: int, addrs: jax.Array,
                        keys: jax.Array) -> Any: ...
 

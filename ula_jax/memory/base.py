@@ -211,6 +211,12 @@ class MemorySystem(abc.ABC):
     active:    [B] bool rows that decode this step
     """
 
+  def stat_keys(self) -> tuple[str, ...]:
+    """The keys of ``Resolution.stats`` that ``resolve`` returns (the decode step sums
+    them over layer groups in its loop carry, so it needs them before the loop; a
+    resolve returning other keys is an error at trace time). Default: none."""
+    return ()
+
   def speculative(self) -> MemorySystem | None:
     """A copy of this system for speculative all-hit decode steps
     (``kernels.fast_path_mode='speculate'``), or None where the system has none.

@@ -316,6 +316,9 @@ class HiSparse(MemorySystem):
     return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot, plan=plan,
                              stats=stats)
 
+  def stat_keys(self) -> tuple[str, ...]:
+    return ("hits", "misses", "evictions")
+
   def move_layer(self, state: HiSparseState, layer: int | jax.Array, res: Resolution
                  ) -> HiSparseState:
     """Fetches the misses of ``res`` for one layer: host row ``l * N + addr`` -> device row

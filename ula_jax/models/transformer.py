@@ -351,11 +351,9 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
   positions = positions.astype(jnp.int32)
   new_addr = addrs_of_positions(page_table, positions[:, None], ps)[:, 0]
   new_addr = jnp.where(active, new_addr, INVALID)
-  # The carry's stats need their keys before the loop: a resolve's, traced once, unrun.
-  stat_shapes = jax.eval_shape(
-      lambda st: mem.resolve(st, jnp.int32(0), jnp.full((B, k), INVALID, jnp.int32),
-                             jnp.zeros((B, k), bool), new_addr, active)[1].stats, mem_state)
-  carry = {"mem": mem_state, "stats": {key: jnp.int32(0) for key in stat_shapes}}
+  # The carry sums the resolves' counters over groups: their keys are declared up front.
+  stat_keys = tuple(mem.stat_keys())
+  carry = {"mem": mem_state, "stats": {key: jnp.int32(0) for key in stat_keys}}
   if return_selection:
     carry["sel_addr"] = jnp.full((G, B, k), INVALID, jnp.int32)
     carry["sel_valid"] = jnp.zeros((G, B, k), bool)
@@ -367,6 +365,9 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
     sel_pos, sel_valid = mem.select(st, g, q_I, w, page_table, positions, active)
     sel_addr = jnp.where(sel_valid, addrs_of_positions(page_table, sel_pos, ps), INVALID)
     st, res = mem.resolve(st, g, sel_addr, sel_valid, new_addr, active)
+    if set(res.stats) != set(stat_keys):
+      raise ValueError(f"{type(mem).__name__}.resolve returned stats {sorted(res.stats)}; "
+                       f"its stat_keys() declares {sorted(stat_keys)}")
     # Exact layer-wise prefetch: every layer's moves are known now.
     st = jax.lax.fori_loop(0, n, lambda i, st: mem.move_layer(st, l0 + i, res), st)
     c = {**c, "mem": st, "stats": _add_stats(c["stats"], res.stats)}

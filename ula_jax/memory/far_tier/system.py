@@ -224,6 +224,9 @@ class FarTier(MemorySystem):
     return state, Resolution(slots=slots.astype(jnp.int32), valid=sel_valid, new_slot=new_slot,
                              plan=plan, stats=stats)
 
+  def stat_keys(self) -> tuple[str, ...]:
+    return COUNTER_KEYS
+
   def move_layer(self, state: FarTierState, layer: int | jax.Array, res: Resolution
                  ) -> FarTierState:
     self.check_layer(layer, res.plan.group)

@@ -307,6 +307,10 @@ class Ula(MemorySystem):
       host_pool = self.evict_rows(rows, jnp.arange(L * C, dtype=_I32), host_pool, h_rows)
     return state.replace(dev_pool=dev_pool, host_pool=host_pool, meta=meta)
 
+  def stat_keys(self) -> tuple[str, ...]:
+    keys = ("hits", "misses", "evictions")
+    return (*keys, "spec_fail") if self.speculate else keys
+
   def speculative(self) -> Ula | None:
     if not fastpath.supports(self):
       return None

@@ -630,6 +630,10 @@ class UlaTP(MemorySystem):
     pos_all = jax.lax.all_gather(pos, TP_AXIS, axis=1, tiled=True)
     return merge_topk(val_all, pos_all, k)
 
+  def stat_keys(self) -> tuple[str, ...]:
+    keys = ("hits", "misses", "evictions", "xdev_rows", "xdev_index_bytes")
+    return (*keys, "host_fetches", "host_evictions") if self.host_slots else keys
+
   def resolve(self, state: UlaTPState, group, sel_addr, sel_valid, new_addr, active):
     B, k = sel_addr.shape
     M, F = B * k + B, B * k
