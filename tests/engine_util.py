@@ -24,6 +24,11 @@ TIGHT_SYSTEMS = {
 }
 """Overrides per memory system for tiny-model runs of ``ROWS`` rows whose decode steps
 miss and evict (the tests that compare every system's tokens)."""
+DENSE = ["model.num_dense_layers=4"]
+"""The tiny preset with a dense MLP in each of its four layers (the same two layer groups
+and attention): for runs that compare memory systems, kernels or engine modes, whose tokens
+do not depend on the kind of MLP; the MoE layers' code is about a quarter of each step's
+compile time. The model's own tests (test_model.py, test_deep_model.py) run the MoE."""
 
 
 def make_requests(num: int, seed: int, prompt: tuple[int, int], output: tuple[int, int],

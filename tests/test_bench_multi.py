@@ -10,6 +10,7 @@ import json
 import pytest
 
 from ula_jax.bench import serving, tp_link
+from tests.engine_util import DENSE
 
 CONTEXT, PAGE = 512, 64
 
@@ -75,7 +76,7 @@ def test_serving_measures_each_batch_up_to_capacity_then_merges(tmp_path, capsys
   rc = serving.main(["--systems", "resident_dp,ula_dp", "--devices", "2", "--context", "512",
                      "--device-budget", "1024", "--host-budget", "1024", "--batches", "4",
                      "--max-rows", "8", "--decode-steps", "2", "--out", str(out),
-                     "model=tiny", "mesh.platform=cpu"])
+                     "model=tiny", *DENSE, "mesh.platform=cpu"])
   assert rc == 0
   result = json.loads((out / "serving.json").read_text())
   res, ula = result["systems"]["resident_dp"], result["systems"]["ula_dp"]

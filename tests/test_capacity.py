@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from ula_jax.engine import Request
-from tests.engine_util import make_requests, run_engine
+from tests.engine_util import DENSE, make_requests, run_engine
 
 DEVICE, HOST = 256, 512  # tokens per dp rank
 
 
 def _peak_admitted(overrides, reqs):
   seen = []
-  res = run_engine(["mesh.dp=1", "engine.max_batch=16", "engine.page_size=32"] + overrides,
-                   reqs, on_step=seen.append)
+  res = run_engine(DENSE + ["mesh.dp=1", "engine.max_batch=16", "engine.page_size=32"]
+                   + overrides, reqs, on_step=seen.append)
   assert all(r.status == "finished" for r in res.requests)
   return max(m.admitted for m in seen), res, seen
 

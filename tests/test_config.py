@@ -331,7 +331,8 @@ def test_config_to_yaml_lists_every_section_and_round_trips(tmp_path):
   cfg = load_config(QUICKSTART, ["memory=hisparse", "memory.hisparse.top_k=8"])
   text = config_to_yaml(cfg)
   doc = yaml.safe_load(text)
-  assert list(doc) == ["experiment", "model", "memory", "mesh", "workload", "engine", "kernels"]
+  assert list(doc) == ["experiment", "model", "memory", "mesh", "workload", "engine", "kernels",
+                       "speculative"]
   assert "prompt_len: [65536, 131072]" in text
   assert load_config(write(tmp_path, text)) == cfg
 

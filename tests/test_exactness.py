@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import pytest
 
-from tests.engine_util import make_requests, run_engine
+from tests.engine_util import DENSE, make_requests, run_engine
 
 # The tiny preset selects top-k = 8 entries; 2 decode rows per dp rank.
 TOP_K = 8
@@ -46,7 +46,7 @@ def _requests():
 
 @functools.lru_cache(maxsize=None)
 def _run(name: str, dp: int = 8):
-  overrides = [f"mesh.dp={dp}", f"engine.max_batch={ROWS}"] + (
+  overrides = DENSE + [f"mesh.dp={dp}", f"engine.max_batch={ROWS}"] + (
       [] if name == "resident" else SYSTEMS[name])
   return run_engine(overrides, _requests())
 
@@ -57,7 +57,7 @@ def _tokens(result):
 
 def test_resident_dp1_equals_dp8_and_is_deterministic():
   a, b, c = _run("resident", 8), _run("resident", 1), run_engine(
-      ["mesh.dp=8", f"engine.max_batch={ROWS}"], _requests())
+      DENSE + ["mesh.dp=8", f"engine.max_batch={ROWS}"], _requests())
   assert all(r.status == "finished" for r in a.requests)
   assert _tokens(a) == _tokens(b)
   assert _tokens(a) == _tokens(c)

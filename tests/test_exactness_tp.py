@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from tests.engine_util import make_requests, run_engine
+from tests.engine_util import DENSE, make_requests, run_engine
 
 TOP_K = 8  # the tiny preset's top-k
 ROWS = 2
@@ -16,7 +16,8 @@ BUFFER = ROWS * (TOP_K + 1)  # the smallest local buffer: one step's entries
 PAGE = 8
 RANK_TOKENS = 192  # logical tokens per dp rank: 24 pages, a few requests at a time
 # 8 heads so that 8 tp ranks split them.
-COMMON = ["model.num_heads=8", f"engine.max_batch={ROWS}", f"engine.page_size={PAGE}"]
+COMMON = DENSE + ["model.num_heads=8", f"engine.max_batch={ROWS}",
+                 f"engine.page_size={PAGE}"]
 MESHES = {"dp1_tp8": (1, 8), "dp2_tp4": (2, 4)}
 
 

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ula_jax.run",),  # one experiment end to end
     ("ula_jax.train",),  # training the model on text (ula-jax train)
     ("ula_jax.bench",),  # benchmarks
+    ("ula_jax.experiments",),  # the papers' questions as experiments (ula-jax experiment)
     ("ula_jax.cli",),  # the command line, multi-process launch
 ]
 

@@ -5,7 +5,7 @@ speculating engine also packs its state (``engine.pack_state``), the other does 
 
 from __future__ import annotations
 
-from tests.engine_util import make_requests, run_engine
+from tests.engine_util import DENSE, make_requests, run_engine
 
 
 def _totals(result) -> dict:
@@ -14,7 +14,7 @@ def _totals(result) -> dict:
 
 def test_speculate_equals_cond_with_ranks_kept_and_redone():
   reqs = make_requests(6, seed=7, prompt=(20, 64), output=(5, 10))
-  base = ["mesh.dp=2", "mesh.tp=1", "engine.max_batch=2"]
+  base = DENSE + ["mesh.dp=2", "mesh.tp=1", "engine.max_batch=2"]
   # 96 device slots: most steps hit; a few find no room for the new tokens and evict.
   ula = base + ["memory.system=ula", "memory.device_pool=96", "memory.host_pool=256"]
   # 'cond' decodes resident's tokens (test_exactness); 'speculate' must decode cond's.

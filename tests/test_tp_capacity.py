@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from tests.engine_util import make_requests, run_engine
+from tests.engine_util import DENSE, make_requests, run_engine
 
 DEVICE = 960  # memory.device_pool: tokens per device, the same for both systems
 ROWS = 24  # decode rows: more than either system admits
@@ -17,7 +17,7 @@ BUFFER = ROWS * (TOP_K + 1)  # ula's default local buffer: 120 tokens per device
 PAGE = 64
 # Every request needs 304-315 prompt + 2-3 output tokens: 5 pages = 320 tokens.
 NEED = 320
-COMMON = ["mesh.dp=1", "mesh.tp=8", "model.num_heads=8", f"model.index_topk={TOP_K}",
+COMMON = [*DENSE, "mesh.dp=1", "mesh.tp=8", "model.num_heads=8", f"model.index_topk={TOP_K}",
           f"engine.max_batch={ROWS}", f"engine.page_size={PAGE}", "engine.prefill_chunk=1024",
           f"engine.max_context={NEED}", f"memory.device_pool={DEVICE}"]
 

@@ -8,12 +8,12 @@ from ula_jax.config import load_config
 from ula_jax.memory.ula.trace import SelectionTrace
 from ula_jax.run import run_experiment
 from ula_jax.workloads.trace import replay_workload
-from tests.engine_util import mesh_for
+from tests.engine_util import DENSE, mesh_for
 
 
-OVERRIDES = ["mesh.dp=2", "workload.num_requests=4", "memory.system=ula", "memory.policy=pb_lru",
-             "memory.device_pool=48", "memory.host_pool=2048", "engine.max_batch=2",
-             "engine.progress=false", "experiment.plots=false"]
+OVERRIDES = [*DENSE, "mesh.dp=2", "workload.num_requests=4", "memory.system=ula",
+             "memory.policy=pb_lru", "memory.device_pool=48", "memory.host_pool=2048",
+             "engine.max_batch=2", "engine.progress=false", "experiment.plots=false"]
 
 
 def test_ula_run_records_traces_and_compares_policies(tmp_path):

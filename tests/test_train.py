@@ -149,14 +149,20 @@ def test_indexer_learns_only_from_the_kl_and_the_model_only_from_the_lm_loss(spa
     return lambda p: sequence_terms(nnx.merge(graphdef, p), tokens[:-1], tokens[1:],
                                     opts)[name].sum()
 
-  g_lm, g_kl = jax.jit(lambda p: (jax.grad(term("lm"))(p), jax.grad(term("kl"))(p)))(params)
-  for (path, lm), kl in zip(jax.tree_util.tree_leaves_with_path(g_lm), jax.tree.leaves(g_kl)):
+  g_lm, g_kl, g_mtp = jax.jit(lambda p: tuple(jax.grad(term(t))(p)
+                                             for t in ("lm", "kl", "mtp")))(params)
+  for (path, lm), kl, mtp in zip(jax.tree_util.tree_leaves_with_path(g_lm),
+                                 jax.tree.leaves(g_kl), jax.tree.leaves(g_mtp)):
     name = jax.tree_util.keystr(path)
     if "indexer" in name:
       assert not np.any(np.asarray(lm)), name
       assert np.any(np.asarray(kl)), name
+      assert not np.any(np.asarray(mtp)), name
     else:
       assert not np.any(np.asarray(kl)), name
+    if "mtp" in name:  # the MTP block learns from its own loss only
+      assert not np.any(np.asarray(lm)), name
+      assert np.any(np.asarray(mtp)), name
 
 
 def test_cost_counts_every_parameter():
@@ -179,7 +185,9 @@ def test_tiny_training_runs_both_stages_and_learns(trained):
   assert [r["step"] for r in rows] == list(range(1, 7))
   assert rows[-1]["lm"] < rows[0]["lm"] - 0.5, [r["lm"] for r in rows]
   assert all(np.isfinite(r["kl"]) and r["kl"] >= 0 for r in rows)
+  assert rows[-1]["mtp"] < rows[0]["mtp"], [r["mtp"] for r in rows]  # the draft block learns
   evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+  assert all(e["mtp_loss_sparse"] > 0 and e["mtp_loss_dense"] > 0 for e in evals)
   assert [e["step"] for e in evals] == [3, 6]  # the end of each stage
   s = json.loads((run / "summary.json").read_text())
   ev = s["eval"]

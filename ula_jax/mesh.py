@@ -18,6 +18,8 @@ from ula_jax.core.compilation import enable_persistent_cache
 AXES = ("dp", "tp")
 _JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda"}
 _DETERMINISTIC_GPU_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0")
+HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+"""The GPU backend's cap on pinned host memory, in GB (64 when unset)."""
 MAX_CPU_DEVICES = 1024
 """Simulated CPU devices at most (``jax_num_cpu_devices``): XLA starts every one when the
 backend starts, so a count like 100000 would hang instead of failing."""
@@ -47,6 +49,11 @@ def configure_platform(cfg: ExperimentConfig, num_devices: int | None = None) ->
       if flag.split("=")[0] not in flags:
         flags = f"{flags} {flag}".strip()
     os.environ["XLA_FLAGS"] = flags
+  if platform in ("auto", "gpu") and HOST_LIMIT_ENV not in os.environ:
+    # Read when the GPU backend starts: its pinned host allocator (host pools) stops at
+    # 64 GB unless told otherwise; check_fits_machine holds host pools to the RAM.
+    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 10**9
+    os.environ[HOST_LIMIT_ENV] = str(max(ram_gb, 1))
   try:
     if platform != "auto" and jax.config.jax_platforms != _JAX_PLATFORM[platform]:
       jax.config.update("jax_platforms", _JAX_PLATFORM[platform])

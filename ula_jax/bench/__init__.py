@@ -14,6 +14,8 @@ JSON (``ula-jax bench NAME``; ``BENCHMARKS`` lists the module names).
   prefill chunk against the model's depth (the layer stack is a loop over groups).
 * ``serving``: capacity and tokens/s against running batch of every system on every
   device of the host at equal device and host budgets (a table, JSON and a plot).
+* ``prefill``: computed prefill of one long prompt (prompt tokens/s) and its parts
+  (indexer selection, attention, the rest) against FLOP and byte ceilings.
 
 ``fetch`` and ``attention`` import neither ``ula_jax.config`` nor the model, so they run
 wherever jax does. ``summary`` condenses their JSON (``python -m ula_jax.bench.summary``).
@@ -22,4 +24,4 @@ wherever jax does. ``summary`` condenses their JSON (``python -m ula_jax.bench.s
 from __future__ import annotations
 
 BENCHMARKS = ("fetch", "attention", "resolve", "step_cost", "tp_link", "serving",
-              "kernel_report", "compile")
+              "kernel_report", "compile", "prefill")

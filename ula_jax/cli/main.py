@@ -23,6 +23,7 @@ from ula_jax.cli.common import (EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, Verb, add_co
                                 add_output_arguments, console)
 from ula_jax.report.output import (RunDirError, RunInterrupted, exit_status, handle_signals,
                                    raise_interrupted)
+from ula_jax.cli.experiment import add_experiment_arguments, run_experiment_verb
 from ula_jax.cli.trace import add_trace_arguments, run_trace
 from ula_jax.train.command import add_train_arguments, run_train
 from ula_jax.workloads import WorkloadError
@@ -381,6 +382,8 @@ VERBS: dict[str, Verb] = {v.name: v for v in [
          "workload.kind=trace", add_trace_arguments, run_trace),
     Verb("launch", "run an experiment as several jax.distributed processes (one host or "
          "many)", _launch_args, _launch),
+    Verb("experiment", "the papers' questions, one command each: a figure, a table and "
+         "JSON (ula-jax experiment list)", add_experiment_arguments, run_experiment_verb),
 ]}
 
 

@@ -258,6 +258,10 @@ class WorkloadConfig(Section):
     return scaled_range(self.output_len, self.output_scale)
 
 
+MIN_PREFILL_SCRATCH = 1 << 20
+"""The smallest ``engine.prefill_scratch`` (bytes)."""
+
+
 class EngineConfig(Section):
   """Batching and scheduling."""
 
@@ -267,6 +271,11 @@ class EngineConfig(Section):
       "request (prompt + output) rounded up to a context bucket (a page count of four per "
       "doubling, at most 25% over), so similar workloads share compiled programs")
   prefill_chunk: int = Field(256, ge=1, description="prompt tokens per prefill chunk")
+  prefill_scratch: int | str = Field(
+      "1GiB", description="bytes a prefill chunk's layer group selection (the indexer "
+      "scores and top-k of a block of rows) and a layer's kernels.attention=xla attention "
+      "may allocate at once, as bytes or with a unit ('512MiB'); the chunk's rows run in "
+      "blocks that fit")
   page_size: int = Field(64, ge=1, description="logical addresses per page")
   max_steps: int | None = Field(
       None, ge=1, description="stop after this many engine steps; None = until done")
@@ -293,6 +302,26 @@ class EngineConfig(Section):
       "state, scheduler, metrics; the latest kept in the run directory's checkpoint/), one "
       "also at SIGINT/SIGTERM; ula-jax run --resume DIR continues from it; 0 = none")
 
+  @field_validator("prefill_scratch", mode="before")
+  @classmethod
+  def _prefill_scratch(cls, v: Any) -> Any:
+    what = (f"engine.prefill_scratch={v!r}: expected bytes (int) or a size with a unit "
+            "(KiB, MiB, GiB, ...), e.g. '1GiB'")
+    if isinstance(v, bool) or not isinstance(v, (int, str)):
+      raise ValueError(what)
+    try:
+      nbytes = parse_size(v, field="engine.prefill_scratch", token_bytes=1)
+    except ValueError:
+      raise ValueError(what) from None
+    if nbytes < MIN_PREFILL_SCRATCH:
+      raise ValueError(f"engine.prefill_scratch={v!r}: must be at least 1MiB")
+    return v
+
+  @property
+  def prefill_scratch_bytes(self) -> int:
+    """``prefill_scratch`` in bytes."""
+    return parse_size(self.prefill_scratch, field="engine.prefill_scratch", token_bytes=1)
+
   @model_validator(mode="after")
   def _checkpoints_without_trace(self) -> EngineConfig:
     if self.checkpoint_every and self.record_trace:
@@ -309,6 +338,9 @@ class KernelsConfig(Section):
   attention: Literal["xla", "pallas", "mosaic"] = Field(
       "xla", description="sparse MLA attention kernel: 'mosaic' is the Pallas Mosaic GPU "
       "kernel (Hopper GPUs only; 64 heads per device, 512 + 64 wide bf16 entries)")
+  indexer: Literal["xla", "pallas"] = Field(
+      "xla", description="indexer scores of a prefill chunk: 'xla' in column tiles, "
+      "'pallas' one kernel that keeps the per-head products in registers (Triton on GPU)")
   fetch: Literal["xla", "pallas", "ffi"] = Field(
       "xla", description="host->device fetch / write-back of entries (ffi = the custom call)")
   resolve: Literal["jnp", "pallas", "pallas_fused"] = Field(
@@ -336,7 +368,7 @@ class KernelsConfig(Section):
 
   @property
   def uses_pallas(self) -> bool:
-    return "pallas" in (self.attention, self.fetch, self.resolve.split("_")[0])
+    return "pallas" in (self.attention, self.indexer, self.fetch, self.resolve.split("_")[0])
 
   @model_validator(mode="after")
   def _speculate_needs_fast_path(self) -> KernelsConfig:
@@ -345,6 +377,33 @@ class KernelsConfig(Section):
                        "fast path: it needs kernels.resolve_fast_path=true (or use "
                        "kernels.fast_path_mode='cond')")
     return self
+
+
+MAX_DRAFT = 3
+"""Draft tokens a verify step checks at most (``speculative.num_draft``)."""
+
+
+class SpeculativeConfig(Section):
+  """Speculative decoding with the model's multi-token-prediction (MTP) drafts."""
+
+  num_draft: int = Field(
+      0, description="draft tokens per request and decode step, 0 (off) to 3: the model's "
+      "MTP block drafts them, one verify step runs 1 + num_draft query rows per request "
+      "(each with its own indexer top-k), greedy acceptance keeps the drafts that equal the "
+      "model's own tokens; the tokens are those of num_draft=0")
+
+  @field_validator("num_draft", mode="before")
+  @classmethod
+  def _num_draft(cls, v: Any) -> Any:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_DRAFT:
+      raise ValueError(f"speculative.num_draft={v!r}: expected 0 (off), 1, 2 or "
+                       f"{MAX_DRAFT} draft tokens per decode step")
+    return v
+
+  @property
+  def rows(self) -> int:
+    """Query rows per request in one decode step (1 + num_draft)."""
+    return 1 + self.num_draft
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
@@ -428,6 +487,7 @@ class ExperimentConfig(Section):
   workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
   engine: EngineConfig = Field(default_factory=EngineConfig)
   kernels: KernelsConfig = Field(default_factory=KernelsConfig)
+  speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
   experiment: ExperimentInfo
 
   @model_validator(mode="before")
@@ -525,16 +585,47 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
         f"than top-k={top_k} (memory.hisparse.top_k or model.index_topk): a request's "
         f"buffer must hold its whole selection")
 
+  spec = cfg.speculative
+  rows = spec.rows  # query rows per request in one decode step
+  # One decode step of a request needs the union of its rows' selections and their new
+  # tokens on the device at once: up to rows x (top-k + 1) entries.
+  per_request = rows * (top_k + 1)
+  if (mem.system == "hisparse" and spec.num_draft
+      and mem.hisparse.device_buffer_size + 1 < per_request):
+    problems.append(
+        f"memory.hisparse.device_buffer_size={mem.hisparse.device_buffer_size}: with "
+        f"speculative.num_draft={spec.num_draft} a request's buffer (device_buffer_size + 1 "
+        f"slots) must hold one verify step's entries, (1 + num_draft) x (top-k + 1) = "
+        f"{rows} x ({top_k} + 1) = {per_request}; use memory.hisparse.device_buffer_size >= "
+        f"{per_request - 1}")
+  if spec.num_draft:
+    clash = {"workload.kind": (wl.kind == "trace", "'trace' replays selections without "
+                               "the model"),
+             "engine.record_trace": (eng.record_trace, "true records one selection per "
+                                     "request and step"),
+             "kernels.fast_path_mode": (cfg.kernels.fast_path_mode == "speculate",
+                                        "'speculate' re-runs plain decode steps")}
+    for name, (bad, why) in clash.items():
+      if bad:
+        problems.append(f"speculative.num_draft={spec.num_draft} cannot be combined with "
+                        f"{name}: {why}; set speculative.num_draft=0 or change {name}")
+
   if mem.system == "ula":
-    step = cfg.engine.max_batch * (top_k + 1)
+    step = cfg.engine.max_batch * per_request
+    need = (f"engine.max_batch * (top-k + 1) = {cfg.engine.max_batch} * ({top_k} + 1) = "
+            f"{step}" if rows == 1 else
+            f"engine.max_batch * (1 + speculative.num_draft) * (top-k + 1) = "
+            f"{cfg.engine.max_batch} * {rows} * ({top_k} + 1) = {step}")
+    short = (f"engine.max_batch * (top-k + 1) = {step}" if rows == 1 else
+             f"engine.max_batch * (1 + speculative.num_draft) * (top-k + 1) = {step}")
     if mem.device_pool is not None and mesh.tp == 1:
       tokens = parse_size(mem.device_pool, field="memory.device_pool",
                           token_bytes=model.kv_geometry().token_bytes)
       if tokens < step:
         problems.append(
             f"memory.device_pool={mem.device_pool!r} holds {tokens} tokens per device, "
-            f"fewer than one decode step needs on the device: engine.max_batch * (top-k + 1) "
-            f"= {cfg.engine.max_batch} * ({top_k} + 1) = {step} (model.index_topk={top_k})")
+            f"fewer than one decode step needs on the device: {need} "
+            f"(model.index_topk={top_k})")
     if mesh.tp > 1:
       if mem.layout == "replicated":
         problems.append(
@@ -544,7 +635,7 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
       if mem.local_buffer is not None and mem.local_buffer < step:
         problems.append(
             f"memory.local_buffer={mem.local_buffer} is smaller than one decode step's "
-            f"selection: engine.max_batch * (top-k + 1) = {step} (model.index_topk={top_k})")
+            f"selection: {short} (model.index_topk={top_k})")
 
   return problems
 

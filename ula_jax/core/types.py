@@ -123,6 +123,9 @@ class DecodeMemory(Protocol):
   def resolve(self, state: Any, group: int, sel_addr: jax.Array, sel_valid: jax.Array,
               new_addr: jax.Array, active: jax.Array) -> tuple[Any, Resolution]: ...
 
+  def resolve_rows(self, state: Any, group: int, sel_addr: jax.Array, sel_valid: jax.Array,
+                   new_addr: jax.Array, active: jax.Array) -> tuple[Any, Resolution]: ...
+
   def move_layer(self, state: Any, layer: int, res: Resolution) -> Any: ...
 
   def write_token(self, state: Any, layer: int, res: Resolution, entry: jax.Array,

@@ -173,7 +173,7 @@ def _live_doc(l: _Live, now: float) -> dict:
   return {"id": l.req.id, "device": l.device, "row": l.row, "pages": l.pages.tolist(),
           "admitted_step": l.admitted_step, "admitted_age_s": now - l.admitted_time,
           "prefilled": l.prefilled, "generated": list(l.generated),
-          "first_token_step": l.first_token_step, "ttft_s": l.ttft_s,
+          "drafts": list(l.drafts), "first_token_step": l.first_token_step, "ttft_s": l.ttft_s,
           "decode_time_s": l.decode_time_s}
 
 
@@ -294,7 +294,8 @@ def _run_state(doc: dict, requests: Sequence[Request]) -> RunState:
       return None
     return _Live(by_id[d["id"]], d["device"], d["row"], np.asarray(d["pages"], np.int32),
                  d["admitted_step"], now - d["admitted_age_s"], prefilled=d["prefilled"],
-                 generated=list(d["generated"]), first_token_step=d["first_token_step"],
+                 generated=list(d["generated"]), drafts=list(d.get("drafts", [])),
+                 first_token_step=d["first_token_step"],
                  ttft_s=d["ttft_s"], decode_time_s=d["decode_time_s"])
 
   alloc = []

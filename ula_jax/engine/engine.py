@@ -7,7 +7,10 @@ own requests from its own pools:
 * ``prefill``: one chunk of one request per dp rank (ranks with nothing to prefill skip);
   with ``workload.prefill='synthetic'`` its entries come from ``synthetic_prefill``, not
   the model;
-* ``decode``: one token for every decoding row of every dp rank, greedy;
+* ``decode``: one token for every decoding row of every dp rank, greedy; with
+  ``speculative.num_draft = d > 0`` a ``verify`` step instead: every decoding request's
+  last token and its ``d`` drafts as ``1 + d`` query rows, greedy acceptance, and the
+  next step's drafts from the model's MTP block;
 * ``release``: frees the logical addresses of one finished request per dp rank.
 
 Admission is by logical pages: a dp rank has ``memory.num_logical // page_size`` pages
@@ -53,11 +56,12 @@ from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 from ula_jax.memory import INVALID, MeshInfo, build_memory_system
 from ula_jax.mesh import interpret_kernels
 from ula_jax.core.addressing import PageAllocator, addrs_of_positions, all_addrs
+from ula_jax.models import mtp
 from ula_jax.models import transformer as tfm
 
 
 # The jitted steps by the names compilations are logged under (``core.compilation``).
-STEP_PROGRAMS = ("decode", "speculate", "redo", "prefill", "release")
+STEP_PROGRAMS = ("decode", "speculate", "redo", "verify", "prefill", "release")
 
 
 def resolve_max_context(cfg: ExperimentConfig) -> int:
@@ -79,6 +83,23 @@ def store_prefill(mem: Any, state: Any, addrs: jax.Array, valid: jax.Array,
   # whatever the depth.
   return jax.lax.fori_loop(0, keys.shape[0],
                            lambda g, st: mem.write_index_keys(st, g, addrs, keys[g]), state)
+
+
+def speculative_summary(num_draft: int, steps: list[StepMetrics], mtp_weights: str) -> dict:
+  """A speculative run's figures from its steps' metrics: ``total_drafted`` drafts
+  verified, ``total_accepted`` of them accepted, ``acceptance_rate`` (their ratio; None
+  when nothing was drafted), ``verify_steps`` (a request's decode step counts once) and
+  ``tokens_per_verify_step`` (tokens a request gains per verify step, 1 + the accepted
+  drafts on average); ``mtp_weights`` says where the draft block's parameters came from."""
+  drafted = sum(int(s.extra.get("drafted", 0)) for s in steps)
+  accepted = sum(int(s.extra.get("accepted", 0)) for s in steps)
+  verified = sum(s.running for s in steps)
+  tokens = sum(s.decode_tokens for s in steps)
+  return {"num_draft": num_draft, "total_drafted": drafted, "total_accepted": accepted,
+          "acceptance_rate": accepted / drafted if drafted else None,
+          "verify_steps": verified,
+          "tokens_per_verify_step": tokens / verified if verified else None,
+          "mtp_weights": mtp_weights}
 
 
 def check_tp_heads(num_heads: int, tp: int) -> None:
@@ -187,6 +208,9 @@ class _Live:
   admitted_time: float
   prefilled: int = 0  # prompt tokens written
   generated: list[int] = dataclasses.field(default_factory=list)
+  # Draft tokens (speculative.num_draft > 0) the next verify step checks after the last
+  # generated token; none before the request's first decode step.
+  drafts: list[int] = dataclasses.field(default_factory=list)
   first_token_step: int | None = None
   ttft_s: float | None = None
   decode_time_s: float = 0.0
@@ -248,6 +272,10 @@ class Engine:
     check_tp_heads(cfg.model.num_heads, self.tp)
     self.max_batch = ecfg.max_batch
     self.page_size = ecfg.page_size
+    # speculative.num_draft: draft tokens per request and step; every decode step is then a
+    # verify step of 1 + num_draft query rows per request (``_verify_round``).
+    self.num_draft = cfg.speculative.num_draft
+    self.rows = cfg.speculative.rows
     self.max_context = max_context or resolve_max_context(cfg)
     self.pages_per_row = self.max_context // self.page_size
     self.chunk = min(ecfg.prefill_chunk, self.max_context)
@@ -265,8 +293,15 @@ class Engine:
                                    fetch_impl=cfg.kernels.fetch,
                                    resolve_impl=cfg.kernels.resolve,
                                    resolve_fast_path=cfg.kernels.resolve_fast_path,
-                                   interpret=interpret_kernels(cfg, mesh.devices.flat[0].platform))
+                                   interpret=interpret_kernels(cfg, mesh.devices.flat[0].platform),
+                                   step_rows=self.rows)
     self.attention_impl = cfg.kernels.attention
+    # Prefill chunks: the same attention kernel, the configured indexer, row blocks within
+    # engine.prefill_scratch.
+    self.prefill_kw = dict(
+        attention=cfg.kernels.attention, indexer=cfg.kernels.indexer,
+        scratch_bytes=cfg.engine.prefill_scratch_bytes,
+        interpret=interpret_kernels(cfg, mesh.devices.flat[0].platform))
     # kernels.fast_path_mode: 'speculate' runs decode steps optimistically (see
     # _build_steps) on systems that support it (``MemorySystem.speculative``).
     self.fast_path_mode = cfg.kernels.fast_path_mode
@@ -277,11 +312,19 @@ class Engine:
     self.record_trace = ecfg.record_trace
     self._recorders = None
 
+    # Where the MTP block's parameters (the drafts) came from; the run summary states it.
+    self.mtp_weights = "param_seed"
     if cfg.model.checkpoint is None:
       model = tfm.Transformer(cfg.model, rngs=nnx.Rngs(cfg.model.param_seed))
     else:  # trained parameters (model.checkpoint); orbax is imported only then
-      from ula_jax.models.checkpoint import load_model
+      from ula_jax.models.checkpoint import load_model, mtp_saved
       model = load_model(cfg.model)
+      self.mtp_weights = "checkpoint" if mtp_saved(cfg.model.checkpoint) else "param_seed"
+      if self.mtp_weights != "checkpoint" and self.num_draft and jax.process_index() == 0:
+        logging.getLogger(__name__).warning(
+            "warning: model.checkpoint=%r has no MTP weights; the draft block is drawn from "
+            "model.param_seed (the tokens are the same, fewer drafts are accepted)",
+            cfg.model.checkpoint)
     self.graphdef, params = nnx.split(model)
     replicated = NamedSharding(mesh, P())
     self.params = jax.tree.map(lambda x: global_array(x, replicated), params)
@@ -345,6 +388,7 @@ class Engine:
     ws_specs = jax.tree.map(lambda _: P("dp"), self.workspace)
     param_specs = jax.tree.map(lambda _: P(), self.params)
     attention = self.attention_impl
+    prefill_kw = self.prefill_kw
     page_size = self.page_size
     tp_axis = "tp" if self.tp > 1 else None
 
@@ -410,7 +454,8 @@ class Engine:
           tokens[0], start[0], length[0], page_row[0], row[0], do[0])
 
       def run(state, ws):
-        entries, keys, last_logits, ws = tfm.prefill_chunk(model, ws, tokens, start, length)
+        entries, keys, last_logits, ws = tfm.prefill_chunk(model, ws, tokens, start, length,
+                                                           **prefill_kw)
         pos = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
         valid = jnp.arange(tokens.shape[0]) < length
         addrs = jnp.where(valid, addrs_of_positions(page_row, pos, page_size), INVALID)
@@ -486,6 +531,36 @@ class Engine:
                                            fail)
       return readout(nxt, stats), packed(state), sel
 
+    # speculative.num_draft > 0: the verify step (``verify_inputs`` has its input). Per
+    # request it returns R + 1 + d int32 (the greedy token after each of the R = 1 + d
+    # rows, the drafts accepted, the next step's d drafts), then the stats.
+    num_draft, rows = self.num_draft, self.rows
+
+    def verify_local(params, state, tokens, positions, page_table, active):
+      model = nnx.merge(graphdef, params)
+      active = active[0]
+      logits, hidden, state, stats = tfm.verify_step(
+          model, mem, to_local(state), tokens[0], positions[0], page_table[0], active,
+          attention=attention, tp_axis=tp_axis)
+      greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, R]
+      accepted = mtp.accept_greedy(tokens[0], greedy, active)  # [B]
+      # The next drafts follow the last token this step emits (row ``accepted``'s).
+      last = accepted[:, None]
+      h = jnp.take_along_axis(hidden, last[:, :, None], axis=1)[:, 0]
+      tok = jnp.take_along_axis(greedy, last, axis=1)[:, 0]
+      drafts = mtp.draft_tokens(model, h, tok, num_draft)
+      out = jnp.concatenate([greedy, accepted[:, None], drafts], axis=1)
+      return out[None], from_local(state), ex(stats)
+
+    def verify(params, carry, inputs):
+      tokens, positions = inputs[..., :rows], inputs[..., rows]
+      active = jnp.arange(rows)[None, None, :] < inputs[..., rows + 1, None]
+      out, state, stats = compat.shard_map(
+          verify_local, mesh=mesh, in_specs=(param_specs, state_specs) + (P("dp"),) * 4,
+          out_specs=(P("dp"), state_specs, P("dp")))(
+              params, unpacked(carry), tokens, positions, inputs[..., rows + 2:], active)
+      return readout(out.reshape(out.shape[0], -1), stats), packed(state)
+
     def prefill(params, carry, ws, *args):
       state, ws, tok = prefill_mapped(params, unpacked(carry), ws, *args)
       return packed(state), ws, tok
@@ -494,6 +569,7 @@ class Engine:
       return packed(release_mapped(unpacked(carry), *args))
 
     self._decode = jax.jit(decode, donate_argnums=(1,))
+    self._verify = jax.jit(verify, donate_argnums=(1,)) if self.num_draft else None
     self._speculate = self._redo = None
     if spec_mem is not None:
       self._speculate = jax.jit(speculate, donate_argnums=(1,))
@@ -627,7 +703,7 @@ class Engine:
 
         # Decode: every prefilled, unfinished row.
         t_dec = time.perf_counter()
-        n_decode, stats = self._decode_round(rows, step)
+        n_decode, decode_tokens, stats = self._decode_round(rows, step)
         decode_time = time.perf_counter() - t_dec if n_decode else 0.0
         for k, v in stats.items():
           totals[k] += v
@@ -658,9 +734,10 @@ class Engine:
             step=step, kind=kind, running=n_decode, prefilling=n_prefill,
             waiting=len(queue) + sum(1 for rank in rows for l in rank
                                      if l is not None and not l.prefill_done),
-            finished=finished_count, decode_tokens=n_decode, prefill_tokens=prefill_tokens,
-            step_time_s=time.perf_counter() - t0, decode_time_s=decode_time,
-            tokens_per_s=n_decode / decode_time if decode_time > 0 else 0.0,
+            finished=finished_count, decode_tokens=decode_tokens,
+            prefill_tokens=prefill_tokens, step_time_s=time.perf_counter() - t0,
+            decode_time_s=decode_time,
+            tokens_per_s=decode_tokens / decode_time if decode_time > 0 else 0.0,
             device_used=dev_used, host_used=int(rep.host_used.sum()),
             distinct=rep.distinct_total,
             admitted=sum(1 for rank in rows for l in rank if l is not None), extra=dict(stats))
@@ -793,7 +870,10 @@ class Engine:
         l.prefilled = l.req.prompt_len
     return int(do.sum()), int(length.sum())
 
-  def _decode_round(self, rows, step) -> tuple[int, dict]:
+  def _decode_round(self, rows, step) -> tuple[int, int, dict]:
+    """One decode step of every decoding request: (requests, tokens generated, stats)."""
+    if self.num_draft:
+      return self._verify_round(rows, step)
     dp, B = self.dp, self.max_batch
     tokens = np.zeros((dp, B), np.int32)
     positions = np.zeros((dp, B), np.int32)
@@ -811,7 +891,7 @@ class Engine:
         active[d, b] = True
         live.append(l)
     if not live:
-      return 0, {}
+      return 0, 0, {}
     t0 = time.perf_counter()
     inputs = self.decode_inputs(tokens, positions, page_table, active)
     extra = {}
@@ -843,7 +923,70 @@ class Engine:
     if self._speculate is not None and not extra:
       # Speculate again once a step moved nothing on any rank.
       self._try_speculate = totals.get("misses", 0) == 0 and totals.get("evictions", 0) == 0
-    return len(live), {**totals, **extra}
+    return len(live), len(live), {**totals, **extra}
+
+  def _verify_round(self, rows, step) -> tuple[int, int, dict]:
+    """``_decode_round`` with ``speculative.num_draft = d > 0``: one verify step. A request
+    verifies its last token and its drafts (none in its first decode step), as many rows
+    as it has tokens left to generate; it emits the greedy tokens up to the first draft
+    that differs from them and keeps the step's new drafts for the next one."""
+    dp, B, R = self.dp, self.max_batch, self.rows
+    tokens = np.zeros((dp, B, R), np.int32)
+    positions = np.zeros((dp, B), np.int32)
+    n_rows = np.zeros((dp, B), np.int32)
+    page_table = np.full((dp, B, self.pages_per_row), INVALID, np.int32)
+    live = []
+    for d in range(dp):
+      for b, l in enumerate(rows[d]):
+        if l is None or not l.prefill_done or l.finished or l.first_token_step == step:
+          continue
+        # (synthetic prefill: the first step decodes the prompt's last token)
+        row = [l.generated[-1] if l.generated else int(l.req.prompt[-1])] + list(l.drafts)
+        n = min(len(row), l.req.max_new_tokens - len(l.generated))
+        tokens[d, b, :n] = row[:n]
+        positions[d, b] = l.req.prompt_len + len(l.generated) - 1
+        n_rows[d, b] = n
+        page_table[d, b, :len(l.pages)] = l.pages
+        live.append(l)
+    if not live:
+      return 0, 0, {}
+    t0 = time.perf_counter()
+    out, self.carry = self._verify(self.params, self.carry,
+                                   self.verify_inputs(tokens, positions, n_rows, page_table))
+    out = host_array(out)
+    width = R + 1 + self.num_draft
+    per_row = out[:, :B * width].reshape(dp, B, width)
+    stats = {k: out[:, B * width + i] for i, k in enumerate(self._stat_keys)}
+    dt = time.perf_counter() - t0
+    drafted = accepted = emitted = 0
+    for l in live:
+      r = per_row[l.device, l.row]
+      a = int(r[R])
+      if not l.generated:  # synthetic prefill: this step gave the first token
+        l.first_token_step, l.ttft_s = step, t0 + dt - l.admitted_time
+      l.generated.extend(int(t) for t in r[:a + 1])
+      l.drafts = [int(t) for t in r[R + 1:]]
+      l.decode_time_s += dt
+      drafted += int(n_rows[l.device, l.row]) - 1
+      accepted += a
+      emitted += a + 1
+    totals = {k: int(v.sum()) for k, v in stats.items()}
+    return len(live), emitted, {**totals, "drafted": drafted, "accepted": accepted}
+
+  def verify_inputs(self, tokens: np.ndarray, positions: np.ndarray, n_rows: np.ndarray,
+                    page_table: np.ndarray) -> jax.Array:
+    """A verify step's inputs as the one array the jitted step takes.
+
+    tokens: [dp, B, R] int32 each request's last token and drafts; positions: [dp, B]
+    int32 the last token's position; n_rows: [dp, B] int32 rows to verify (0: none);
+    page_table: [dp, B, pages_per_row] int32
+    returns [dp, B, R + 2 + pages_per_row] int32 on the mesh (tokens, position, rows, pages)
+    """
+    x = np.concatenate([np.asarray(tokens, np.int32),
+                        np.asarray(positions, np.int32)[..., None],
+                        np.asarray(n_rows, np.int32)[..., None],
+                        np.asarray(page_table, np.int32)], axis=-1)
+    return self._put(x)
 
   def decode_inputs(self, tokens: np.ndarray, positions: np.ndarray, page_table: np.ndarray,
                     active: np.ndarray) -> jax.Array:
@@ -867,9 +1010,9 @@ class Engine:
                               np.zeros((dp, B), bool))
 
   def lower_step(self, kind: str) -> Any:
-    """The jitted step ``kind`` (``decode``, ``speculate`` or ``prefill``) lowered for
-    idle inputs (no active row, nothing to prefill): ``.compile()`` compiles it, as the
-    first step of that kind would (``ula-jax bench compile``)."""
+    """The jitted step ``kind`` (``decode``, ``speculate``, ``verify`` or ``prefill``)
+    lowered for idle inputs (no active row, nothing to prefill): ``.compile()`` compiles
+    it, as the first step of that kind would (``ula-jax bench compile``)."""
     if kind == "prefill" and self.synthetic:
       dp, C = self.dp, self.chunk
       z = lambda *shape: self._put(np.zeros(shape, np.int32))
@@ -883,10 +1026,17 @@ class Engine:
           self.params, self.carry, self.workspace, z(dp, C), z(dp), z(dp),
           self._put(np.full((dp, self.pages_per_row), INVALID, np.int32)), z(dp),
           self._put(np.zeros((dp,), bool)))
+    if kind == "verify" and self._verify is not None:
+      dp, B = self.dp, self.max_batch
+      z = lambda *shape: np.zeros(shape, np.int32)
+      return self._verify.lower(self.params, self.carry, self.verify_inputs(
+          z(dp, B, self.rows), z(dp, B), z(dp, B),
+          np.full((dp, B, self.pages_per_row), INVALID, np.int32)))
     step = {"decode": self._decode, "speculate": self._speculate}.get(kind)
     if step is None:
-      raise ValueError(f"kind={kind!r}: expected decode, prefill, or speculate (with "
-                       f"kernels.fast_path_mode=speculate)")
+      raise ValueError(f"kind={kind!r}: expected decode, prefill, speculate (with "
+                       f"kernels.fast_path_mode=speculate) or verify (with "
+                       f"speculative.num_draft > 0)")
     return step.lower(self.params, self.carry, self.idle_decode_inputs())
 
   def decode_hlo(self) -> str:
@@ -955,6 +1105,8 @@ class Engine:
     out.update(self.mem.run_summary(steps, reqs))
     if totals.get("hits", 0) + totals.get("misses", 0):
       out["hit_rate"] = totals["hits"] / (totals["hits"] + totals["misses"])
+    if self.num_draft:
+      out.update(speculative_summary(self.num_draft, steps, self.mtp_weights))
     # Programs compiled (or read from the persistent cache) since the engine was built.
     out["compilation"] = self.compile_log.summary(STEP_PROGRAMS)
     return out

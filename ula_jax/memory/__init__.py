@@ -17,7 +17,7 @@ def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: Mesh
                         max_batch: int, page_size: int, max_context: int,
                         fetch_impl: str = "xla", resolve_impl: str = "jnp",
                         resolve_fast_path: bool = True,
-                        interpret: bool | None = None) -> MemorySystem:
+                        interpret: bool | None = None, step_rows: int = 1) -> MemorySystem:
   """Instantiates ``cfg.system`` and validates its sizes (before any compute).
 
   The class comes from ``registry.REGISTRY`` by ``cfg.system`` and the mesh's mode
@@ -26,11 +26,12 @@ def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: Mesh
   fetch_impl / resolve_impl: the ``kernels.fetch`` / ``kernels.resolve`` implementations
   its row copies and resolve use; resolve_fast_path: ``kernels.resolve_fast_path`` (steps
   that move nothing take the all-hit fast path); interpret: run Pallas kernels in
-  interpret mode.
+  interpret mode; step_rows: query rows per request in one decode step
+  (``1 + speculative.num_draft``).
   """
   cls = system_class(cfg.system, mesh_info.tp)
   system = cls(cfg, geometry, mesh_info, max_batch=max_batch, page_size=page_size,
-               max_context=max_context)
+               max_context=max_context, step_rows=step_rows)
   system.fetch_impl, system.fetch_interpret = fetch_impl, interpret
   system.resolve_impl, system.resolve_interpret = resolve_impl, interpret
   system.resolve_fast_path = resolve_fast_path
@@ -48,7 +49,8 @@ def sized_system(cfg: ExperimentConfig) -> MemorySystem:
   try:
     cls = system_class(cfg.memory.system, cfg.mesh.tp)
     system = cls(cfg.memory, cfg.model.kv_geometry(), MeshInfo(cfg.mesh.dp, cfg.mesh.tp),
-                 max_batch=cfg.engine.max_batch, page_size=page, max_context=max_context)
+                 max_batch=cfg.engine.max_batch, page_size=page, max_context=max_context,
+                 step_rows=cfg.speculative.rows)
     system.validate()
   except ConfigError:
     raise

@@ -148,15 +148,19 @@ class MemorySystem(abc.ABC):
   speculate: bool = False
 
   def __init__(self, cfg: MemoryConfig, geometry: KVGeometry, mesh_info: MeshInfo, *,
-               max_batch: int, page_size: int, max_context: int):
+               max_batch: int, page_size: int, max_context: int, step_rows: int = 1):
     """cfg: the ``memory`` config section; max_batch: decode rows per dp rank;
-    page_size: logical addresses per page; max_context: tokens per request at most."""
+    page_size: logical addresses per page; max_context: tokens per request at most;
+    step_rows: query rows per request in one decode step (``1 + speculative.num_draft``):
+    a verify step needs up to ``step_rows x (top_k + 1)`` entries of a request on the
+    device at once (``resolve_rows``), and the pools are sized and checked for that."""
     self.cfg = cfg
     self.geo = geometry
     self.mesh_info = mesh_info
     self.max_batch = max_batch
     self.page_size = page_size
     self.max_context = max_context
+    self.step_rows = step_rows
     self.num_logical: int = 0
     self.capacity_tokens: int = 0
     self.setup()
@@ -216,6 +220,36 @@ class MemorySystem(abc.ABC):
     them over layer groups in its loop carry, so it needs them before the loop; a
     resolve returning other keys is an error at trace time). Default: none."""
     return ()
+
+  def resolve_rows(self, state: Any, group: int | jax.Array, sel_addr: jax.Array,
+                   sel_valid: jax.Array, new_addr: jax.Array, active: jax.Array
+                   ) -> tuple[Any, Resolution]:
+    """A verify step's resolve (speculative decoding): ``R`` query rows per request.
+
+    sel_addr:  [B, U] int32 per request the union of its rows' selections (U = R * k),
+               each address once (repeats are not valid)
+    sel_valid: [B, U] bool
+    new_addr:  [B, R] int32 the addresses of the R positions decoded per request, in
+               row order (the first is the last accepted token's, the others drafts')
+    active:    [B, R] bool rows that decode this step (a request's first rows)
+    returns (state, Resolution): ``slots``/``valid`` [B, U] aligned with ``sel_addr``,
+    ``new_slot`` [B * R] (request b's row r at ``b * R + r``); ``write_token`` then
+    takes entries [B * R, W] and ``active.reshape(-1)``.
+
+    Every selected entry of every row is on the device when the step attends, each one
+    fetched once, and none is a victim of another entry of the same step. The new
+    tokens' entries are placed like any decoded token's: a draft that is not accepted
+    leaves an entry at an address of the request's own pages, which the request's next
+    step overwrites (its rows start at the first position not accepted) and its release
+    frees. The default suits systems whose placement knows no requests: the step is
+    resolved as ``B * R`` rows of ``U / R`` addresses, a plain ``resolve``.
+    """
+    B, U = sel_addr.shape
+    R = new_addr.shape[1]
+    state, res = self.resolve(state, group, sel_addr.reshape(B * R, U // R),
+                              sel_valid.reshape(B * R, U // R), new_addr.reshape(-1),
+                              active.reshape(-1))
+    return state, res.replace(slots=res.slots.reshape(B, U), valid=res.valid.reshape(B, U))
 
   def speculative(self) -> MemorySystem | None:
     """A copy of this system for speculative all-hit decode steps
@@ -369,9 +403,13 @@ def layer_rows(layer: int | jax.Array, slots: jax.Array, per_layer: int) -> jax.
 
 def set_rows(pool: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
   """``pool`` with ``values`` [N, W] written at ``rows`` [N]; negative rows (none) are
-  skipped (sent past the end and dropped: a negative index would wrap)."""
-  idx = jnp.where(rows >= 0, rows, pool.shape[0])
-  return pool.at[idx].set(values.astype(pool.dtype), mode="drop")
+  skipped (each sent to its own row past the end and dropped: a negative index would
+  wrap). The rows that are written must differ: the scatter says its indices are unique,
+  which lets XLA on a GPU with deterministic ops write them in parallel (any other
+  scatter becomes a loop over its rows there)."""
+  n = rows.shape[0]
+  idx = jnp.where(rows >= 0, rows, pool.shape[0] + jnp.arange(n, dtype=rows.dtype))
+  return pool.at[idx].set(values.astype(pool.dtype), mode="drop", unique_indices=True)
 
 
 def group_slice(tree: Any, group: int | jax.Array) -> Any:

@@ -58,7 +58,7 @@ from jax.sharding import Mesh
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, layer_rows,
-                                 tp_replicated)
+                                 set_rows, tp_replicated)
 
 _BIG = np.iinfo(np.int32).max
 
@@ -91,7 +91,8 @@ class HiSparsePlan:
 
   host_idx: jax.Array  # [B*k] int32 host addresses to fetch (INVALID: none)
   dev_idx: jax.Array  # [B*k] int32 victim slots they go to
-  new_addr: jax.Array  # [B] int32 address of the decoded token (INVALID: inactive)
+  new_addr: jax.Array  # [B * R] int32 addresses of the decoded tokens, R per request in a
+  # verify step (else 1) (INVALID: inactive)
   group: jax.Array  # [] int32 the group that planned it (checked where concrete)
 
 
@@ -124,6 +125,13 @@ class HiSparse(MemorySystem):
     if self.buffer_size < self.top_k:
       raise ValueError(f"memory.hisparse.device_buffer_size={self.buffer_size}: must be >= "
                        f"top_k={self.top_k} (a step's selection must fit in the buffer)")
+    need = self.step_rows * (self.top_k + 1)
+    if self.quota < need:
+      raise ValueError(
+          f"memory.hisparse.device_buffer_size={self.buffer_size}: with "
+          f"speculative.num_draft={self.step_rows - 1} a request's buffer (device_buffer_size"
+          f" + 1 slots) must hold one verify step's entries, (1 + num_draft) x (top_k + 1) = "
+          f"{need}; use memory.hisparse.device_buffer_size >= {need - 1}")
     if self.ratio <= 0:
       raise ValueError(f"memory.hisparse.host_to_device_ratio={self.ratio}: must be > 0")
     if self.device_slots > self.device_budget:
@@ -206,9 +214,7 @@ class HiSparse(MemorySystem):
                                              victim, addr, clock[:, None])
     # Layer l takes its group's victims; skipped entries point past the pool (dropped).
     rows = layer_rows(jnp.arange(L, dtype=jnp.int32)[:, None], victim[self._layer_group()], S)
-    rows = jnp.where(rows >= 0, rows, L * S).reshape(-1)
-    dev_pool = state.dev_pool.at[rows].set(
-        entries.reshape(L * C, W).astype(state.dev_pool.dtype), mode="drop")
+    dev_pool = set_rows(state.dev_pool, rows.reshape(-1), entries.reshape(L * C, W))
     return state.replace(slot_of=slot_of, slot_addr=slot_addr, stamp=stamp, clock=clock,
                          dev_pool=dev_pool)
 
@@ -240,32 +246,49 @@ class HiSparse(MemorySystem):
   def resolve(self, state: HiSparseState, group: int | jax.Array, sel_addr, sel_valid,
               new_addr, active):
     """Plans group ``group`` (a Python int or traced int32 []): see the module docstring."""
-    R, Q, S, N = self.max_batch, self.quota, self.device_slots, self.num_logical
+    return self.resolve_rows(state, group, sel_addr, sel_valid, new_addr[:, None],
+                             active[:, None])
+
+  def resolve_rows(self, state: HiSparseState, group: int | jax.Array, sel_addr, sel_valid,
+                   new_addr, active):
+    """``resolve`` of a verify step (``MemorySystem.resolve_rows``): a request's buffer
+    takes the union of its rows' selections (``sel_addr`` [B, U]) and the entries of its
+    ``R`` new tokens (``new_addr`` [B, R]); ``resolve`` is the case R = 1."""
+    Rb, Q, S, N = self.max_batch, self.quota, self.device_slots, self.num_logical
     B, k = sel_addr.shape
-    if B != R:
-      raise ValueError(f"hisparse.resolve: sel_addr has {B} rows; expected max_batch={R} "
+    R = new_addr.shape[1]
+    if B != Rb:
+      raise ValueError(f"hisparse.resolve: sel_addr has {B} rows; expected max_batch={Rb} "
                        "(device quotas are per batch row)")
-    if k > self.buffer_size:
+    if R == 1 and k > self.buffer_size:
       raise ValueError(f"hisparse.resolve: selection width k={k} exceeds "
                        f"memory.hisparse.device_buffer_size={self.buffer_size}")
+    if k + R > Q:
+      raise ValueError(f"hisparse.resolve: selection width k={k} and {R} new tokens "
+                       f"exceed a request's buffer of memory.hisparse.device_buffer_size + 1"
+                       f" = {Q} slots")
     g = group
     # The tables are addressed at [g, ...] (in place on a loop-carried state); only the
     # group's stamps ([S]) are read out whole, for the scan.
     clock = state.clock[g] + 1
-    rows = jnp.arange(R, dtype=jnp.int32)[:, None]
+    rows = jnp.arange(Rb, dtype=jnp.int32)[:, None]
 
     # 1. stage: dedupe (stable sort: the first occurrence represents its run)
-    has_new = active & (new_addr >= 0)
-    valid = sel_valid & (sel_addr >= 0) & active[:, None]
+    has_new = active & (new_addr >= 0)  # [B, R]
+    valid = sel_valid & (sel_addr >= 0) & jnp.any(active, axis=1)[:, None]
     key = jnp.where(valid, sel_addr, _BIG)
     order = jnp.argsort(key, axis=1, stable=True)
     skey = jnp.take_along_axis(key, order, axis=1)
-    first_s = jnp.concatenate([jnp.ones((R, 1), bool), skey[:, 1:] != skey[:, :-1]], axis=1)
+    first_s = jnp.concatenate([jnp.ones((Rb, 1), bool), skey[:, 1:] != skey[:, :-1]], axis=1)
     start = jax.lax.cummax(jnp.where(first_s, jnp.arange(k), 0), axis=1)
-    rep = jnp.zeros((R, k), jnp.int32).at[rows, order].set(
+    rep = jnp.zeros((Rb, k), jnp.int32).at[rows, order].set(
         jnp.take_along_axis(order, start, axis=1).astype(jnp.int32))
     first = rep == jnp.arange(k)[None, :]
-    is_new = valid & has_new[:, None] & (sel_addr == new_addr[:, None])
+    # A selected entry that is one of the step's new tokens (and which one).
+    same = (valid[:, :, None] & has_new[:, None, :]
+            & (sel_addr[:, :, None] == new_addr[:, None, :]))  # [B, k, R]
+    is_new = jnp.any(same, axis=2)
+    which = jnp.argmax(same, axis=2)
 
     # 2. mark: hits are stamped now, so the scan cannot pick them
     cur = jnp.where(valid, state.slot_of[g, jnp.where(valid, sel_addr, 0)], INVALID)
@@ -275,46 +298,49 @@ class HiSparse(MemorySystem):
     stamp = state.stamp.at[g, jnp.where(hit, cur, S)].set(clock, mode="drop")
     stamp = stamp.at[g, jnp.where(new_cur >= 0, new_cur, S)].set(clock, mode="drop")
 
-    # 3. scan: untouched slots by (stamp, slot); misses in selection order, then the token
-    st = stamp[g].reshape(R, Q)
-    vorder = jnp.argsort(jnp.where(st == clock, _BIG, st), axis=1, stable=True)[:, :k + 1]
-    victims = (rows * Q + vorder).astype(jnp.int32)  # [R, k+1]
+    # 3. scan: untouched slots by (stamp, slot); misses in selection order, then the tokens
+    st = stamp[g].reshape(Rb, Q)
+    vorder = jnp.argsort(jnp.where(st == clock, _BIG, st), axis=1, stable=True)[:, :k + R]
+    victims = (rows * Q + vorder).astype(jnp.int32)  # [B, k+R]
     rank = jnp.cumsum(miss, axis=1) - 1
     n_miss = miss.sum(axis=1)
     miss_slot = jnp.where(miss, jnp.take_along_axis(victims, jnp.maximum(rank, 0), axis=1),
                           INVALID)
-    need_new = has_new & (new_cur < 0)
-    new_victim = jnp.take_along_axis(victims, n_miss[:, None], axis=1)[:, 0]
+    need_new = has_new & (new_cur < 0)  # [B, R]
+    new_rank = n_miss[:, None] + jnp.cumsum(need_new, axis=1) - 1
+    new_victim = jnp.take_along_axis(victims, jnp.clip(new_rank, 0, k + R - 1), axis=1)
     new_slot = jnp.where(need_new, new_victim, new_cur).astype(jnp.int32)
     new_slot = jnp.where(has_new, new_slot, INVALID)
-    used = jnp.arange(k + 1)[None, :] < (n_miss + need_new)[:, None]
+    used = jnp.arange(k + R)[None, :] < (n_miss + need_new.sum(axis=1))[:, None]
     evictions = (used & (state.slot_addr[g, victims] >= 0)).sum()
 
     # 5. publish: the table first drops evicted entries, then maps the new ones
     victim_all = jnp.concatenate([miss_slot.reshape(-1),
-                                  jnp.where(need_new, new_slot, INVALID)])
+                                  jnp.where(need_new, new_slot, INVALID).reshape(-1)])
     addr_all = jnp.concatenate([jnp.where(miss, sel_addr, INVALID).reshape(-1),
-                                jnp.where(need_new, new_addr, INVALID)])
+                                jnp.where(need_new, new_addr, INVALID).reshape(-1)])
     slot_of, slot_addr, stamp = self._assign(state.slot_of, state.slot_addr, stamp, g,
                                              victim_all.astype(jnp.int32),
                                              addr_all.astype(jnp.int32), clock)
     live = state.live.at[g, jnp.where(has_new, new_addr, N)].set(True, mode="drop")
-    base = jnp.where(is_new, new_slot[:, None], jnp.where(miss, miss_slot, cur))
+    new_sel = jnp.take_along_axis(new_slot, which, axis=1)  # [B, k]
+    base = jnp.where(is_new, new_sel, jnp.where(miss, miss_slot, cur))
     slots = jnp.where(valid, jnp.take_along_axis(base, rep, axis=1), INVALID).astype(jnp.int32)
 
     state = state.replace(slot_of=slot_of, slot_addr=slot_addr, stamp=stamp,
                           clock=state.clock.at[g].set(clock), live=live)
     plan = HiSparsePlan(host_idx=jnp.where(miss, sel_addr, INVALID).reshape(-1).astype(jnp.int32),
                         dev_idx=miss_slot.reshape(-1).astype(jnp.int32),
-                        new_addr=jnp.where(has_new, new_addr, INVALID).astype(jnp.int32),
+                        new_addr=jnp.where(has_new, new_addr, INVALID).reshape(-1).astype(
+                            jnp.int32),
                         group=jnp.asarray(g, jnp.int32))
     stats = {
         "hits": (valid & first & ~miss).sum().astype(jnp.int32),
         "misses": n_miss.sum().astype(jnp.int32),
         "evictions": evictions.astype(jnp.int32),
     }
-    return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot, plan=plan,
-                             stats=stats)
+    return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot.reshape(-1),
+                             plan=plan, stats=stats)
 
   def stat_keys(self) -> tuple[str, ...]:
     return ("hits", "misses", "evictions")

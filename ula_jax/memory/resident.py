@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, layer_rows,
-                                 tp_replicated)
+                                 set_rows, tp_replicated)
 
 
 @struct.dataclass
@@ -73,9 +73,7 @@ class Resident(MemorySystem):
     # [L, C] rows; a skipped entry gets a row past the pool so that mode='drop' drops it
     # (a negative row would wrap around).
     rows = layer_rows(jnp.arange(L, dtype=jnp.int32)[:, None], slot[None, :], S)
-    rows = jnp.where(rows >= 0, rows, L * S)
-    pools = state.pools.at[rows.reshape(-1)].set(
-        entries.reshape(-1, entries.shape[-1]).astype(state.pools.dtype), mode="drop")
+    pools = set_rows(state.pools, rows.reshape(-1), entries.reshape(-1, entries.shape[-1]))
     return state.replace(pools=pools, live=self._mark(state.live, addrs, valid, True))
 
   def resolve(self, state: ResidentState, group, sel_addr, sel_valid, new_addr, active):
@@ -87,10 +85,8 @@ class Resident(MemorySystem):
 
   def write_token(self, state: ResidentState, layer, res, entry, active) -> ResidentState:
     """entry [B, W] at the new slots of ``layer`` (a Python int or traced int32)."""
-    total = state.pools.shape[0]
     rows = layer_rows(layer, jnp.where(active, res.new_slot, INVALID), self.num_logical)
-    pools = state.pools.at[jnp.where(rows >= 0, rows, total)].set(
-        entry.astype(state.pools.dtype), mode="drop")
+    pools = set_rows(state.pools, rows, entry)
     return state.replace(pools=pools)
 
   def read_pool(self, state: ResidentState, layer) -> tuple[jax.Array, jax.Array]:

@@ -10,11 +10,17 @@ Restoring checks that the given config has the same geometry (every field except
 and ``kv_layout``, which says how the KV cache is stored).
 ``load_model`` builds the model a config names: restored from ``cfg.checkpoint``, or
 drawn from ``cfg.param_seed``.
+
+A checkpoint saved without the MTP block (``Transformer.mtp``, the speculative drafts'
+block; checkpoints written before it existed) still loads: the block is drawn from
+``param_seed`` (logged; a speculative run warns and its summary says so), and
+``mtp_saved`` tells which it was.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 
 import jax
@@ -30,6 +36,8 @@ _PROVENANCE = ("preset", "param_seed", "checkpoint")
 # How KV entries are stored shapes no parameter: saved with one model.kv_layout, the
 # parameters decode with either.
 _STORAGE = ("kv_layout",)
+# The module a checkpoint may lack (it is drawn from param_seed then).
+_OPTIONAL = "mtp"
 
 
 def save_params(model: Transformer, path: str | pathlib.Path, *,
@@ -61,13 +69,32 @@ def restore_params(cfg: ModelConfig, path: str | pathlib.Path) -> Transformer:
   if diff:
     raise ValueError(f"checkpoint path={str(path)!r} has another geometry: "
                      + "; ".join(diff))
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg)))
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  if not mtp_saved(path):
+    logging.getLogger(__name__).info(
+        "checkpoint path=%r has no MTP block (model.mtp); it is drawn from "
+        "model.param_seed=%d", str(path), cfg.param_seed)
+    model = Transformer(cfg)
+    saved_part = nnx.state(model, nnx.Not(nnx.PathContains(_OPTIONAL)))
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), saved_part)
+    with ocp.StandardCheckpointer() as ckpt:
+      nnx.update(model, ckpt.restore(path / PARAMS_DIR, abstract))
+    return model
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg)))
   abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
   with ocp.StandardCheckpointer() as ckpt:
     state = ckpt.restore(path / PARAMS_DIR, abstract)
   return nnx.merge(graphdef, state)
+
+
+def mtp_saved(path: str | pathlib.Path) -> bool:
+  """Whether the checkpoint under ``path`` holds the MTP block's parameters (read from
+  its metadata; nothing is restored)."""
+  with ocp.StandardCheckpointer() as ckpt:
+    tree = ckpt.metadata(pathlib.Path(path).absolute() / PARAMS_DIR).item_metadata
+  return _OPTIONAL in tree
 
 
 def load_model(cfg: ModelConfig) -> Transformer:

@@ -8,10 +8,13 @@
 * ``decode_dense_reference``: one token per row over batched workspaces, dense
   non-absorbed attention masked to the indexer's selection (a check for the other two).
 
-All three run the same layer stack (``_run_layers``) and indexer (``index_scores`` then
-``select_topk``); they differ only in where KV lives and how attention reads it. Prefill
-and decode share the attention function too, so decoding token t after prefilling
-positions < t gives the logits that prefilling t would (up to float32 rounding).
+All three run the same layer stack (``_run_layers``) and indexer scores; they differ only
+in where KV lives and how attention reads it. Decode selects with ``select_topk``,
+prefill with ``prefix_topk`` (each prompt position its own top-k over its prefix, in
+row blocks, by radix select: the same picks in position order), and prefill attends
+with the decode attention functions, the chunk's positions as their rows (densely while
+the prompt is no longer than top-k), so decoding token t after prefilling positions < t
+gives the logits that prefilling t would (up to float32 rounding).
 
 Layer l belongs to index-sharing group ``l // index_share``; the group's first layer
 computes the selection that every layer of the group attends over. Groups of the same
@@ -43,9 +46,12 @@ from ula_jax.kernels.sparse_attention import sparse_mla_attention
 from ula_jax.core.addressing import addrs_of_positions
 from ula_jax.core.types import INVALID, DecodeMemory, Resolution
 from ula_jax.models.config import ModelConfig
-from ula_jax.kernels.indexer import index_scores, select_topk
+from ula_jax.kernels.indexer import SCRATCH_BYTES, index_scores, prefix_topk, select_topk
+from ula_jax.kernels.sparse_attention.prefill import (dense_causal_attention,
+                                                      sparse_attention_rows)
 from ula_jax.models.layers import (F32, MLP, HeadRange, Indexer, MLAttention, MoE, RMSNorm,
                                    normal_param)
+from ula_jax.models.mtp import MTPBlock
 
 
 class Projection(NamedTuple):
@@ -168,7 +174,9 @@ def _stacked_blocks(cfg: ModelConfig, seg: Segment, rngs: nnx.Rngs) -> GroupBloc
 
 
 class Transformer(nnx.Module):
-  """Embedding, layer groups (stacked per ``Segment``), final norm, LM head.
+  """Embedding, layer groups (stacked per ``Segment``), final norm, LM head, and the MTP
+  block that drafts tokens for speculative decoding (``mtp.MTPBlock``; drawn last, so
+  the other parameters do not depend on it).
 
   ``rngs`` defaults to ``nnx.Rngs(cfg.param_seed)``: the same config gives the same
   parameters.
@@ -182,6 +190,7 @@ class Transformer(nnx.Module):
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
     self.lm_head = normal_param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.hidden_size,
                           cfg.dtype)
+    self.mtp = MTPBlock(cfg, rngs=rngs)
 
   def block(self, group: int) -> GroupBlock:
     """Group ``group``'s layers and indexer, with its own (unstacked) parameters."""
@@ -392,6 +401,99 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
   return model.logits(x), carry["mem"], carry["stats"], sel
 
 
+def union_rows(sel_addr: jax.Array, sel_valid: jax.Array) -> tuple[jax.Array, jax.Array,
+                                                                    jax.Array]:
+  """Per request, the union of its rows' selections, each address once.
+
+  sel_addr/sel_valid: [B, U] int32 / bool (a request's rows' selections side by side)
+  returns (union [B, U] int32: ``sel_addr`` with every repeat of an address made INVALID,
+           union_valid [B, U] bool, rep [B, U] int32: the column of each element's first
+           occurrence, where the union holds it)
+  """
+  B, U = sel_addr.shape
+  big = jnp.iinfo(jnp.int32).max
+  key = jnp.where(sel_valid, sel_addr, big)
+  order = jnp.argsort(key, axis=1, stable=True)  # equal addresses: first column first
+  skey = jnp.take_along_axis(key, order, axis=1)
+  head = jnp.concatenate([jnp.ones((B, 1), bool), skey[:, 1:] != skey[:, :-1]], axis=1)
+  start = jax.lax.cummax(jnp.where(head, jnp.arange(U), 0), axis=1)
+  rows = jnp.arange(B)[:, None]
+  rep = jnp.zeros((B, U), jnp.int32).at[rows, order].set(
+      jnp.take_along_axis(order, start, axis=1).astype(jnp.int32))
+  union_valid = sel_valid & (rep == jnp.arange(U)[None, :])
+  return jnp.where(union_valid, sel_addr, INVALID), union_valid, rep
+
+
+def verify_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Array,
+                positions: jax.Array, page_table: jax.Array, active: jax.Array, *,
+                attention: str = "xla", tp_axis: str | None = None):
+  """One verify step of speculative decoding: ``R`` query rows per request, KV in ``mem``.
+
+  tokens:     [B, R] int32 row r's token, at position ``positions[b] + r`` (row 0: the
+              last accepted token; rows 1..: drafts)
+  positions:  [B] int32 row 0's position
+  page_table: [B, P] int32 logical pages of each request
+  active:     [B, R] bool rows to verify (a request's first rows; none for an idle one)
+  returns (logits [B, R, V] float32, hidden [B, R, D] the final hidden states before the
+           final norm (what the MTP block drafts from), mem_state, stats summed over
+           layer groups, as ``decode_step``'s)
+
+  Each row computes what ``decode_step`` computes for its token at its position: the
+  indexer scores its candidates (positions <= its own, the earlier rows' new keys
+  included: they are written first), takes its own top-k, and attends over those
+  entries (the earlier rows' new entries of the layer included: they are written
+  before attention reads). Per layer group the memory system resolves, per request, the
+  union of its rows' selections (``union_rows``; each entry once) with the rows' new
+  tokens (``MemorySystem.resolve_rows``), so every entry any row selected is on the
+  device for the step; each row then reads its own entries at their resolved slots.
+  The rows run as ``B * R`` rows of one batch through the layer stack, whose arithmetic
+  is per row. Rows past a rejected draft compute (and store) garbage that the request's
+  next step overwrites.
+  """
+  cfg = model.cfg
+  heads = None if tp_axis is None else tp_heads(cfg.num_heads, tp_axis)
+  ps = mem.page_size
+  B, R = tokens.shape
+  N, k = B * R, cfg.index_topk
+  pos_br = positions.astype(jnp.int32)[:, None] + jnp.arange(R, dtype=jnp.int32)[None, :]
+  new_br = jnp.where(active, addrs_of_positions(page_table, pos_br, ps), INVALID)
+  pos_n, active_n, new_n = pos_br.reshape(-1), active.reshape(-1), new_br.reshape(-1)
+  table_n = jnp.repeat(page_table, R, axis=0)  # [N, P] each row its request's pages
+  stat_keys = tuple(mem.stat_keys())
+  carry = {"mem": mem_state, "stats": {key: jnp.int32(0) for key in stat_keys}}
+
+  def select(g, layers, first: IndexerInput, indexer: Indexer, c):
+    st = mem.write_index_keys(c["mem"], g, new_n, indexer.key(first.h, pos_n))
+    l0, n = layers
+    q_I, w = indexer.query(first.h, first.c_q, pos_n)
+    sel_pos, sel_valid = mem.select(st, g, q_I, w, table_n, pos_n, active_n)  # [N, k]
+    sel_addr = jnp.where(sel_valid, addrs_of_positions(table_n, sel_pos, ps), INVALID)
+    union, union_valid, rep = union_rows(sel_addr.reshape(B, R * k),
+                                         sel_valid.reshape(B, R * k))
+    st, res = mem.resolve_rows(st, g, union, union_valid, new_br, active)
+    if set(res.stats) != set(stat_keys):
+      raise ValueError(f"{type(mem).__name__}.resolve_rows returned stats "
+                       f"{sorted(res.stats)}; its stat_keys() declares {sorted(stat_keys)}")
+    st = jax.lax.fori_loop(0, n, lambda i, st: mem.move_layer(st, l0 + i, res), st)
+    # Each row's entries, in its own selection order, at the union's slots.
+    slots = jnp.take_along_axis(res.slots, rep, axis=1).reshape(N, k)
+    res = res.replace(slots=jnp.where(sel_valid, slots, INVALID), valid=sel_valid)
+    return res, {**c, "mem": st, "stats": _add_stats(c["stats"], res.stats)}
+
+  def attend(l, layer: DecoderLayer, proj: Projection, res: Resolution, c):
+    st = mem.write_token(c["mem"], l, res, proj.entry, active_n)
+    pool, base = mem.read_pool(st, l)
+    rows = jnp.where(res.valid, base + res.slots, INVALID)
+    out = _absorbed_attention(layer, proj, pool, rows, res.valid, cfg.softmax_scale,
+                              attention, heads, tp_axis)
+    return out, {**c, "mem": st}
+
+  x, carry = _run_layers(model, model.embed_tokens(tokens.reshape(-1)), pos_n, carry,
+                         select=select, attend=attend, heads=heads)
+  logits = model.logits(x)
+  return (logits.reshape(B, R, -1), x.reshape(B, R, -1), carry["mem"], carry["stats"])
+
+
 # ----------------------------------------------------------------------------------
 # Prefill over a dense per-request workspace
 # ----------------------------------------------------------------------------------
@@ -429,46 +531,85 @@ def init_workspace(cfg: ModelConfig, capacity: int, batch: int | None = None
 
 
 def prefill_chunk(model: Transformer, workspace: PrefillWorkspace, tokens: jax.Array,
-                  start: jax.Array, length: jax.Array, *, attention: str = "xla"):
+                  start: jax.Array, length: jax.Array, *, attention: str = "xla",
+                  indexer: str = "xla", scratch_bytes: int = SCRATCH_BYTES,
+                  interpret: bool | None = None):
   """Runs one chunk of one request's prompt.
 
   tokens:  [C] int32 at positions start .. start+C-1; only the first ``length`` count
   start:   [] int32 (chunks of a request run in order from position 0)
   length:  [] int32, 1 <= length <= C; start + length <= workspace.capacity
+  attention: sparse attention implementation (``kernels.attention``)
+  indexer: indexer scores implementation (``kernels.indexer``: 'xla' | 'pallas')
+  scratch_bytes: what a layer group's selection, and a layer's attention with
+           ``attention='xla'``, may allocate at once (``engine.prefill_scratch``): the
+           chunk's rows run in blocks that fit
+  interpret: Pallas interpret mode (None: everywhere but on GPU)
   returns (entries: [L, C, W] stored rows (``cfg.entry_layout``), layer-major,
            index_keys: [G, C, K] in kv_dtype,
            last_logits: [V] float32 at position start+length-1,
            workspace with the chunk's rows written)
 
-  Each position q picks the top-k among positions <= q and attends over them with the
-  same functions ``decode_step`` uses. Rows past ``length`` are computed but written
-  nowhere and pick nothing. Prefill does not split heads: under tensor parallelism each
-  rank computes every head of the chunk (the same entries and keys on every rank).
+  Sparse prefill as in DeepSeek-V3.2: each position q picks its own top-k among
+  positions <= q (``kernels.indexer.prefix_topk``: indexer scores in row blocks, an
+  exact radix top-k; picks in ascending position order) and attends over them with the
+  decode attention kernels, the chunk's positions as their rows
+  (``sparse_attention.prefill.sparse_attention_rows``). While the chunk's last position
+  has at most top-k predecessors (start + length <= top-k), every earlier position is
+  picked and attention is a dense causal one over the first top-k rows
+  (``dense_causal_attention``): what the sparse form gives, up to rounding, without
+  scoring or gathering. Rows past ``length`` are computed but written nowhere and pick
+  nothing. Prefill does not split heads: under tensor parallelism each rank computes
+  every head of the chunk (the same entries and keys on every rank).
   """
   cfg = model.cfg
   C, T_cap = tokens.shape[0], workspace.capacity
-  L, G = cfg.num_layers, cfg.num_groups
+  L, G, k = cfg.num_layers, cfg.num_groups, cfg.index_topk
   i = jnp.arange(C, dtype=jnp.int32)
   pos = jnp.asarray(start, jnp.int32) + i
   valid = i < length
-  cand = (jnp.arange(T_cap, dtype=jnp.int32)[None, :] <= pos[:, None]) & valid[:, None]
+  limit = jnp.where(valid, pos + 1, 0)  # row i's candidates: positions < limit[i]
+  dense = jnp.asarray(start, jnp.int32) + jnp.asarray(length, jnp.int32) <= k
+  window = min(k, T_cap)
   carry = {"kv": workspace.kv, "keys": workspace.index_keys,
            "entries": jnp.zeros((L, C, cfg.entry_layout.row_width), cfg.entry_layout.row_dtype),
            "keys_out": jnp.zeros((G, C, cfg.index_head_dim), cfg.kv_dtype)}
+  # The chunk's rows go to distinct positions (rows past ``length`` are dropped), so the
+  # writes say unique_indices: on a GPU with deterministic ops a scatter whose indices
+  # may collide becomes a loop over its rows.
 
-  def select(g, layers, first: IndexerInput, indexer: Indexer, c):
+  def select(g, layers, first: IndexerInput, module: Indexer, c):
     del layers
-    key = indexer.key(first.h, pos)
-    keys = c["keys"].at[g, jnp.where(valid, pos, T_cap)].set(key, mode="drop")
-    q_I, w = indexer.query(first.h, first.c_q, pos)
-    sel = select_topk(index_scores(q_I, w, keys[g]), cand, cfg.index_topk)
+    key = module.key(first.h, pos)
+    keys = c["keys"].at[g, jnp.where(valid, pos, T_cap)].set(key, mode="drop",
+                                                             unique_indices=True)
+    q_I, w = module.query(first.h, first.c_q, pos)
+    sel = prefix_topk(q_I, w, keys[g], limit, k, impl=indexer,
+                      scratch_bytes=scratch_bytes, interpret=interpret)
     return sel, {**c, "keys": keys, "keys_out": c["keys_out"].at[g].set(key)}
 
   def attend(l, layer: DecoderLayer, proj: Projection, sel, c):
     sel_pos, sel_valid = sel
-    kv = c["kv"].at[jnp.where(valid, l * T_cap + pos, L * T_cap)].set(proj.entry, mode="drop")
-    rows = jnp.where(sel_valid, l * T_cap + sel_pos, INVALID)
-    out = _absorbed_attention(layer, proj, kv, rows, sel_valid, cfg.softmax_scale, attention)
+    kv = c["kv"].at[jnp.where(valid, l * T_cap + pos, L * T_cap)].set(
+        proj.entry, mode="drop", unique_indices=True)
+    q_lat = layer.attn.absorb(proj.q_nope)
+    kind = layer.attn.layout.kind
+
+    def sparse():
+      rows = jnp.where(sel_valid, l * T_cap + sel_pos, INVALID)
+      return sparse_attention_rows(q_lat, proj.q_rope, kv, rows, sel_valid,
+                                   scale=cfg.softmax_scale, impl=attention,
+                                   scratch_bytes=scratch_bytes, kv_layout=kind,
+                                   interpret=interpret)
+
+    def dense_causal():
+      rows = jax.lax.dynamic_slice_in_dim(kv, l * T_cap, window)
+      return dense_causal_attention(q_lat, proj.q_rope, rows, limit,
+                                    scale=cfg.softmax_scale, scratch_bytes=scratch_bytes,
+                                    kv_layout=kind)
+
+    o_lat = jax.lax.cond(dense, dense_causal, sparse)
+    out = layer.attn.out(o_lat)
     return out, {**c, "kv": kv, "entries": c["entries"].at[l].set(proj.entry)}
 
   x, carry = _run_layers(model, model.embed_tokens(tokens), pos, carry, select=select,
@@ -530,13 +671,16 @@ def decode_dense_reference(model: Transformer, workspace: PrefillWorkspace,
 # ----------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("attention",))
+@functools.partial(jax.jit, static_argnums=(0,),
+                   static_argnames=("attention", "indexer", "scratch_bytes", "interpret"))
 def prefill_chunk_jit(graphdef: nnx.GraphDef, params: nnx.State, workspace: PrefillWorkspace,
                       tokens: jax.Array, start: jax.Array, length: jax.Array, *,
-                      attention: str = "xla"):
+                      attention: str = "xla", indexer: str = "xla",
+                      scratch_bytes: int = SCRATCH_BYTES, interpret: bool | None = None):
   """``prefill_chunk`` on ``nnx.split(model)`` (graphdef static), jitted."""
   return prefill_chunk(nnx.merge(graphdef, params), workspace, tokens, start, length,
-                       attention=attention)
+                       attention=attention, indexer=indexer, scratch_bytes=scratch_bytes,
+                       interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

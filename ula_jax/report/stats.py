@@ -58,6 +58,9 @@ def aggregate_extra(steps: Sequence[StepMetrics]) -> dict[str, float]:
   if "hits" in out and "misses" in out and "hit_rate" not in out:
     looked_up = out["hits"] + out["misses"]
     out["hit_rate"] = out["hits"] / looked_up if looked_up else 1.0
+  if "drafted" in out and "accepted" in out and "acceptance_rate" not in out:
+    # speculative.num_draft: the share of the verified drafts that were accepted
+    out["acceptance_rate"] = out["accepted"] / out["drafted"] if out["drafted"] else 0.0
   return out
 
 
@@ -98,6 +101,9 @@ def run_stats(result: RunResult) -> dict[str, Any]:
       "steps": len(steps),
   }
   stats.update({k: v for k, v in aggregate_extra(steps).items() if k not in stats})
+  if "drafted" in stats:  # speculative decoding: tokens a request gains per verify step
+    verified = sum(m.running for m in steps if m.decode_tokens)
+    stats["tokens_per_verify_step"] = decode_tokens / verified if verified else 0.0
   return stats
 
 

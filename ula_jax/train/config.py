@@ -82,6 +82,11 @@ class TrainSection(Section):
       "gradients each)")
   kl_weight: float = Field(
       1.0, gt=0, description="weight of the indexer's KL loss (it reaches only the indexer)")
+  mtp_weight: float = Field(
+      0.3, ge=0, description="weight of the MTP block's loss (DeepSeek-V3's lambda): the "
+      "cross-entropy of predicting the token two places ahead from the final hidden state "
+      "and the next token's embedding; the speculative drafts' block (speculative.num_draft) "
+      "learns from it, and the model through it as well; 0 = the block is not trained")
   attention_block: int = Field(
       512, ge=1, description="query rows per attention block: the [heads, block, seq_len] "
       "scores of one block are what the attention holds at once")

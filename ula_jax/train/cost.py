@@ -18,12 +18,15 @@ block, T] softmax blocks, which move far more bytes than they compute: read
 from __future__ import annotations
 
 from ula_jax.models.config import ModelConfig
+from ula_jax.models.mtp import mtp_count
 from ula_jax.train.config import TrainConfig
 from ula_jax.train.forward import key_segments
 
 
 def matrix_params(m: ModelConfig) -> int:
-  """Matrix parameters a token's forward passes through (embedding lookup excluded)."""
+  """Matrix parameters a token's forward passes through (embedding lookup excluded), the
+  MTP block's included (with ``train.mtp_weight > 0`` its prediction also passes the
+  LM head a second time: ``estimate`` adds that)."""
   D, H, Q, C = m.hidden_size, m.num_heads, m.q_lora_rank, m.kv_lora_rank
   dn, dr, dv = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
   attn = D * Q + Q * H * (dn + dr) + D * C + D * dr + H * C * (dn + dv) + H * dv * D
@@ -32,14 +35,15 @@ def matrix_params(m: ModelConfig) -> int:
          + 3 * D * m.moe_intermediate_size * m.num_shared_experts)
   indexer = Q * m.index_n_heads * m.index_head_dim + D * m.index_head_dim + D * m.index_n_heads
   ffn = m.num_dense_layers * dense + (m.num_layers - m.num_dense_layers) * moe
-  return m.num_layers * attn + ffn + m.num_groups * indexer + D * m.vocab_size
+  return (m.num_layers * attn + ffn + m.num_groups * indexer + D * m.vocab_size
+          + mtp_count(m)["matrix"])
 
 
 def all_params(m: ModelConfig) -> int:
   """Every parameter (matrices, embedding, norms)."""
   norms = m.num_layers * (2 * m.hidden_size + m.q_lora_rank + m.kv_lora_rank)
   return (matrix_params(m) + m.vocab_size * m.hidden_size + norms + m.hidden_size
-          + m.num_groups * m.index_head_dim)
+          + m.num_groups * m.index_head_dim + mtp_count(m)["vector"])
 
 
 def estimate(cfg: TrainConfig, peak_flops: float = 400e12,
@@ -50,7 +54,8 @@ def estimate(cfg: TrainConfig, peak_flops: float = 400e12,
   segments = key_segments(T, cfg.block)
   pairs = sum((r1 - r0) * r1 for r0, r1 in segments) / T  # positions read per query
   tokens_per_step = t.batch_size * T
-  mm = 6 * matrix_params(m)
+  mtp = mtp_count(m)["matrix"] + m.hidden_size * m.vocab_size  # the block, the head again
+  mm = 6 * (matrix_params(m) - mtp_count(m)["matrix"] + (mtp if t.mtp_weight > 0 else 0))
   attn_pair = 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
   attn = 4 * attn_pair * pairs * m.num_layers
   index_pair = 2 * m.index_n_heads * m.index_head_dim

@@ -17,6 +17,11 @@ Two stages, as DeepSeek-V3.2 trained its indexer:
   (``kernels.indexer.select_topk``, exactly as serving picks them; every position
   while a query has at most k candidates). The KL is over the selected positions only.
 
+In both, the MTP block (``models.mtp``, the speculative drafts' block) learns to predict
+the token two places ahead from each position's final hidden state and the next token's
+embedding, through the shared LM head (``mtp_loss_sum``; DeepSeek-V3's MTP loss at depth
+one), and its gradient reaches the whole model as in DeepSeek-V3.
+
 The indexer reads its inputs with the gradient stopped, so it learns only from the KL,
 and the rest of the model only from the language-model loss; the selection itself
 carries no gradient.
@@ -44,6 +49,7 @@ from jax.scipy.special import xlogy
 from ula_jax.kernels.indexer import index_scores, select_topk
 from ula_jax.kernels.sparse_attention.reference import masked_softmax
 from ula_jax.models.layers import Indexer
+from ula_jax.models.mtp import mtp_logits
 from ula_jax.models.transformer import DecoderLayer, Projection, Transformer, _run_layers
 
 F32 = jnp.float32
@@ -58,12 +64,14 @@ class ForwardOptions:
   kl:      the indexer's KL loss
   measure: the share of each layer's dense attention that the top-k captures (with
            ``sparse=False``; evaluation)
+  mtp:     the MTP block's loss
   """
 
   sparse: bool
   block: int
   kl: bool = True
   measure: bool = False
+  mtp: bool = True
 
 
 class IndexerInputs(NamedTuple):
@@ -225,12 +233,37 @@ def lm_loss_sum(model: Transformer, x_td: jax.Array, targets: jax.Array, block: 
   return total
 
 
+def mtp_loss_sum(model: Transformer, x_td: jax.Array, targets: jax.Array, block: int
+                 ) -> jax.Array:
+  """Summed cross-entropy (nats) of the MTP block: at position t it reads the final hidden
+  state ``x_td[t]`` [T, D] and the embedding of ``targets[t]`` (the token at t + 1) and
+  predicts ``targets[t + 1]``; the last position, with nothing two places ahead in the
+  window, is left out. In blocks of ``block`` rows, as ``lm_loss_sum``."""
+  T = x_td.shape[0]
+  ahead = jnp.concatenate([targets[1:], targets[:1]])  # the last row's is a placeholder
+  keep = jnp.arange(T) < T - 1
+
+  @jax.checkpoint
+  def body(total, xs):
+    x_blk, next_blk, ahead_blk, keep_blk = xs
+    logits = mtp_logits(model, model.mtp(x_blk, model.embed_tokens(next_blk)))
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    gold = jnp.take_along_axis(logits, ahead_blk[:, None], axis=-1)[:, 0]
+    return total + jnp.sum(jnp.where(keep_blk, lse - gold, 0.0)), None
+
+  xs = tuple(_blocks(a, block) for a in (x_td, targets, ahead, keep))
+  total, _ = jax.lax.scan(body, jnp.zeros((), F32), xs)
+  return total
+
+
 def sequence_terms(model: Transformer, tokens: jax.Array, targets: jax.Array,
                    opts: ForwardOptions) -> dict[str, jax.Array]:
   """The loss terms of one sequence.
 
   tokens, targets: [T] int32 (targets[t] follows tokens[t])
-  returns {"lm": [] summed cross-entropy (nats), "kl": [L] per layer KL summed over
+  returns {"lm": [] summed cross-entropy (nats), "mtp": [] the MTP block's summed
+  cross-entropy over the T - 1 positions with a token two places ahead (0 without
+  ``opts.mtp``), "kl": [L] per layer KL summed over
   queries, "mass": [L], "mass_far": [L] captured attention summed over queries (all, and
   those with more than k candidates), "oracle_far": [L] the attention's own top-k mass
   over the latter}
@@ -258,7 +291,9 @@ def sequence_terms(model: Transformer, tokens: jax.Array, targets: jax.Array,
 
   x, carry = _run_layers(model, model.embed_tokens(tokens), pos, carry, select=select,
                          attend=attend)
-  return {"lm": lm_loss_sum(model, x, targets, opts.block), **carry}
+  mtp = (mtp_loss_sum(model, x, targets, opts.block) if opts.mtp
+         else jnp.zeros((), F32))
+  return {"lm": lm_loss_sum(model, x, targets, opts.block), "mtp": mtp, **carry}
 
 
 def batch_terms(model: Transformer, windows: jax.Array, opts: ForwardOptions
@@ -270,11 +305,13 @@ def batch_terms(model: Transformer, windows: jax.Array, opts: ForwardOptions
 
 def terms_summary(terms: dict[str, Any], seq_len: int, top_k: int) -> dict[str, Any]:
   """Per-token means of ``batch_terms`` (summed over the batch first): ``lm`` nats per
-  token, ``kl`` per query and layer, ``mass`` / ``mass_far`` per query, per layer [L]."""
+  token, ``mtp`` nats per predicted token (T - 1 per window), ``kl`` per query and
+  layer, ``mass`` / ``mass_far`` per query, per layer [L]."""
   B = terms["lm"].shape[0]
   far = B * max(seq_len - top_k, 0)
   return {
       "lm": jnp.sum(terms["lm"]) / (B * seq_len),
+      "mtp": jnp.sum(terms["mtp"]) / (B * max(seq_len - 1, 1)),
       "kl": jnp.sum(terms["kl"], axis=0) / (B * seq_len),
       "mass": jnp.sum(terms["mass"], axis=0) / (B * seq_len),
       "mass_far": jnp.sum(terms["mass_far"], axis=0) / max(far, 1),

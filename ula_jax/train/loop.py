@@ -112,7 +112,8 @@ def _loss(params, graphdef, windows, opts: ForwardOptions, cfg: TrainConfig):
   s = terms_summary(batch_terms(model, windows, opts), cfg.train.seq_len,
                     cfg.model.index_topk)
   kl = jnp.mean(s["kl"])
-  return s["lm"] + cfg.train.kl_weight * kl, {"lm": s["lm"], "kl": kl}
+  loss = s["lm"] + cfg.train.kl_weight * kl + cfg.train.mtp_weight * s["mtp"]
+  return loss, {"lm": s["lm"], "kl": kl, "mtp": s["mtp"]}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
@@ -149,8 +150,10 @@ def evaluate(graphdef, params, windows: np.ndarray, cfg: TrainConfig) -> dict:
   group's top-k holds, averaged over queries: all of them (``captured_mass``) and those
   with more than k candidates (``captured_mass_beyond_k``, the ones a selection can
   miss), beside the most any k positions could hold there (the attention's own top-k,
-  ``attention_topk_mass_beyond_k``). Windows are evaluated ``train.batch_size`` at a
-  time."""
+  ``attention_topk_mass_beyond_k``), and the MTP block's loss (``mtp_loss_dense`` /
+  ``mtp_loss_sparse``: how well it predicts the token two places ahead, which decides
+  how many speculative drafts are accepted). Windows are evaluated ``train.batch_size``
+  at a time."""
   T, k, B = cfg.train.seq_len, cfg.model.index_topk, cfg.train.batch_size
   out = {}
   for mode, opts in (("dense", ForwardOptions(False, cfg.block, kl=True, measure=True)),
@@ -168,6 +171,7 @@ def evaluate(graphdef, params, windows: np.ndarray, cfg: TrainConfig) -> dict:
     out[f"loss_{mode}"] = float(sums["lm"] / (n * T))
     out[f"bits_per_byte_{mode}"] = out[f"loss_{mode}"] / LN2
     out[f"kl_{mode}"] = float(np.mean(sums["kl"]) / (n * T))
+    out[f"mtp_loss_{mode}"] = float(sums["mtp"] / (n * max(T - 1, 1)))
     if mode == "dense":
       per_layer = sums["mass"] / (n * T)
       far = sums["mass_far"] / max(n * (T - k), 1)
@@ -317,7 +321,8 @@ def _train(cfg: TrainConfig, corpus: Corpus, heldout: np.ndarray, run_dir: Path,
   unigram = unigram_loss(log_p, heldout)
   estimate = cost.estimate(cfg)
   tokens_per_step = t.batch_size * t.seq_len
-  opts = {s: ForwardOptions(s == "sparse", cfg.block, kl=True) for s in ("dense", "sparse")}
+  opts = {s: ForwardOptions(s == "sparse", cfg.block, kl=True, mtp=t.mtp_weight > 0)
+          for s in ("dense", "sparse")}
   timing = {"dense": [], "sparse": []}  # seconds of each step after the first of a stage
   first_step_s: dict[str, float] = {}
 
@@ -361,7 +366,7 @@ def _train(cfg: TrainConfig, corpus: Corpus, heldout: np.ndarray, run_dir: Path,
                   "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
         _append(metrics_path, record)
         history.append(record)
-        line = (f"{stage}  loss {m['lm']:.3f}  kl {m['kl']:.3f}  "
+        line = (f"{stage}  loss {m['lm']:.3f}  kl {m['kl']:.3f}  mtp {m['mtp']:.3f}  "
                 f"{tokens_per_step / dt:,.0f} tok/s")
         bar.update(task, completed=step, status=line)
         stage_end = step == t.dense_steps or step == t.steps

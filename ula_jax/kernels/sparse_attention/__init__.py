@@ -10,7 +10,9 @@ One public entry point, ``sparse_mla_attention``, validates shapes and dispatche
   its fastest launch (Hopper GPUs only; 64 heads, 512 + 64 bf16 columns).
 
 Implementations are imported on first use, so a missing optional kernel costs nothing
-until it is asked for.
+until it is asked for. ``prefill.py`` runs a prefill chunk's rows through this entry point
+(``sparse_attention_rows``) and attends densely while a prompt is no longer than top-k
+(``dense_causal_attention``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ all compute devices and compares two ways of reading it during decode:
   from the far pool into a per-step device staging area of ``B x (k+1)`` slots per
   layer (row ``b`` uses slots ``[b*(k+1), (b+1)*(k+1))``; the last one holds the
   decoded token). Nothing is cached across steps: every selected entry crosses the
-  link every step.
+  link every step. With speculative decoding a row's area is ``(1 + num_draft) x
+  (k+1)`` slots: the union of its query rows' selections, each loaded once, then the
+  step's new tokens.
 * ``full_prefetch`` (the RDMA baseline): a request's whole prefix is copied into
   local device memory before its decode starts, and decode reads it there. The local
   pool is indexed by logical address, so admission is bounded by local memory too.
@@ -69,7 +71,8 @@ class FarTierPlan:
 
   far_idx: jax.Array  # [B*k] int32 far slots to load (INVALID: none)
   dev_idx: jax.Array  # [B*k] int32 staging slots they go to
-  new_addr: jax.Array  # [B] int32 address of the decoded token (INVALID: inactive)
+  new_addr: jax.Array  # [B * R] int32 addresses of the decoded tokens, R per request in a
+  # verify step (else 1) (INVALID: inactive)
   group: jax.Array  # [] int32 the layer group planned (checks the layers it is used for)
 
 
@@ -95,7 +98,9 @@ class FarTier(MemorySystem):
     tokens = far_rank if self.mode != "full_prefetch" else min(far_rank, self.local_tokens)
     self.capacity_tokens = (tokens // self.page_size) * self.page_size
     self.num_logical = self.capacity_tokens
-    self.stage_width = self.geo.top_k + 1  # slots per row in the staging area
+    # Slots per row in the staging area: a verify step stages the union of the request's
+    # rows' selections and its new tokens.
+    self.stage_width = self.step_rows * (self.geo.top_k + 1)
 
   def validate(self) -> None:
     if self.mode not in MODES:
@@ -171,42 +176,62 @@ class FarTier(MemorySystem):
 
   def resolve(self, state: FarTierState, group: int | jax.Array, sel_addr, sel_valid, new_addr,
               active):
+    return self.resolve_rows(state, group, sel_addr, sel_valid, new_addr[:, None],
+                             active[:, None])
+
+  def resolve_rows(self, state: FarTierState, group: int | jax.Array, sel_addr, sel_valid,
+                   new_addr, active):
+    """``resolve`` of a verify step (``MemorySystem.resolve_rows``): a request's staging
+    area takes the union of its rows' selections (``sel_addr`` [B, U], each loaded once)
+    and its ``R`` new tokens (``new_addr`` [B, R]); ``resolve`` is the case R = 1."""
     B, k = sel_addr.shape
+    R = new_addr.shape[1]
     layers = self._group_len(group)
     # A Python group stays concrete in the plan, so that move_layer / write_token can
     # check their layer at trace time; a traced one is carried as it is.
     group_arr = (np.asarray(group, np.int32) if isinstance(group, (int, np.integer))
                  else jnp.asarray(group, jnp.int32))
-    has_new = active & (new_addr >= 0)
-    valid = sel_valid & (sel_addr >= 0) & active[:, None]
-    is_new = valid & has_new[:, None] & (sel_addr == new_addr[:, None])
+    has_new = active & (new_addr >= 0)  # [B, R]
+    valid = sel_valid & (sel_addr >= 0) & jnp.any(active, axis=1)[:, None]
+    # A selected entry that is one of the step's new tokens (and which one).
+    same = (valid[:, :, None] & has_new[:, None, :]
+            & (sel_addr[:, :, None] == new_addr[:, None, :]))  # [B, k, R]
+    is_new = jnp.any(same, axis=2)
+    which = jnp.argmax(same, axis=2)
     live = state.live.at[group, jnp.where(has_new, new_addr, self.num_logical)].set(
         True, mode="drop")
     writes = has_new.sum().astype(jnp.int32) * layers
+    new_plan = jnp.where(has_new, new_addr, INVALID).reshape(-1).astype(jnp.int32)
     if self.mode == "full_prefetch":
       slots = jnp.where(valid, sel_addr, INVALID).astype(jnp.int32)
-      new_slot = jnp.where(has_new, new_addr, INVALID).astype(jnp.int32)
+      new_slot = new_plan
       plan = FarTierPlan(far_idx=jnp.full((B * k,), INVALID, jnp.int32),
                          dev_idx=jnp.full((B * k,), INVALID, jnp.int32),
-                         new_addr=new_slot, group=group_arr)
+                         new_addr=new_plan, group=group_arr)
       fetched = jnp.zeros((), jnp.int32)
       staged = jnp.zeros((), jnp.int32)
     else:
-      if k + 1 > self.stage_width:
+      if R == 1 and k + 1 > self.stage_width:
         raise ValueError(f"far_tier.resolve: selection width k={k} exceeds the model's "
-                         f"top_k={self.geo.top_k} the staging area is sized for")
+                         f"top_k={self.stage_width - 1} the staging area is sized for")
+      if k + R > self.stage_width:
+        raise ValueError(f"far_tier.resolve: selection width k={k} and {R} new tokens "
+                         f"exceed a request's staging area of {self.stage_width} slots "
+                         f"((1 + speculative.num_draft) x (top_k + 1))")
       if B != self.max_batch:
         raise ValueError(f"far_tier.resolve: sel_addr has {B} rows; expected "
                          f"max_batch={self.max_batch} (the staging area is per batch row)")
       base = jnp.arange(B, dtype=jnp.int32)[:, None] * self.stage_width
-      new_slot = jnp.where(has_new, base[:, 0] + k, INVALID).astype(jnp.int32)
+      new_rb = jnp.where(has_new, base + k + jnp.arange(R, dtype=jnp.int32)[None, :],
+                         INVALID).astype(jnp.int32)  # [B, R]
+      new_slot = new_rb.reshape(-1)
       load = valid & ~is_new
       stage = base + jnp.arange(k, dtype=jnp.int32)[None, :]
-      slots = jnp.where(is_new, new_slot[:, None], jnp.where(load, stage, INVALID))
+      slots = jnp.where(is_new, jnp.take_along_axis(new_rb, which, axis=1),
+                        jnp.where(load, stage, INVALID))
       plan = FarTierPlan(far_idx=jnp.where(load, sel_addr, INVALID).reshape(-1).astype(jnp.int32),
                          dev_idx=jnp.where(load, stage, INVALID).reshape(-1).astype(jnp.int32),
-                         new_addr=jnp.where(has_new, new_addr, INVALID).astype(jnp.int32),
-                         group=group_arr)
+                         new_addr=new_plan, group=group_arr)
       fetched = load.sum().astype(jnp.int32)
       staged = fetched + has_new.sum().astype(jnp.int32)
     state = state.replace(live=live,

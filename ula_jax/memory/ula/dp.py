@@ -58,7 +58,7 @@ from ula_jax.memory.ula.resolve.fastpath import resolve_speculative
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, group_slice,
-                                 group_update, layer_rows, tp_replicated)
+                                 group_update, layer_rows, set_rows, tp_replicated)
 from ula_jax.memory.ula.policies import bitmap, make_policy, policy_fields
 from ula_jax.memory.ula.state import GroupMeta, UlaPlan, UlaState, _compact, stage_selection
 
@@ -98,8 +98,9 @@ class Ula(MemorySystem):
 
   @property
   def step_entries(self) -> int:
-    """``M``: entries one decode step may need on the device (selection + new tokens)."""
-    return self.max_batch * (self.geo.top_k + 1)
+    """``M``: entries one decode step may need on the device (selection + new tokens;
+    ``step_rows`` of each per request in a verify step)."""
+    return self.max_batch * self.step_rows * (self.geo.top_k + 1)
 
   def validate(self) -> None:
     """Raises ValueError naming the field, its value and what is allowed.
@@ -113,12 +114,14 @@ class Ula(MemorySystem):
     self._policy_fields()
     need = self.step_entries
     if self.device_slots < need:
+      rows = ("", "") if self.step_rows == 1 else (" * (1 + speculative.num_draft)",
+                                                   f" * {self.step_rows}")
       raise ValueError(
           f"memory.device_pool={self.cfg.device_pool!r} holds "
           f"{self.device_slots} tokens per device and layer group, fewer than one decode "
-          f"step needs on the device: engine.max_batch * (top_k + 1) = {self.max_batch} * "
-          f"({self.geo.top_k} + 1) = {need}; use memory.device_pool >= {need} tokens "
-          f"({need * self.geo.token_bytes} bytes)")
+          f"step needs on the device: engine.max_batch{rows[0]} * (top_k + 1) = "
+          f"{self.max_batch}{rows[1]} * ({self.geo.top_k} + 1) = {need}; use "
+          f"memory.device_pool >= {need} tokens ({need * self.geo.token_bytes} bytes)")
     if self.capacity_tokens < self.page_size:
       raise ValueError(
           f"memory.device_pool + memory.host_pool = {self.device_slots} + {self.host_slots}"
@@ -299,8 +302,7 @@ class Ula(MemorySystem):
     layer = jnp.arange(L, dtype=_I32)[:, None]
     rows = entries.astype(state.dev_pool.dtype).reshape(L * C, -1)
     d_rows = layer_rows(layer, dev_dst[of_layer], Sd).reshape(-1)  # [L * C]
-    dev_pool = state.dev_pool.at[jnp.where(d_rows >= 0, d_rows, L * Sd)].set(
-        rows, mode="drop")
+    dev_pool = set_rows(state.dev_pool, d_rows, rows)
     host_pool = state.host_pool
     if self.host_slots:
       h_rows = layer_rows(layer, host_dst[of_layer], Hr).reshape(-1)

@@ -301,9 +301,7 @@ class DirectStore:
     W = rk.pools.shape[-1]
     slot = jnp.where(mine, local, INVALID)
     idx = layer_rows(jnp.arange(Lk, dtype=_I32)[:, None], slot[None, :], C)  # [Lk, n]
-    idx = jnp.where(idx >= 0, idx, Lk * C)
-    pools = rk.pools.at[idx.reshape(-1)].set(
-        entries.reshape(-1, W).astype(rk.pools.dtype), mode="drop")
+    pools = set_rows(rk.pools, idx.reshape(-1), entries.reshape(-1, W))
     return rk.replace(pools=pools, live=self._mark(rk.live, slice(None), local, mine, True))
 
   def resolve(self, rk: DirectState, group, f_local, f_mine, n_local, n_mine):
@@ -320,10 +318,9 @@ class DirectStore:
     return rk.pools, jnp.asarray(layer, _I32) * self.capacity
 
   def write_token(self, rk: DirectState, layer, new_slot, entry, active) -> DirectState:
-    C, Lk = self.capacity, self.geo.num_layers
-    rows = layer_rows(layer, jnp.where(active & (new_slot >= 0), new_slot, INVALID), C)
-    idx = jnp.where(rows >= 0, rows, Lk * C)
-    return rk.replace(pools=rk.pools.at[idx].set(entry.astype(rk.pools.dtype), mode="drop"))
+    rows = layer_rows(layer, jnp.where(active & (new_slot >= 0), new_slot, INVALID),
+                      self.capacity)
+    return rk.replace(pools=set_rows(rk.pools, rows, entry))
 
   def release(self, rk: DirectState, local, mine, row) -> DirectState:
     del row
@@ -416,7 +413,8 @@ class UlaTP(MemorySystem):
             system="ula", device_pool=self.device_slots, host_pool=self.host_slots,
             policy=self.policy_name, pb_lru_buckets=self.buckets)
         self.store = TieredStore(Ula(owner_cfg, self.geo, MeshInfo(1, 1), max_batch=self.max_batch,
-                                     page_size=1, max_context=self.max_context))
+                                     page_size=1, max_context=self.max_context,
+                                     step_rows=self.step_rows))
       else:
         self.store = DirectStore(self.geo, self.rank_capacity)
     self.policy = make_policy(self.policy_name, self.buffer_slots, buckets=self.buckets)
@@ -428,8 +426,9 @@ class UlaTP(MemorySystem):
 
   @property
   def step_entries(self) -> int:
-    """Distinct entries one decode step may need in the buffer: max_batch * (top_k + 1)."""
-    return self.max_batch * (self.geo.top_k + 1)
+    """Distinct entries one decode step may need in the buffer: max_batch * (top_k + 1),
+    times ``step_rows`` in a verify step."""
+    return self.max_batch * self.step_rows * (self.geo.top_k + 1)
 
   def _sizes(self) -> tuple[int, int, int, int]:
     """(L buffer slots, D device budget, Sd device-pool slots, H host slots) per device."""
@@ -460,10 +459,12 @@ class UlaTP(MemorySystem):
                        f"{list(INDEX_SCORING)}")
     need = self.step_entries
     if self.buffer_slots < need:
+      rows = ("", "") if self.step_rows == 1 else (" * (1 + speculative.num_draft)",
+                                                   f" * {self.step_rows}")
       raise ValueError(
           f"memory.local_buffer={self.buffer_slots} holds fewer entries than one decode step "
-          f"selects: engine.max_batch * (top_k + 1) = {self.max_batch} * ({self.geo.top_k} "
-          f"+ 1) = {need}; use memory.local_buffer >= {need} (or null)")
+          f"selects: engine.max_batch{rows[0]} * (top_k + 1) = {self.max_batch}{rows[1]} * "
+          f"({self.geo.top_k} + 1) = {need}; use memory.local_buffer >= {need} (or null)")
     if self.device_slots < 1:
       raise ValueError(
           f"memory.device_pool={self.cfg.device_pool!r} ({self.device_budget}"
@@ -561,9 +562,10 @@ class UlaTP(MemorySystem):
     return state.replace(shared=state.shared.replace(layout=lst))
 
   def _decode_rows(self, n: int) -> jax.Array:
-    """Decode rows of ``n`` addresses passed in decode order (one per row), else unknown."""
-    if n == self.max_batch:
-      return jnp.arange(n, dtype=_I32)
+    """Decode rows of ``n`` addresses passed in decode order (one per row, or ``step_rows``
+    per row in a verify step), else unknown."""
+    if n == self.max_batch * self.step_rows:
+      return jnp.arange(n, dtype=_I32) // self.step_rows
     return jnp.full((n,), INVALID, _I32)
 
   # -- transitions (local, inside shard_map) ---------------------------------------

@@ -1,0 +1,222 @@
+"""Policies: PB-LRU against exact LRU, hit rate and resolve time against batch.
+
+Hit rate: the trained model's selections (``experiments/traces``) served at each batch
+of ``batches`` (``selections.build``: request ``i`` replays recorded request
+``i mod R``), replayed through one ula DP rank (the NumPy model of ``Ula``, which makes
+the jax resolve's choices) under ``pb_lru`` and ``lru`` with the same pools: a device
+pool of ``pool_factor x (k + 1)`` slots per decode row, tight enough that steps evict,
+and a host pool for the rest.
+
+Resolve time: ``bench resolve`` (one layer group's resolve, ``resolve_impls``) at each
+batch of ``resolve_batches`` under both policies, on its own stream (every request's
+selection kept from step to step but for ``resolve_churn`` of it, redrawn; the device
+pool full, half the entries on the host).
+
+UlaCache's claim: PB-LRU's hit rate is within 0.1 percentage points of exact LRU's, and
+its scheduling 1.5-2.3x faster at large batch (slower when there are few evictions).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from ula_jax.experiments.base import (AnchorPoint, Check, Context, Experiment, Outcome,
+                                      Params, anchor_panel, repo_path)
+
+SELECTIONS = "experiments/traces/trained_small.npz"
+
+
+class TraceParams(Params):
+  """The trained model's selections and how much of them a run replays."""
+
+  selections: str = Field(SELECTIONS, description="selections file (experiments/traces)")
+  steps: int | None = Field(None, ge=1, description="decode steps per request; None = all")
+  groups: list[int] | None = Field(
+      None, description="layer groups of the recorded model to keep; None = all")
+  page_size: int = Field(64, ge=1, description="engine.page_size of the served traces")
+
+  def load(self):
+    from ula_jax.experiments.selections import Selections
+    return Selections.load(repo_path(self.selections)).subset(steps=self.steps,
+                                                              groups=self.groups)
+
+
+def build_trace(p: TraceParams, sel, tmp: str | Path, *, requests: int, batch: int):
+  """The trace of ``requests`` requests of ``sel`` on ``batch`` rows, loaded."""
+  from ula_jax.experiments.selections import build
+  from ula_jax.memory.traces import SelectionTrace
+
+  path = build(sel, Path(tmp) / f"b{batch}_r{requests}.npz", requests=requests, batch=batch,
+               page_size=p.page_size)
+  return SelectionTrace.load(path)
+
+
+def replay_ula(trace, *, device_pool: int, policy: str, buckets: int = 4):
+  """One ula DP rank of ``device_pool`` device slots and a host pool for the rest,
+  replayed (NumPy model): hits, misses, evictions and seconds."""
+  from ula_jax.config.schema import MemoryConfig
+  from ula_jax.memory.traces.replay import build_rank_system, replay
+
+  B = trace.max_batch
+  cfg = MemoryConfig(system="ula", device_pool=device_pool,
+                     host_pool=max(trace.num_logical, trace.page_size), policy=policy,
+                     pb_lru_buckets=buckets)
+  system = build_rank_system(cfg, trace.geometry(), max_batch=B, page_size=trace.page_size,
+                             max_context=max(trace.num_logical // B, 1))
+  r = replay(trace, system, engine="fast", report_every=1 << 30, validate=False)
+  tot = r.totals()
+  looked = tot["hits"] + tot["misses"]
+  return {**tot, "hit_rate": tot["hits"] / looked if looked else None,
+          "steps": trace.num_steps, "replay_s": r.seconds, "device_slots": system.device_slots}
+
+
+class PoliciesParams(TraceParams):
+  batches: list[int] = Field(default_factory=lambda: [1, 2, 4],
+                             description="decode rows the selections are served on")
+  pool_factor: float = Field(
+      1.5, gt=0, description="ula device pool per decode row, in selections (k + 1 slots)")
+  buckets: int = Field(4, ge=1, description="memory.pb_lru_buckets")
+  resolve_batches: list[int] = Field(default_factory=lambda: [1, 4],
+                                     description="bench resolve's batches (none: skip it)")
+  resolve_k: int | None = Field(None, ge=1, description="bench resolve's top-k; None = the "
+                                "selections'")
+  resolve_pool: int = Field(4096, ge=1, description="bench resolve's device pool slots")
+  resolve_impls: list[Literal["jnp", "pallas"]] = Field(
+      default_factory=lambda: ["jnp"], description="bench resolve's implementations")
+  resolve_fuse: list[Literal["off", "on"]] = Field(
+      default_factory=lambda: ["off"], description="Pallas launch forms (on: PB-LRU fused)")
+  resolve_churn: float = Field(0.1, ge=0, le=1, description="bench resolve's churn")
+  resolve_steps: int = Field(8, ge=1, description="resolves per timed segment")
+  resolve_segments: int = Field(2, ge=1, description="timed segments (median)")
+  platform: Literal["cpu", "gpu"] = "cpu"
+
+
+def resolve_times(p: PoliciesParams, k: int) -> dict:
+  """``bench resolve`` at the parameters' sizes (its parser, its run)."""
+  from ula_jax.bench import resolve
+
+  argv = ["--batch", ",".join(map(str, p.resolve_batches)), "--k", str(p.resolve_k or k),
+          "--pools", str(p.resolve_pool), "--policies", "pb_lru,lru",
+          "--impls", ",".join(p.resolve_impls), "--pallas-fuse", ",".join(p.resolve_fuse),
+          "--buckets", str(p.buckets), "--churn", str(p.resolve_churn),
+          "--steps", str(p.resolve_steps), "--segments", str(p.resolve_segments),
+          "--warmup", "1"]
+  return resolve.run(resolve._parser().parse_args(argv))
+
+
+def run(p: PoliciesParams, ctx: Context) -> Outcome:
+  sel = p.load()
+  k = sel.top_k
+  hits = {}
+  with tempfile.TemporaryDirectory(prefix="ula-jax-policies-") as tmp:
+    for b in p.batches:
+      trace = build_trace(p, sel, tmp, requests=max(b, sel.num_requests), batch=b)
+      pool = max(int(p.pool_factor * b * (k + 1)), b * (k + 1))
+      hits[b] = {pol: replay_ula(trace, device_pool=pool, policy=pol, buckets=p.buckets)
+                 for pol in ("pb_lru", "lru")}
+      ctx.log(f"  batch {b}: hit rate pb_lru {hits[b]['pb_lru']['hit_rate']:.4f}, "
+              f"lru {hits[b]['lru']['hit_rate']:.4f}")
+  res = resolve_times(p, k) if p.resolve_batches else {"rows": []}
+  us = {}
+  for r in res["rows"]:
+    if r["us"] is not None:
+      us.setdefault((r["batch"], r["impl"]), {})[r["policy"]] = r["us"]
+  rows = []
+  for b, h in hits.items():
+    pb, lru = h["pb_lru"], h["lru"]
+    rows.append({"what": "hit rate", "batch": b, "device slots": pb["device_slots"],
+                 "pb_lru": pb["hit_rate"], "lru": lru["hit_rate"],
+                 "pb_lru - lru (pp)": 100 * (pb["hit_rate"] - lru["hit_rate"]),
+                 "evictions pb_lru": pb["evictions"], "evictions lru": lru["evictions"]})
+    rows.append({"what": "host model ms / step", "batch": b,
+                 "device slots": pb["device_slots"],
+                 "pb_lru": 1e3 * pb["replay_s"] / pb["steps"],
+                 "lru": 1e3 * lru["replay_s"] / lru["steps"],
+                 "lru / pb_lru": lru["replay_s"] / pb["replay_s"] if pb["replay_s"] else None})
+  for (b, impl), t in sorted(us.items()):
+    rows.append({"what": f"resolve us ({impl})", "batch": b, "device slots": p.resolve_pool,
+                 "pb_lru": t.get("pb_lru"), "lru": t.get("lru"),
+                 "lru / pb_lru": (t["lru"] / t["pb_lru"] if "lru" in t and "pb_lru" in t
+                                  else None)})
+  gaps = [abs(r["pb_lru - lru (pp)"]) for r in rows if r["what"] == "hit rate"]
+  speed = [r["lru / pb_lru"] for r in rows
+           if r["what"].startswith("resolve") and r.get("lru / pb_lru") is not None]
+  anchor = [AnchorPoint("hit rate gap, PB-LRU vs LRU, pp (largest)", max(gaps), 0.1,
+                        "UlaCache"),
+            AnchorPoint("LRU / PB-LRU resolve time, largest batch", speed[-1] if speed
+                        else None, 1.5, "UlaCache (1.5-2.3)")]
+  errors = [f"{r['batch']} {r['policy']} {r['impl']}: {r['error']}" for r in res["rows"]
+            if r["error"] and not r["error"].startswith("skipped")]
+  checks = [
+      Check("PB-LRU's hit rate within 2 pp of exact LRU's at every batch",
+            max(gaps) <= 2.0, f"largest gap {max(gaps):.3f} pp"),
+      Check("both policies saw the same lookups", all(
+          h["pb_lru"]["hits"] + h["pb_lru"]["misses"] == h["lru"]["hits"] + h["lru"]["misses"]
+          for h in hits.values()), "hits + misses equal per batch"),
+      Check("the pool was tight: steps evicted", all(
+          h["lru"]["evictions"] > 0 for h in hits.values()), "evictions at every batch"),
+      Check("every resolve measurement ran", not errors, "; ".join(errors) or
+            f"{len(us)} (batch, impl) pairs" if us else "none asked for (resolve_batches)")]
+
+  def draw(fig):
+    ax1, ax2, ax3 = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1, 1, 1]})
+    bs = list(hits)
+    for pol, m in (("pb_lru", "o"), ("lru", "s")):
+      ax1.plot(bs, [100 * hits[b][pol]["hit_rate"] for b in bs], marker=m, label=pol)
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("decode rows (batch)")
+    ax1.set_ylabel("hit rate (%)")
+    ax1.set_title(f"trained-model selections, pool {p.pool_factor} x (k+1) per row",
+                  fontsize="medium")
+    ax1.grid(True, alpha=0.3)
+    ax1.legend(fontsize="small")
+    for impl in sorted({i for _, i in us}):
+      pts = sorted((b, t) for (b, i), t in us.items() if i == impl)
+      for pol, m in (("pb_lru", "o"), ("lru", "s")):
+        ax2.plot([b for b, _ in pts], [t.get(pol) for _, t in pts], marker=m,
+                 label=f"{pol} ({impl}, one group)")
+    for pol, m in (("pb_lru", "o"), ("lru", "s")):
+      ax2.plot(bs, [1e3 * hits[b][pol]["replay_s"] / hits[b][pol]["steps"] for b in bs],
+               marker=m, ls=":", label=f"{pol} (host model, a step)")
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("batch")
+    ax2.set_ylabel("us per resolve (bench) / ms per step (host model)")
+    ax2.set_title(f"resolve time; bench resolve pool {p.resolve_pool}, k {p.resolve_k or k}"
+                  if us else "resolve time of the NumPy models", fontsize="medium")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(fontsize="small")
+    anchor_panel(ax3, anchor)
+
+  return Outcome(title="PB-LRU against exact LRU",
+                 columns=["what", "batch", "device slots", "pb_lru", "lru",
+                          "pb_lru - lru (pp)", "lru / pb_lru", "evictions pb_lru",
+                          "evictions lru"],
+                 rows=rows, data={"hit_rates": hits, "resolve": res,
+                                  "selections": sel.source, "top_k": k},
+                 checks=checks, anchor=anchor, draw=draw,
+                 notes=[f"selections: {sel.num_requests} recorded requests x "
+                        f"{sel.num_steps} decode steps, {sel.num_groups} layer groups, "
+                        f"top-k {k}",
+                        "host model ms / step: the NumPy models of ula's resolve (traces/"
+                        "fast.py, the jax code's choices) replaying the selections, all groups",
+                        *([f"resolve us: bench resolve (one layer group) on its own stream "
+                           f"(churn {p.resolve_churn}), not the trained selections"] if us
+                          else [])])
+
+
+def devices(p: PoliciesParams) -> tuple[str, int]:
+  return p.platform, 1
+
+
+EXPERIMENT = Experiment(
+    name="policies",
+    question="Does PB-LRU keep exact LRU's hit rate on a trained model's selections, and "
+    "how much faster is its resolve as the batch grows?",
+    anchor="UlaCache: hit rate within 0.1 pp of exact LRU; scheduling 1.5-2.3x faster at "
+    "large batch",
+    params=PoliciesParams, run=run, devices=devices)
