@@ -409,6 +409,14 @@ class SpeculativeConfig(Section):
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
 
+def check_run_name(v: str) -> str:
+  """``experiment.name`` of a run or training config, checked (it names a directory)."""
+  if not _NAME.fullmatch(v):
+    raise ValueError(f"experiment.name={v!r}: use letters, digits and . _ + - "
+                     f"(it names a directory), starting with a letter or digit")
+  return v
+
+
 class ExperimentInfo(Section):
   """Names and output of one experiment (the ``experiment`` section)."""
 
@@ -422,10 +430,7 @@ class ExperimentInfo(Section):
   @field_validator("name")
   @classmethod
   def _name(cls, v: str) -> str:
-    if not _NAME.fullmatch(v):
-      raise ValueError(f"experiment.name={v!r}: use letters, digits and . _ + - "
-                       f"(it names a directory), starting with a letter or digit")
-    return v
+    return check_run_name(v)
 
 
 # ----------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ then ``a.b=value`` overrides) and validated here, every problem naming its dotte
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -16,14 +15,12 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ula_jax.config.errors import ConfigError, format_validation_error
 from ula_jax.config.loader import compose
-from ula_jax.config.schema import Section, check_model_bools
+from ula_jax.config.schema import Section, check_model_bools, check_run_name
 from ula_jax.models.config import ModelConfig
 
 BYTE_VOCAB = 257
 """Token ids of the byte-level tokenizer: the 256 byte values and one document separator
 (``data.BOS``); ``model.vocab_size`` must be at least this."""
-
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
 
 class DataConfig(Section):
@@ -125,10 +122,7 @@ class TrainInfo(Section):
   @field_validator("name")
   @classmethod
   def _name(cls, v: str) -> str:
-    if not _NAME.fullmatch(v):
-      raise ValueError(f"experiment.name={v!r}: use letters, digits and . _ + - "
-                       f"(it names a directory), starting with a letter or digit")
-    return v
+    return check_run_name(v)
 
 
 class TrainConfig(Section):
