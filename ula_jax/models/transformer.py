@@ -318,6 +318,20 @@ def tp_heads(num_heads: int, tp_axis: str) -> HeadRange:
 # ----------------------------------------------------------------------------------
 
 
+def _attend_through(mem: DecodeMemory, active: jax.Array, scale: float, attention: str,
+                    heads: HeadRange | None, tp_axis: str | None):
+  """The ``attend`` of a step whose KV lives in ``mem``: write each row's new entry
+  (``active`` [N] rows), then attend over ``read_pool`` at the resolved slots."""
+  def attend(l, layer: DecoderLayer, proj: Projection, res: Resolution, c):
+    st = mem.write_token(c["mem"], l, res, proj.entry, active)
+    pool, base = mem.read_pool(st, l)
+    rows = jnp.where(res.valid, base + res.slots, INVALID)
+    out = _absorbed_attention(layer, proj, pool, rows, res.valid, scale, attention, heads,
+                              tp_axis)
+    return out, {**c, "mem": st}
+  return attend
+
+
 def _add_stats(total: dict, new: dict) -> dict:
   out = dict(total)
   for k, v in new.items():
@@ -385,13 +399,7 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
       c["sel_valid"] = c["sel_valid"].at[g].set(sel_valid)
     return res, c
 
-  def attend(l, layer: DecoderLayer, proj: Projection, res: Resolution, c):
-    st = mem.write_token(c["mem"], l, res, proj.entry, active)
-    pool, base = mem.read_pool(st, l)
-    rows = jnp.where(res.valid, base + res.slots, INVALID)
-    out = _absorbed_attention(layer, proj, pool, rows, res.valid, cfg.softmax_scale,
-                              attention, heads, tp_axis)
-    return out, {**c, "mem": st}
+  attend = _attend_through(mem, active, cfg.softmax_scale, attention, heads, tp_axis)
 
   x, carry = _run_layers(model, model.embed_tokens(tokens), positions, carry, select=select,
                          attend=attend, heads=heads)
@@ -480,13 +488,7 @@ def verify_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
     res = res.replace(slots=jnp.where(sel_valid, slots, INVALID), valid=sel_valid)
     return res, {**c, "mem": st, "stats": _add_stats(c["stats"], res.stats)}
 
-  def attend(l, layer: DecoderLayer, proj: Projection, res: Resolution, c):
-    st = mem.write_token(c["mem"], l, res, proj.entry, active_n)
-    pool, base = mem.read_pool(st, l)
-    rows = jnp.where(res.valid, base + res.slots, INVALID)
-    out = _absorbed_attention(layer, proj, pool, rows, res.valid, cfg.softmax_scale,
-                              attention, heads, tp_axis)
-    return out, {**c, "mem": st}
+  attend = _attend_through(mem, active_n, cfg.softmax_scale, attention, heads, tp_axis)
 
   x, carry = _run_layers(model, model.embed_tokens(tokens.reshape(-1)), pos_n, carry,
                          select=select, attend=attend, heads=heads)
