@@ -287,13 +287,14 @@ class Engine:
       self.chunk = synthetic_prefill.chunk_len(self.geo, self.chunk, self.max_context)
       if jax.process_index() == 0:
         logging.getLogger(__name__).warning("warning: %s", synthetic_prefill.NOTE)
+    interpret = interpret_kernels(cfg, mesh.devices.flat[0].platform)
     self.mem = build_memory_system(cfg.memory, self.geo, MeshInfo(self.dp, self.tp),
                                    max_batch=self.max_batch, page_size=self.page_size,
                                    max_context=self.max_context,
                                    fetch_impl=cfg.kernels.fetch,
                                    resolve_impl=cfg.kernels.resolve,
                                    resolve_fast_path=cfg.kernels.resolve_fast_path,
-                                   interpret=interpret_kernels(cfg, mesh.devices.flat[0].platform),
+                                   interpret=interpret,
                                    step_rows=self.rows)
     self.attention_impl = cfg.kernels.attention
     # Prefill chunks: the same attention kernel, the configured indexer, row blocks within
@@ -301,7 +302,7 @@ class Engine:
     self.prefill_kw = dict(
         attention=cfg.kernels.attention, indexer=cfg.kernels.indexer,
         scratch_bytes=cfg.engine.prefill_scratch_bytes,
-        interpret=interpret_kernels(cfg, mesh.devices.flat[0].platform))
+        interpret=interpret)
     # kernels.fast_path_mode: 'speculate' runs decode steps optimistically (see
     # _build_steps) on systems that support it (``MemorySystem.speculative``).
     self.fast_path_mode = cfg.kernels.fast_path_mode
