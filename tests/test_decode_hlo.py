@@ -35,3 +35,35 @@ def test_ula_decode_step_copies_no_pool(fetch):
   assert shapes == {(4 * 1216, 48), (4 * 4160, 48)}
   found = [line for s in shapes for line in pool_materializations(text, s)]
   assert not found, found[:4]
+
+
+# Every program that carries the state, for each system with a host or far pool: a pool
+# copied by a prefill chunk costs the pool's size in device memory (a 40 GiB host pool
+# could not be prefilled next to a 60 GiB device pool on one H200).
+_POOLED = {
+    "ula": ["memory.system=ula", "memory.device_pool=1216", "memory.host_pool=4160",
+            "kernels.resolve=pallas"],
+    "hisparse": ["memory.system=hisparse", "memory.hisparse.device_buffer_size=28",
+                 "memory.hisparse.host_to_device_ratio=4"],
+    "far_tier": ["memory.system=far_tier"],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("system", sorted(_POOLED))
+@pytest.mark.parametrize("program", ["prefill_compute", "prefill_synthetic", "verify",
+                                     "release"])
+def test_programs_copy_no_pool(system, program):
+  prefill = "synthetic" if program == "prefill_synthetic" else "compute"
+  cfg = load_config("experiments/quickstart/config.yaml", [
+      "model=tiny", "mesh.platform=gpu", "mesh.dp=1", "mesh.tp=1", "engine.max_batch=4",
+      "engine.progress=false", "kernels.fetch=pallas", f"workload.prefill={prefill}",
+      "speculative.num_draft=2"] + _POOLED[system])
+  engine = Engine(cfg, build_mesh(cfg), max_context=512)
+  text = engine.lower_step(program.split("_")[0]).compile().as_text()
+  import jax
+  # The pools: every state leaf of more than 64K elements (pinned-host or device).
+  shapes = {x.shape[1:] for x in jax.tree.leaves(engine.state) if x.size >= 1 << 16}
+  assert shapes, "no pool found in the state"
+  found = [line for s in shapes for line in pool_materializations(text, s)]
+  assert not found, found[:4]

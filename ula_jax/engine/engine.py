@@ -454,19 +454,23 @@ class Engine:
       tokens, start, length, page_row, row, do = (
           tokens[0], start[0], length[0], page_row[0], row[0], do[0])
 
-      def run(state, ws):
+      # Only the model's compute is conditional. The state (with its host pools) never
+      # passes through a conditional: XLA copies a host-memory operand of one to the
+      # device. A rank with nothing to prefill writes nothing (every address INVALID).
+      def run(ws):
         entries, keys, last_logits, ws = tfm.prefill_chunk(model, ws, tokens, start, length,
                                                            **prefill_kw)
-        pos = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        valid = jnp.arange(tokens.shape[0]) < length
-        addrs = jnp.where(valid, addrs_of_positions(page_row, pos, page_size), INVALID)
-        state = store_prefill(mem, state, addrs, valid, entries, keys, row)
-        return state, ws, jnp.argmax(last_logits).astype(jnp.int32)
+        return entries, keys, jnp.argmax(last_logits).astype(jnp.int32), ws
 
-      def skip(state, ws):
-        return state, ws, jnp.int32(0)
+      def skip(ws):
+        e, k, _, _ = jax.eval_shape(run, ws)
+        return jnp.zeros(e.shape, e.dtype), jnp.zeros(k.shape, k.dtype), jnp.int32(0), ws
 
-      state, ws, tok = jax.lax.cond(do, run, skip, state, ws)
+      entries, keys, tok, ws = jax.lax.cond(do, run, skip, ws)
+      pos = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+      valid = (jnp.arange(tokens.shape[0]) < length) & do
+      addrs = jnp.where(valid, addrs_of_positions(page_row, pos, page_size), INVALID)
+      state = store_prefill(mem, state, addrs, valid, entries, keys, row)
       return from_local(state), ex(ws), tok[None]
 
     def prefill_mapped(params, state, ws, tokens, start, length, page_row, row, do):
@@ -594,12 +598,11 @@ class Engine:
     def local(state, rid, start, addrs, row, do):
       rid, start, addrs, row, do = rid[0], start[0], addrs[0], row[0], do[0]
 
-      def run(state):
-        entries, keys = synthetic_prefill.synthetic_chunk(geo, seed, rid, start,
-                                                          addrs.shape[0])
-        return store_prefill(mem, state, addrs, addrs >= 0, entries, keys, row)
-
-      state = jax.lax.cond(do, run, lambda st: st, mem.to_local(state))
+      # No conditional around the state (see the compute path): a rank with nothing to
+      # prefill generates a chunk and writes none of it.
+      entries, keys = synthetic_prefill.synthetic_chunk(geo, seed, rid, start, addrs.shape[0])
+      addrs = jnp.where(do, addrs, INVALID)
+      state = store_prefill(mem, mem.to_local(state), addrs, addrs >= 0, entries, keys, row)
       return mem.from_local(state)
 
     def prefill(carry, *args):  # named as the compute path's step (``STEP_PROGRAMS``)
@@ -1011,9 +1014,10 @@ class Engine:
                               np.zeros((dp, B), bool))
 
   def lower_step(self, kind: str) -> Any:
-    """The jitted step ``kind`` (``decode``, ``speculate``, ``verify`` or ``prefill``)
-    lowered for idle inputs (no active row, nothing to prefill): ``.compile()`` compiles
-    it, as the first step of that kind would (``ula-jax bench compile``)."""
+    """The jitted step ``kind`` (``decode``, ``speculate``, ``verify``, ``prefill`` or
+    ``release``) lowered for idle inputs (no active row, nothing to prefill):
+    ``.compile()`` compiles it, as the first step of that kind would (``ula-jax bench
+    compile``)."""
     if kind == "prefill" and self.synthetic:
       dp, C = self.dp, self.chunk
       z = lambda *shape: self._put(np.zeros(shape, np.int32))
@@ -1027,6 +1031,12 @@ class Engine:
           self.params, self.carry, self.workspace, z(dp, C), z(dp), z(dp),
           self._put(np.full((dp, self.pages_per_row), INVALID, np.int32)), z(dp),
           self._put(np.zeros((dp,), bool)))
+    if kind == "release":
+      dp = self.dp
+      z = lambda *shape: self._put(np.zeros(shape, np.int32))
+      return self._release.lower(
+          self.carry, self._put(np.full((dp, self.pages_per_row), INVALID, np.int32)),
+          z(dp), z(dp))
     if kind == "verify" and self._verify is not None:
       dp, B = self.dp, self.max_batch
       z = lambda *shape: np.zeros(shape, np.int32)
@@ -1035,7 +1045,7 @@ class Engine:
           np.full((dp, B, self.pages_per_row), INVALID, np.int32)))
     step = {"decode": self._decode, "speculate": self._speculate}.get(kind)
     if step is None:
-      raise ValueError(f"kind={kind!r}: expected decode, prefill, speculate (with "
+      raise ValueError(f"kind={kind!r}: expected decode, prefill, release, speculate (with "
                        f"kernels.fast_path_mode=speculate) or verify (with "
                        f"speculative.num_draft > 0)")
     return step.lower(self.params, self.carry, self.idle_decode_inputs())

@@ -204,7 +204,7 @@ class HiSparse(MemorySystem):
     drop = jnp.maximum(n_ok - Q, 0)
     keep = ok & (pos >= drop)  # the last Q valid entries: the most recent positions
     kidx = jnp.clip(pos - drop, 0, Q - 1)
-    clock = state.clock + 1  # [G]
+    clock = state.clock + (n_ok > 0)  # [G]; a chunk with nothing to write changes nothing
     stamp_r = jax.lax.dynamic_slice(state.stamp, (0, row * Q), (G, Q))  # [G, Q]
     order = jnp.argsort(stamp_r, axis=1, stable=True)  # free first, then oldest
     victim = jnp.where(keep[None, :], row * Q + order[:, kidx], INVALID).astype(jnp.int32)
