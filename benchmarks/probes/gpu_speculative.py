@@ -28,7 +28,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
 
 CONFIG = "experiments/train_small/config.yaml"
 
@@ -48,6 +47,23 @@ def windows(num: int, prompt: int, output: int):
           for i, w in enumerate(wins)]
 
 
+def write(args, runs: list, tokens: dict) -> None:
+  """Each run's tokens against its system's num_draft=0 run and resident's, then the
+  JSON (written after every run, so a run cut short keeps what was measured)."""
+  from ula_jax.bench.common import environment
+  for row in runs:
+    key = (row["batch"], row["system"], row["num_draft"])
+    ref0 = tokens.get((row["batch"], row["system"], 0))
+    res0 = tokens.get((row["batch"], "resident", 0))
+    row["tokens_equal_num_draft_0"] = None if ref0 is None else tokens[key] == ref0
+    row["tokens_equal_resident"] = None if res0 is None else tokens[key] == res0
+  out = {"environment": environment(), "config": CONFIG, "overrides": args.overrides,
+         "prompt": args.prompt, "output": args.output, "ula_device_per_row": args.ula_device,
+         "hisparse_buffer": args.hisparse_buffer, "runs": runs}
+  with open(args.json, "w") as f:
+    json.dump(out, f, indent=1)
+
+
 def main(argv: list[str]) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("overrides", nargs="*")
@@ -63,7 +79,6 @@ def main(argv: list[str]) -> int:
   args = p.parse_intermixed_args(argv)
 
   import jax
-  from ula_jax.bench.common import environment
   from ula_jax.config import load_config
   from ula_jax.engine import Engine
   from ula_jax.mesh import build_mesh, configure_platform
@@ -82,7 +97,7 @@ def main(argv: list[str]) -> int:
       for d in (drafts if exact else rate_drafts):
         over = [f"engine.max_batch={B}", f"engine.max_context={context}",
                 "engine.progress=false", f"memory.system={system}",
-                f"speculative.num_draft={d}", "engine.prefill_chunk=4096"]
+                f"speculative.num_draft={d}", f"engine.prefill_chunk={args.prompt}"]
         if system == "ula":
           over += [f"memory.device_pool={B * args.ula_device}",
                    f"memory.host_pool={B * context}"]
@@ -119,19 +134,10 @@ def main(argv: list[str]) -> int:
         tokens[(B, system, d)] = {r.id: list(r.output_tokens) for r in res.requests}
         runs.append(row)
         print(json.dumps(row), flush=True)
+        write(args, runs, tokens)
         del engine
         jax.clear_caches()
-  for row in runs:
-    key = (row["batch"], row["system"], row["num_draft"])
-    ref0 = tokens.get((row["batch"], row["system"], 0))
-    res0 = tokens.get((row["batch"], "resident", 0))
-    row["tokens_equal_num_draft_0"] = None if ref0 is None else tokens[key] == ref0
-    row["tokens_equal_resident"] = None if res0 is None else tokens[key] == res0
-  out = {"environment": environment(), "config": CONFIG, "overrides": args.overrides,
-         "prompt": args.prompt, "output": args.output, "ula_device_per_row": args.ula_device,
-         "hisparse_buffer": args.hisparse_buffer, "runs": runs}
-  with open(args.json, "w") as f:
-    json.dump(out, f, indent=1)
+  write(args, runs, tokens)
   print(f"{'B':>3} {'system':9} {'d':>2} {'tok/s':>9} {'ms/step':>8} {'tok/step':>8} "
         f"{'miss/row':>8} {'accept':>6} {'=d0':>4} {'=res':>4}")
   for r in runs:
