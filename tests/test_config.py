@@ -100,7 +100,7 @@ def test_defaults_of_every_section():
   assert (cfg.mesh.dp, cfg.mesh.tp, cfg.mesh.platform) == (1, 1, "auto")
   assert cfg.workload.output_len == (128, 512) and cfg.workload.arrival == "all_at_once"
   assert (cfg.engine.max_batch, cfg.engine.prefill_chunk, cfg.engine.page_size) == (8, 256, 64)
-  assert (cfg.kernels.attention, cfg.kernels.fetch, cfg.kernels.resolve) == ("xla", "xla", "jnp")
+  assert (cfg.kernels.attention, cfg.kernels.fetch, cfg.kernels.resolve) == ("auto",) * 3
   assert cfg.experiment.out_dir == "runs" and cfg.experiment.plots
 
 
@@ -161,7 +161,7 @@ def test_sizes_accept_tokens_and_bytes():
     ({"engine": {"progress": "maybe"}}, r"engine.progress='maybe': expected true or false"),
     ({"engine": {"max_batch": 0}}, r"engine.max_batch=0: must be >= 1"),
     ({"kernels": {"fetch": "cuda"}},
-     r"kernels.fetch='cuda': expected one of 'xla', 'pallas' or 'ffi'"),
+     r"kernels.fetch='cuda': expected one of 'auto', 'xla', 'pallas' or 'ffi'"),
     ({"memory": {"device_pool": "8GB2"}}, r"memory.device_pool='8GB2': expected a token count"),
     ({"memory": {"device_pool": [1]}}, r"memory.device_pool=\[1\]: expected a token count"),
     ({"memory": {"device_pool": -5}}, r"memory.device_pool=-5: must be >= 0 tokens"),

@@ -273,7 +273,7 @@ def test_prefill_and_tokens_match_the_dense_reference(rng):
 
 def test_prefill_config_fields():
   cfg = load_config(QUICKSTART, [])
-  assert cfg.engine.prefill_scratch_bytes == 1 << 30 and cfg.kernels.indexer == "xla"
+  assert cfg.engine.prefill_scratch_bytes == 1 << 30 and cfg.kernels.indexer == "auto"
   cfg = load_config(QUICKSTART, ["engine.prefill_scratch=512MiB", "kernels.indexer=pallas"])
   assert cfg.engine.prefill_scratch_bytes == 512 << 20 and cfg.kernels.uses_pallas
   assert load_config(QUICKSTART, ["engine.prefill_scratch=2097152"]

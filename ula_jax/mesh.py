@@ -8,12 +8,14 @@ is created): on CPU it asks jax for as many simulated devices as the mesh needs.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh
 
-from ula_jax.config import ConfigError, ExperimentConfig, check_devices
+from ula_jax.config import ConfigError, ExperimentConfig, KernelsConfig, check_devices
 from ula_jax.core.compilation import enable_persistent_cache
+from ula_jax.kernels.auto import Device, LaunchShape, resolve_kernels
 
 AXES = ("dp", "tp")
 _JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda"}
@@ -104,6 +106,30 @@ def interpret_kernels(cfg: ExperimentConfig, platform: str) -> bool:
   if cfg.kernels.interpret is not None:
     return cfg.kernels.interpret
   return platform == "cpu"
+
+
+def launch_shape(cfg: ExperimentConfig, *, rows: int | None = None,
+                 tp: int | None = None) -> LaunchShape:
+  """The launch shapes ``kernels.*=auto`` is decided for (``kernels.auto.LaunchShape``):
+  ``rows`` query rows per attention launch (default: a decode step's, ``engine.max_batch``
+  x (1 + ``speculative.num_draft``)) and heads split over ``tp`` ranks (default
+  ``mesh.tp``)."""
+  m, wl = cfg.model, cfg.workload
+  computed_prefill = wl.prefill == "compute" and wl.kind != "trace"
+  return LaunchShape(
+      rows=rows or cfg.engine.max_batch * cfg.speculative.rows,
+      heads=m.num_heads // (tp or cfg.mesh.tp), latent=m.kv_lora_rank,
+      rope=m.qk_rope_head_dim, top_k=cfg.top_k, kv_dtype=m.kv_dtype, kv_layout=m.kv_layout,
+      prefill_heads=m.num_heads if computed_prefill else None, index_dim=m.index_head_dim,
+      policy=cfg.memory.policy)
+
+
+def auto_kernels(cfg: ExperimentConfig, device: Any, *, rows: int | None = None,
+                 tp: int | None = None) -> KernelsConfig:
+  """``cfg.kernels`` with ``auto`` resolved for jax device ``device`` and the config's
+  launch shapes (``launch_shape``; ``kernels.auto``): what the engine and the benchmarks
+  build with."""
+  return resolve_kernels(cfg.kernels, Device.of(device), launch_shape(cfg, rows=rows, tp=tp))
 
 
 def build_mesh(cfg: ExperimentConfig) -> Mesh:

@@ -16,6 +16,8 @@ JSON (``ula-jax bench NAME``; ``BENCHMARKS`` lists the module names).
   device of the host at equal device and host budgets (a table, JSON and a plot).
 * ``prefill``: computed prefill of one long prompt (prompt tokens/s) and its parts
   (indexer selection, attention, the rest) against FLOP and byte ceilings.
+* ``kernels_table``: the table of ``kernels.*: auto`` (``ula_jax/kernels/auto_table.json``)
+  from the JSON of ``fetch``, ``attention``, ``resolve`` and ``prefill`` runs on GPUs.
 
 ``fetch`` and ``attention`` import neither ``ula_jax.config`` nor the model, so they run
 wherever jax does. ``summary`` condenses their JSON (``python -m ula_jax.bench.summary``).
@@ -24,4 +26,4 @@ wherever jax does. ``summary`` condenses their JSON (``python -m ula_jax.bench.s
 from __future__ import annotations
 
 BENCHMARKS = ("fetch", "attention", "resolve", "step_cost", "tp_link", "serving",
-              "kernel_report", "compile", "prefill")
+              "kernel_report", "compile", "prefill", "kernels_table")

@@ -4,8 +4,9 @@
 builds the config's model (default ``experiments/glm5_summarization/config.yaml``: GLM-5
 geometry, ``glm5_narrow``) on one device and prefills one prompt of ``--prompt`` random
 tokens in chunks of ``--chunk`` through ``models.transformer.prefill_chunk`` with the
-config's ``kernels.attention``, ``kernels.indexer`` and ``engine.prefill_scratch`` (no
-memory system: the model's own workspace). The chunk program is compiled first (its
+config's ``kernels.attention``, ``kernels.indexer`` (``auto`` resolved for the device
+and a chunk's rows, ``kernels.auto``) and ``engine.prefill_scratch`` (no memory system:
+the model's own workspace). The chunk program is compiled first (its
 seconds reported apart); the prompt then runs ``--repeats`` times and the fastest run
 gives prompt tokens per second, with every chunk's seconds.
 
@@ -273,14 +274,18 @@ def main(argv: list[str]) -> int:
       IndexerConfig.parse(t)  # a bad token is an argument error, before any compute
 
   from ula_jax.config import load_config
-  from ula_jax.mesh import check_kernels, configure_platform, mesh_devices
+  from ula_jax.mesh import auto_kernels, check_kernels, configure_platform, mesh_devices
 
   cfg = load_config(args.config, args.overrides)
   configure_platform(cfg, num_devices=1)
-  check_kernels(cfg, mesh_devices(cfg)[0].platform)
+  device = mesh_devices(cfg)[0]
+  check_kernels(cfg, device.platform)
   chunk = cfg.engine.prefill_chunk if args.chunk is None else parse_sizes(
       args.chunk, flag="--chunk", minimum=1)[0]
   chunk = min(chunk, prompt)
+  # kernels.*=auto for this device and a chunk's rows per attention launch (one device:
+  # every head); the rest of the benchmark sees the concrete implementations.
+  cfg = cfg.model_copy(update={"kernels": auto_kernels(cfg, device, rows=chunk, tp=1)})
   capacity = -(-prompt // chunk) * chunk
   m = cfg.model
   if capacity > m.max_position:

@@ -172,6 +172,7 @@ def run_point(args: argparse.Namespace, s: Setup, batch: int) -> dict:
          "output": output, "steps": len(full), "median_step_s": median,
          "tokens_per_s": batch / median, "peak_admitted": max(m.admitted for m in res.steps),
          "wall_s": wall, "distinct_fraction": res.capacity.get("distinct_fraction"),
+         "kernels": res.summary["kernels"],
          "full_batch_stats": {k: sum(m.extra.get(k, 0) for m in full) for k in keys}}
   del engine, res
   gc.collect()

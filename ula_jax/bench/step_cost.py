@@ -61,7 +61,8 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
     misses = sum(m.extra.get("misses", 0) for m in full)
     times = [m.decode_time_s for m in full]
     rows[system] = {"median_step_s": statistics.median(times), "steps": len(full),
-                    "misses": misses, "tokens": [r.output_tokens for r in res.requests]}
+                    "misses": misses, "kernels": res.summary["kernels"],
+                    "tokens": [r.output_tokens for r in res.requests]}
     if profile:
       rows[system]["profile"] = _profile(engine, reqs, f"{profile}/{system}", batch * dp)
     del engine

@@ -373,7 +373,7 @@ VERBS: dict[str, Verb] = {v.name: v for v in [
     Verb("compare", "compare two runs' generated tokens request by request (exit 1 on a "
          "mismatch; 2 when the runs' workloads or models differ)", _compare_args, _compare),
     Verb("bench", "benchmarks (fetch, attention, resolve, step_cost, tp_link, serving, "
-         "kernel_report): a table and JSON", _bench_args,
+         "kernel_report, compile, prefill, kernels_table): a table and JSON", _bench_args,
          _bench),
     Verb("train", "train the MLA + DSA model on text (dense warm-up with the indexer's KL, "
          "then top-k attention); orbax checkpoints, --resume", add_train_arguments, run_train),

@@ -333,20 +333,27 @@ class EngineConfig(Section):
 
 
 class KernelsConfig(Section):
-  """Which implementation runs each hot operation."""
+  """Which implementation runs each hot operation. ``auto`` (the default of attention,
+  indexer, fetch and resolve) is decided when an engine is built (``kernels.auto``): the
+  references off a GPU, on a GPU the fastest measured for its device kind and the launch
+  shapes (``kernels/auto_table.json``)."""
 
-  attention: Literal["xla", "pallas", "mosaic"] = Field(
-      "xla", description="sparse MLA attention kernel: 'mosaic' is the Pallas Mosaic GPU "
-      "kernel (Hopper GPUs only; 64 heads per device, 512 + 64 wide bf16 entries)")
-  indexer: Literal["xla", "pallas"] = Field(
-      "xla", description="indexer scores of a prefill chunk: 'xla' in column tiles, "
-      "'pallas' one kernel that keeps the per-head products in registers (Triton on GPU)")
-  fetch: Literal["xla", "pallas", "ffi"] = Field(
-      "xla", description="host->device fetch / write-back of entries (ffi = the custom call)")
-  resolve: Literal["jnp", "pallas", "pallas_fused"] = Field(
-      "jnp", description="the resolve stages (dedupe, hits, victims): 'pallas' as four "
+  attention: Literal["auto", "xla", "pallas", "mosaic"] = Field(
+      "auto", description="sparse MLA attention kernel: 'mosaic' is the Pallas Mosaic GPU "
+      "kernel (Hopper GPUs only; 64 heads per device, 512 + 64 wide bf16 entries); 'auto' "
+      "xla off a GPU, on a GPU the fastest measured for the device and the query rows per "
+      "launch")
+  indexer: Literal["auto", "xla", "pallas"] = Field(
+      "auto", description="indexer scores of a prefill chunk: 'xla' in column tiles, "
+      "'pallas' one kernel that keeps the per-head products in registers (Triton on GPU); "
+      "'auto' xla off a GPU, on a GPU the fastest measured")
+  fetch: Literal["auto", "xla", "pallas", "ffi"] = Field(
+      "auto", description="host->device fetch / write-back of entries (ffi = the custom "
+      "call); 'auto' xla off a GPU, on a GPU the fastest measured (ffi only when installed)")
+  resolve: Literal["auto", "jnp", "pallas", "pallas_fused"] = Field(
+      "auto", description="the resolve stages (dedupe, hits, victims): 'pallas' as four "
       "Pallas launches per layer group, 'pallas_fused' PB-LRU's in one launch (exact LRU "
-      "stays four)")
+      "stays four); 'auto' jnp off a GPU, on a GPU the fastest measured for the policy")
   resolve_fast_path: bool = Field(
       True, description="a resolve whose step moves nothing (every selection on the device, "
       "room for the new tokens in free device slots) skips the full resolve for an all-hit "
@@ -368,6 +375,7 @@ class KernelsConfig(Section):
 
   @property
   def uses_pallas(self) -> bool:
+    """Whether a field names a Pallas implementation (``auto`` is none until resolved)."""
     return "pallas" in (self.attention, self.indexer, self.fetch, self.resolve.split("_")[0])
 
   @model_validator(mode="after")
@@ -572,7 +580,9 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
           f"{model.kv_lora_rank}, model.qk_rope_head_dim={model.qk_rope_head_dim}, "
           f"model.kv_dtype={model.kv_dtype!r} (use kernels.attention='pallas' or 'xla')")
 
-  layout = layout_problem(cfg.kernels.attention, model.kv_layout)
+  # 'auto' takes an implementation that reads the layout (``kernels.auto``).
+  layout = (layout_problem(cfg.kernels.attention, model.kv_layout)
+            if cfg.kernels.attention != "auto" else None)
   if layout:
     problems.append(layout)
 

@@ -54,7 +54,8 @@ from ula_jax.engine import synthetic_prefill
 from ula_jax.engine.packing import StatePacking, pack_jit, split_jit
 from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 from ula_jax.memory import INVALID, MeshInfo, build_memory_system
-from ula_jax.mesh import interpret_kernels
+from ula_jax.kernels.auto import concrete
+from ula_jax.mesh import auto_kernels, interpret_kernels
 from ula_jax.core.addressing import PageAllocator, addrs_of_positions, all_addrs
 from ula_jax.models import mtp
 from ula_jax.models import transformer as tfm
@@ -288,19 +289,22 @@ class Engine:
       if jax.process_index() == 0:
         logging.getLogger(__name__).warning("warning: %s", synthetic_prefill.NOTE)
     interpret = interpret_kernels(cfg, mesh.devices.flat[0].platform)
+    # kernels.*=auto decided for this device and these shapes (``kernels.auto``); everything
+    # below sees concrete implementations. The run's summary records them.
+    self.kernels = kernels = auto_kernels(cfg, mesh.devices.flat[0], tp=self.tp)
     self.mem = build_memory_system(cfg.memory, self.geo, MeshInfo(self.dp, self.tp),
                                    max_batch=self.max_batch, page_size=self.page_size,
                                    max_context=self.max_context,
-                                   fetch_impl=cfg.kernels.fetch,
-                                   resolve_impl=cfg.kernels.resolve,
+                                   fetch_impl=kernels.fetch,
+                                   resolve_impl=kernels.resolve,
                                    resolve_fast_path=cfg.kernels.resolve_fast_path,
                                    interpret=interpret,
                                    step_rows=self.rows)
-    self.attention_impl = cfg.kernels.attention
+    self.attention_impl = kernels.attention
     # Prefill chunks: the same attention kernel, the configured indexer, row blocks within
     # engine.prefill_scratch.
     self.prefill_kw = dict(
-        attention=cfg.kernels.attention, indexer=cfg.kernels.indexer,
+        attention=kernels.attention, indexer=kernels.indexer,
         scratch_bytes=cfg.engine.prefill_scratch_bytes,
         interpret=interpret)
     # kernels.fast_path_mode: 'speculate' runs decode steps optimistically (see
@@ -1109,6 +1113,7 @@ class Engine:
         "capacity_tokens_per_rank": self.mem.capacity_tokens,
         "prefill": self.cfg.workload.prefill,
         "prefill_chunk": self.chunk,
+        "kernels": concrete(self.kernels),
     }
     if self.synthetic:
       out["prefill_note"] = synthetic_prefill.NOTE

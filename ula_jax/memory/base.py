@@ -63,6 +63,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax.config.schema import MemoryConfig
+from ula_jax.core import compat
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
 
 @dataclasses.dataclass(frozen=True)
@@ -433,8 +434,14 @@ def device_zeros(mesh: Mesh, shape: tuple[int, ...], dtype: Any, memory_kind: st
 def _filler(mesh: Mesh, shape: tuple[int, ...], dtype: str, memory_kind: str, fill: Any,
             spec: P):
   # One compiled filler per (shape, dtype, placement): pools of equal shape share it.
+  # A host pool is filled by host compute: filled on the device and moved, it would
+  # need a device buffer of its size while the program runs (a 40 GiB host pool next to
+  # a 60 GiB device pool did not fit on a 141 GB GPU).
   sharding = NamedSharding(mesh, spec, memory_kind=memory_kind)
-  return jax.jit(lambda: jnp.full(shape, fill, dtype), out_shardings=sharding)
+  full = lambda: jnp.full(shape, fill, dtype)
+  if memory_kind == "pinned_host":
+    return jax.jit(lambda: compat.on_host(full), out_shardings=sharding)
+  return jax.jit(full, out_shardings=sharding)
 
 
 def memory_kind_of(x: jax.Array) -> str:

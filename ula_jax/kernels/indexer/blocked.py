@@ -8,10 +8,10 @@ float32. ``index_scores_blocked`` computes ``[N, block_t]`` columns at a time, s
 It is the portable form of ``kernels.indexer``; ``pallas.index_scores_pallas`` fuses the
 head sum into the matmul and keeps the per-head products in registers.
 
-Operands (``score_operands``): two 16-bit operands (bf16 queries and keys) are
-multiplied in their dtype with float32 accumulation (tensor cores on a GPU) and the
+Operands as the reference's (``reference.score_operands``): two 16-bit operands (bf16
+queries and keys) are multiplied in their dtype with float32 accumulation and the
 ``1 / sqrt(K)`` scale is folded into the head weights; otherwise both are read as
-float32 and the queries scaled first, as the reference does.
+float32 and the queries scaled first.
 """
 
 from __future__ import annotations
@@ -19,22 +19,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ula_jax.kernels.indexer.reference import low_precision, score_operands
+
 F32 = jnp.float32
-
-
-def low_precision(q_nik: jax.Array, keys_tk: jax.Array) -> bool:
-  """Whether the products run in the operands' 16-bit dtype (both 16-bit and alike)."""
-  return q_nik.dtype == keys_tk.dtype and jnp.dtype(q_nik.dtype).itemsize == 2
-
-
-def score_operands(q_nik: jax.Array, w_ni: jax.Array, keys_tk: jax.Array
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(queries, head weights, keys) as the products read them, scale applied: scores are
-  ``sum_i w[n, i] relu(q[n, i] . keys[t])`` of these."""
-  scale = q_nik.shape[-1] ** -0.5
-  if low_precision(q_nik, keys_tk):
-    return q_nik, w_ni.astype(F32) * scale, keys_tk
-  return q_nik.astype(F32) * scale, w_ni.astype(F32), keys_tk.astype(F32)
 
 
 def index_scores_blocked(q_nik: jax.Array, w_ni: jax.Array, keys_tk: jax.Array,
@@ -62,4 +49,4 @@ def index_scores_blocked(q_nik: jax.Array, w_ni: jax.Array, keys_tk: jax.Array,
   return jax.lax.fori_loop(0, tiles, tile, jnp.zeros((N, T), F32))
 
 
-__all__ = ["index_scores_blocked", "low_precision", "score_operands"]
+__all__ = ["index_scores_blocked"]

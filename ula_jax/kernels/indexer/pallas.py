@@ -8,7 +8,7 @@ registers, so the per-head products never reach memory (the jnp form writes and 
 ``[N, I, block_t]`` per tile). A tile past every one of its rows' limits (a causal
 prefill chunk's later positions) exits at once and writes nothing.
 
-Operands as ``blocked.score_operands``: bf16 queries and keys on the tensor cores with
+Operands as ``reference.score_operands``: bf16 queries and keys on the tensor cores with
 the ``1 / sqrt(K)`` scale in the head weights; float32 ones at full precision.
 """
 
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ula_jax.kernels.indexer.blocked import low_precision, score_operands
+from ula_jax.kernels.indexer.reference import low_precision, score_operands
 from ula_jax.kernels.indexer.topk import ordered_key
 
 F32 = jnp.float32

@@ -1,0 +1,278 @@
+"""kernels.*=auto: the references off a GPU, the shipped table's choices on a GPU it lists,
+the fallback on one it does not, the rules that keep a choice runnable, the table itself."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import sys
+import types
+from pathlib import Path
+
+import jax
+import pytest
+
+from ula_jax.config import validate
+from ula_jax.kernels import auto
+from ula_jax.kernels.auto import Device, LaunchShape
+from ula_jax.mesh import auto_kernels, launch_shape
+
+REPO = Path(__file__).resolve().parent.parent
+H200 = Device("gpu", "NVIDIA H200", "9.0")
+REFERENCES = {"attention": "xla", "indexer": "xla", "fetch": "xla", "resolve": "jnp"}
+# The runs the shipped table is built from (ula_jax.kernels.auto's docstring).
+TABLE_INPUTS = [f"results/h200/{f}" for f in (
+    "bench_attention.json", "bench_attention_auto.json", "bench_attention_mosaic_issuers.json",
+    "bench_fetch.json", "bench_resolve.json", "bench_resolve_fused.json",
+    "bench_resolve_fused_three_per_sm.json", "prefill/prefill.json")]
+
+
+def cfg_of(**sections):
+  data = {"experiment": {"name": "t"}, "model": {"preset": "tiny"},
+          "workload": {"length_scale": 0.002, "output_len": [16, 32]}}
+  for k, v in sections.items():
+    data[k] = {**data.get(k, {}), **v}
+  return validate(data)
+
+
+def fake_gpu(kind: str = "NVIDIA H200", cc: str | None = "9.0"):
+  """A stand-in for a jax GPU device (what ``Device.of`` reads)."""
+  return types.SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=cc)
+
+
+GLM5 = {"preset": "glm5", "max_position": 1 << 20}  # 64 heads of 512 + 64, top-k 2048
+
+
+def h200_rows() -> list[dict]:
+  return auto.shipped_table()["devices"]["NVIDIA H200"]["attention"][0]["rows"]
+
+
+def test_auto_is_the_default_and_the_references_off_a_gpu():
+  cfg = cfg_of()
+  assert [getattr(cfg.kernels, op) for op in auto.OPS] == ["auto"] * 4
+  assert auto.choose(Device("cpu", "cpu"), LaunchShape()) == REFERENCES
+  resolved = auto_kernels(cfg, jax.devices()[0])
+  assert auto.concrete(resolved) == REFERENCES
+  # The other fields stay; an explicit value is never changed.
+  assert resolved.model_dump(exclude=set(auto.OPS)) == cfg.kernels.model_dump(
+      exclude=set(auto.OPS))
+  explicit = cfg_of(kernels={"attention": "pallas", "fetch": "pallas"})
+  assert auto.concrete(auto_kernels(explicit, jax.devices()[0])) == {
+      **REFERENCES, "attention": "pallas", "fetch": "pallas"}
+  every = cfg_of(kernels={"attention": "xla", "indexer": "xla", "fetch": "xla",
+                          "resolve": "jnp"})
+  assert auto_kernels(every, jax.devices()[0]) is every.kernels
+  # Pallas interpreted on a GPU (a debugging aid) keeps to the references too.
+  assert auto.choose(H200, LaunchShape(), interpret=True) == REFERENCES
+
+
+def test_an_explicit_value_keeps_its_error():
+  from ula_jax.config import ConfigError
+  from ula_jax.mesh import check_kernels
+
+  with pytest.raises(ConfigError, match=r"kernels.attention=mosaic on cpu"):
+    check_kernels(cfg_of(model=GLM5, kernels={"attention": "mosaic"}), "cpu")
+  with pytest.raises(ConfigError, match=r"kernels.attention='pallas' reads "
+                     r"model.kv_layout='bf16' rows only"):
+    cfg_of(model={"kv_layout": "fp8", "preset": "glm5", "max_position": 1 << 20},
+           kernels={"attention": "pallas"})
+  # 'auto' with fp8 rows is valid: it takes the one implementation that reads them.
+  cfg = cfg_of(model={**GLM5, "kv_layout": "fp8"})
+  assert auto_kernels(cfg, fake_gpu()).attention == "xla"
+
+
+def test_h200_attention_by_query_rows_per_the_table():
+  rows = h200_rows()
+  # The shipped H200 rows: Triton below 64 query rows, Mosaic from 64 (measured at 64,
+  # 128 and 256; never at fewer rows).
+  assert [r["ranking"][0] for r in rows if r["max"] is not None and r["max"] < 64] == \
+      ["pallas"] * 4
+  assert all(r["ranking"][0] == "mosaic" for r in rows if r["min"] >= 64)
+  for r in rows:
+    for n in {r["min"], r["max"] or 4096}:
+      assert auto.choose(H200, LaunchShape(rows=n), ffi=False)["attention"] == \
+          r["ranking"][0], n
+
+
+def test_query_rows_are_decode_rows_times_one_plus_drafts():
+  gpu = fake_gpu()
+  small = cfg_of(model=GLM5, engine={"max_batch": 8})
+  assert launch_shape(small).rows == 8 and auto_kernels(small, gpu).attention == "pallas"
+  big = cfg_of(model=GLM5, engine={"max_batch": 64})
+  assert auto_kernels(big, gpu).attention == "mosaic"
+  spec = cfg_of(model=GLM5, engine={"max_batch": 16}, speculative={"num_draft": 3})
+  assert launch_shape(spec).rows == 64 and auto_kernels(spec, gpu).attention == "mosaic"
+
+
+def test_mosaic_only_where_its_constraints_hold():
+  gpu = fake_gpu()
+  # 32 heads per device at tp 2: the table's next best.
+  tp2 = cfg_of(model=GLM5, engine={"max_batch": 64}, mesh={"tp": 2})
+  assert launch_shape(tp2).heads == 32 and auto_kernels(tp2, gpu).attention == "pallas"
+  # dsv32 at tp 2: 64 heads per device in decode, but a computed prefill runs all 128 on
+  # every rank; with synthetic prefill only decode attends.
+  dsv32 = {"preset": "dsv32", "max_position": 1 << 20}
+  computed = cfg_of(model=dsv32, engine={"max_batch": 64}, mesh={"tp": 2})
+  assert auto_kernels(computed, gpu).attention == "pallas"
+  synthetic = cfg_of(model=dsv32, engine={"max_batch": 64}, mesh={"tp": 2},
+                     workload={"prefill": "synthetic"})
+  assert auto_kernels(synthetic, gpu).attention == "mosaic"
+  shape = LaunchShape(rows=128)
+  assert auto.choose(H200, shape, ffi=False)["attention"] == "mosaic"
+  for other in (LaunchShape(rows=128, kv_dtype="float32"), LaunchShape(rows=128, latent=256)):
+    assert auto.choose(H200, other, ffi=False)["attention"] == "pallas"
+  assert auto.choose(H200, LaunchShape(rows=128, kv_layout="fp8"))["attention"] == "xla"
+  # Not Hopper (the compute capability decides where the device reports it).
+  assert auto.choose(Device("gpu", "NVIDIA H200", "8.0"), shape, ffi=False)["attention"] == \
+      "pallas"
+  assert Device("gpu", "NVIDIA H100 80GB HBM3").hopper and not Device("gpu", "A100").hopper
+
+
+def test_an_unknown_gpu_takes_the_fallback_and_says_so(caplog, monkeypatch):
+  monkeypatch.setattr(auto, "_logged", set())
+  gpu = Device("gpu", "NVIDIA Future GPU", "10.0")
+  with caplog.at_level(logging.WARNING, logger="ula_jax.kernels.auto"):
+    assert auto.choose(gpu, LaunchShape(rows=256), ffi=True) == {
+        "attention": "pallas", "indexer": "pallas", "fetch": "pallas",
+        "resolve": "pallas_fused"}
+    assert auto.choose(gpu, LaunchShape(policy="lru"))["resolve"] == "pallas"
+  lines = [r.getMessage() for r in caplog.records]
+  assert len(lines) == 1 and "'NVIDIA Future GPU' has no measurements" in lines[0]
+  # Widths the Triton kernels cannot take: the references.
+  odd = LaunchShape(latent=96, index_dim=48)
+  assert auto.choose(gpu, odd)["attention"] == "xla"
+  assert auto.choose(gpu, odd)["indexer"] == "xla"
+
+
+def test_a_known_gpu_logs_nothing(caplog):
+  with caplog.at_level(logging.DEBUG, logger="ula_jax.kernels.auto"):
+    auto.choose(H200, LaunchShape(), ffi=False)
+    auto_kernels(cfg_of(), jax.devices()[0])
+  assert caplog.records == []
+
+
+def test_resolve_by_policy():
+  pb_lru = auto.shipped_table()["devices"]["NVIDIA H200"]["resolve"]["pb_lru"]["ranking"]
+  assert pb_lru[0] == "pallas_fused"
+  assert auto.choose(H200, LaunchShape(policy="pb_lru"))["resolve"] == "pallas_fused"
+  assert auto.choose(H200, LaunchShape(policy="lru"))["resolve"] == "pallas"
+  lru = cfg_of(memory={"system": "ula", "policy": "lru"})
+  assert auto_kernels(lru, fake_gpu()).resolve == "pallas"
+  assert auto_kernels(cfg_of(memory={"system": "ula"}), fake_gpu()).resolve == "pallas_fused"
+  # A table that ranks the fused resolve first for exact LRU still gets the four launches.
+  table = copy.deepcopy(auto.shipped_table())
+  table["devices"]["NVIDIA H200"]["resolve"]["lru"]["ranking"] = ["pallas_fused", "jnp"]
+  assert auto.choose(H200, LaunchShape(policy="lru"), table=table)["resolve"] == "pallas"
+
+
+def test_ffi_only_when_it_imports(monkeypatch):
+  assert auto.shipped_table()["devices"]["NVIDIA H200"]["fetch"]["ranking"][0] == "ffi"
+  monkeypatch.setitem(sys.modules, "ula_jax_ffi", None)  # import fails
+  assert not auto.ffi_available()
+  assert auto.choose(H200, LaunchShape())["fetch"] == "pallas"
+  fake = types.SimpleNamespace(has_cuda=lambda: False)
+  monkeypatch.setitem(sys.modules, "ula_jax_ffi", fake)
+  assert auto.choose(H200, LaunchShape())["fetch"] == "pallas"  # no CUDA handlers
+  fake.has_cuda = lambda: True
+  assert auto.ffi_available() and auto.choose(H200, LaunchShape())["fetch"] == "ffi"
+
+
+def test_the_shipped_table_names_only_implementations_that_exist():
+  from ula_jax.config import KernelsConfig
+  from ula_jax.kernels import fetch, sparse_attention
+  from ula_jax.kernels.indexer import prefill as indexer
+  from ula_jax.memory.ula import resolve
+
+  registries = {"attention": sparse_attention.IMPLS, "indexer": indexer.IMPLS,
+                "fetch": fetch.IMPLS, "resolve": resolve.IMPLS}
+  for op in auto.OPS:
+    assert set(auto.IMPLS[op]) == set(registries[op]), op
+    literal = set(KernelsConfig.model_fields[op].annotation.__args__)
+    assert literal == {"auto", *auto.IMPLS[op]}, op
+    assert auto.REFERENCES[op] in auto.IMPLS[op] and auto.FALLBACK[op][-1] == \
+        auto.REFERENCES[op]
+  table = auto.shipped_table()
+  assert auto.check_table(table) == []
+  assert set(table["devices"]["NVIDIA H200"]) == {"attention", "indexer", "fetch", "resolve"}
+  bad = copy.deepcopy(table)
+  bad["devices"]["NVIDIA H200"]["fetch"]["ranking"] = ["cuda"]
+  bad["devices"]["NVIDIA H200"]["attention"][0]["rows"][1]["min"] = 3
+  problems = auto.check_table(bad)
+  assert any("NVIDIA H200.fetch: ranking ['cuda']" in p for p in problems)
+  assert any("attention[0].rows[1]: expected min=8" in p for p in problems)
+  assert auto.check_table({"format": 0}) == [f"format: expected {auto.TABLE_FORMAT}"]
+
+
+def test_a_bad_table_file_is_refused(tmp_path):
+  path = tmp_path / "table.json"
+  path.write_text('{"format": 1, "devices": {"X": {"fetch": {"ranking": ["cuda"]}}}}')
+  with pytest.raises(ValueError, match=r"table.json: X.fetch: ranking \['cuda'\]"):
+    auto.read_table(path)
+  path.write_text("{")
+  with pytest.raises(ValueError, match="unreadable kernels table"):
+    auto.read_table(path)
+
+
+def test_the_table_is_what_its_command_builds(monkeypatch, tmp_path, capsys):
+  from ula_jax.bench import kernels_table
+
+  monkeypatch.chdir(REPO)
+  out = tmp_path / "table.json"
+  assert kernels_table.main(["--out", str(out), *TABLE_INPUTS]) == 0
+  assert auto.read_table(out) == auto.read_table(auto.TABLE_PATH)
+  assert "NVIDIA H200" in capsys.readouterr().out
+  # --merge keeps the devices the inputs do not measure.
+  other = {"format": auto.TABLE_FORMAT,
+           "devices": {"Other GPU": {"fetch": {"ranking": ["pallas", "xla"]}}}}
+  (tmp_path / "old.json").write_text(json.dumps(other))
+  assert kernels_table.main(["--out", str(out), "--merge", str(tmp_path / "old.json"),
+                             TABLE_INPUTS[3]]) == 0
+  assert set(auto.read_table(out)["devices"]) == {"Other GPU", "NVIDIA H200"}
+
+
+def test_the_builder_counts_production_launches_only():
+  from ula_jax.bench.kernels_table import latest, measurements, ranked
+
+  env = {"backend": "gpu", "device": "G", "date": "2026-01-01T00:00:00+00:00"}
+  geo = {"heads": 64, "k": 2048, "latent": 512, "rope": 64, "dtype": "bfloat16"}
+  att = {"benchmark": "attention", "environment": env, "geometry": geo, "rows": [
+      {"batch": 8, "impl": "pallas[auto]", "seconds": 2.0},
+      {"batch": 8, "impl": "pallas[h64k64w8]", "seconds": 1.0},  # a sweep point
+      {"batch": 8, "impl": "mosaic[compute]", "seconds": 0.5},  # an ablation
+      {"batch": 8, "impl": "xla", "seconds": None, "error": "failed"}]}
+  assert [(m.impl, m.seconds) for m in measurements(att, "a.json")] == [("pallas", 2.0)]
+  assert measurements({**att, "environment": {**env, "backend": "cpu"}}, "a.json") == []
+  stream = {"k": 2048, "loop": "while", "steps": 32}
+  row = {"pool": 1 << 20, "batch": 64, "k": 2048}
+  res = {"benchmark": "resolve", "environment": env, "stream": stream, "rows": [
+      {**row, "policy": "pb_lru", "impl": "pallas", "fused": True, "us": 40.0},
+      {**row, "policy": "pb_lru", "impl": "pallas", "fused": False, "us": 50.0},
+      {**row, "policy": "pb_lru", "impl": "jnp", "us": 1000.0},
+      {**row, "policy": "lru", "impl": "pallas[fused]", "fused": False, "us": 90.0},
+      {**row, "policy": "lru", "impl": "pallas", "us": 80.0,
+       "config": {"block_elems": 1}}]}  # not the production launch
+  found = latest(measurements(res, "r.json"))
+  assert ranked(found, "G", "resolve", lambda g: g[0] == "pb_lru")["ranking"] == [
+      "pallas_fused", "pallas", "jnp"]
+  assert ranked(found, "G", "resolve", lambda g: g[0] == "lru")["ranking"] == ["pallas"]
+  # Of two runs at the same settings the later one counts.
+  later = {**res, "environment": {**env, "date": "2026-02-01T00:00:00+00:00"},
+           "rows": [{**row, "policy": "pb_lru", "impl": "pallas", "fused": False,
+                     "us": 30.0}]}
+  found = latest(measurements(res, "r.json") + measurements(later, "s.json"))
+  entry = ranked(found, "G", "resolve", lambda g: g[0] == "pb_lru")
+  assert entry["ranking"][0] == "pallas" and "s.json (2026-02-01)" in entry["sources"]
+
+
+def test_the_run_summary_records_the_kernels_it_ran():
+  from tests.engine_util import BASE, mesh_for
+  from ula_jax.config import load_config
+  from ula_jax.engine import Engine, resolve_max_context
+
+  cfg = load_config(BASE, ["model.preset=tiny", "engine.progress=false", "memory.system=ula",
+                           "memory.host_pool=1024", "kernels.fetch=pallas"])
+  engine = Engine(cfg, mesh_for(1), max_context=resolve_max_context(cfg))
+  assert engine.cfg.kernels.attention == "auto"  # the config as given (checkpoints)
+  summary = engine.run([]).summary
+  assert summary["kernels"] == {**REFERENCES, "fetch": "pallas"}
