@@ -287,6 +287,11 @@ class EngineConfig(Section):
       True, description="carry the memory system's small state leaves (tables, owners, "
       "bitmaps) between steps in one buffer per dtype and sharding: fewer arguments per "
       "jitted step, less host time per call; the KV pools stay separate")
+  steps_per_dispatch: int = Field(
+      1, ge=1, description="decode steps per device program: a loop on the device runs N "
+      "steps (a row that reaches its length stops there), tokens and counters come back "
+      "once per dispatch, admission, prefill and releases run between dispatches; an engine "
+      "step (max_steps, metrics, checkpoints) is one dispatch. The tokens are those of 1")
   record_trace: bool = Field(
       False, description="record every rank's selections (trace_rank{d}.npz in the run "
       "directory); for memory.system=ula the summary then compares pb_lru and lru hit "
@@ -550,6 +555,16 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
   problems: list[str] = []
   model, mem, eng, wl, mesh = cfg.model, cfg.memory, cfg.engine, cfg.workload, cfg.mesh
   top_k = cfg.top_k
+
+  if eng.steps_per_dispatch > 1:
+    bad = [(f"speculative.num_draft={cfg.speculative.num_draft}", cfg.speculative.num_draft),
+           ("kernels.fast_path_mode='speculate'", cfg.kernels.fast_path_mode == "speculate"),
+           ("engine.record_trace=true", eng.record_trace)]
+    for what, on in bad:
+      if on:
+        problems.append(
+            f"engine.steps_per_dispatch={eng.steps_per_dispatch} runs plain decode steps on "
+            f"the device; it cannot be combined with {what} (use engine.steps_per_dispatch=1)")
 
   if eng.max_context is not None and eng.max_context % eng.page_size:
     problems.append(

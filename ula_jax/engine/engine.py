@@ -276,6 +276,8 @@ class Engine:
     # speculative.num_draft: draft tokens per request and step; every decode step is then a
     # verify step of 1 + num_draft query rows per request (``_verify_round``).
     self.num_draft = cfg.speculative.num_draft
+    # engine.steps_per_dispatch: decode steps per device program (``_decode_round``).
+    self.steps_per_dispatch = cfg.engine.steps_per_dispatch
     self.rows = cfg.speculative.rows
     self.max_context = max_context or resolve_max_context(cfg)
     self.pages_per_row = self.max_context // self.page_size
@@ -523,6 +525,42 @@ class Engine:
       nxt, state, stats, sel = decode_mapped(params, unpacked(carry), *split_inputs(inputs))
       return readout(nxt, stats), packed(state), sel
 
+    # engine.steps_per_dispatch = N > 1: N decode steps in one program, a loop on the
+    # device. Its input is ``multi_inputs``' ([dp, B, 4 + pages]: token, position, active,
+    # tokens left, pages); it returns [dp, N * B + stats]: the token each row decoded at
+    # each of the N steps (rows past their length keep their last token and write
+    # nothing), then the stats summed over the steps.
+    n_steps = self.steps_per_dispatch
+
+    def multi_local(params, state, tokens, positions, page_table, active, left):
+      model = nnx.merge(graphdef, params)
+      table = page_table[0]
+
+      def one(carry, _):
+        state, tok, pos, act, left = carry
+        logits, state, stats = tfm.decode_step(
+            model, mem, state, tok, pos, table, act, attention=attention,
+            tp_axis=tp_axis)[:3]
+        nxt = jnp.where(act, jnp.argmax(logits, axis=-1).astype(jnp.int32), tok)
+        left = left - act.astype(jnp.int32)
+        return (state, nxt, pos + act.astype(jnp.int32), act & (left > 0), left), (nxt, stats)
+
+      carry = (to_local(state), tokens[0], positions[0], active[0], left[0])
+      (state, *_), (toks, stats) = jax.lax.scan(one, carry, None, length=n_steps)
+      stats = {k: v.sum(0) for k, v in stats.items()}
+      return toks.reshape(-1)[None], from_local(state), ex(stats)
+
+    def decode_multi(params, carry, inputs):
+      x = inputs
+      nxt, state, stats = compat.shard_map(
+          multi_local, mesh=mesh,
+          in_specs=(param_specs, state_specs) + (P("dp"),) * 5,
+          out_specs=(P("dp"), state_specs, P("dp")))(
+              params, unpacked(carry), x[..., 0], x[..., 1], x[..., 4:], x[..., 2] != 0,
+              x[..., 3])
+      return readout(nxt, stats), packed(state), {}
+    decode_multi.__name__ = "decode"  # a decode step to profiles and the compile log
+
     def speculate(params, carry, inputs):
       nxt, new, restored, stats, sel, fail = speculate_mapped(params, unpacked(carry),
                                                               *split_inputs(inputs))
@@ -577,7 +615,7 @@ class Engine:
     def release(carry, *args):
       return packed(release_mapped(unpacked(carry), *args))
 
-    self._decode = jax.jit(decode, donate_argnums=(1,))
+    self._decode = jax.jit(decode if n_steps == 1 else decode_multi, donate_argnums=(1,))
     self._verify = jax.jit(verify, donate_argnums=(1,)) if self.num_draft else None
     self._speculate = self._redo = None
     if spec_mem is not None:
@@ -900,6 +938,8 @@ class Engine:
         live.append(l)
     if not live:
       return 0, 0, {}
+    if self.steps_per_dispatch > 1:
+      return self._multi_round(live, tokens, positions, page_table, active, step)
     t0 = time.perf_counter()
     inputs = self.decode_inputs(tokens, positions, page_table, active)
     extra = {}
@@ -932,6 +972,43 @@ class Engine:
       # Speculate again once a step moved nothing on any rank.
       self._try_speculate = totals.get("misses", 0) == 0 and totals.get("evictions", 0) == 0
     return len(live), len(live), {**totals, **extra}
+
+  def _multi_round(self, live, tokens, positions, page_table, active, step
+                   ) -> tuple[int, int, dict]:
+    """``_decode_round`` with ``engine.steps_per_dispatch = N > 1``: N decode steps in one
+    dispatch; a request decodes min(N, tokens it has left) of them."""
+    dp, B, N = self.dp, self.max_batch, self.steps_per_dispatch
+    left = np.zeros((dp, B), np.int32)
+    for l in live:
+      left[l.device, l.row] = l.req.max_new_tokens - len(l.generated)
+    t0 = time.perf_counter()
+    out, self.carry, _ = self._decode(
+        self.params, self.carry, self.multi_inputs(tokens, positions, page_table, active, left))
+    out = host_array(out)
+    toks = out[:, :N * B].reshape(dp, N, B)
+    stats = {k: out[:, N * B + i] for i, k in enumerate(self._stat_keys)}
+    dt = time.perf_counter() - t0
+    emitted = 0
+    for l in live:
+      n = min(N, int(left[l.device, l.row]))
+      if not l.generated:  # synthetic prefill: this dispatch gave the first token
+        l.first_token_step, l.ttft_s = step, t0 + dt - l.admitted_time
+      l.generated.extend(int(t) for t in toks[l.device, :n, l.row])
+      l.decode_time_s += dt
+      emitted += n
+    return len(live), emitted, {k: int(v.sum()) for k, v in stats.items()}
+
+  def multi_inputs(self, tokens: np.ndarray, positions: np.ndarray, page_table: np.ndarray,
+                   active: np.ndarray, left: np.ndarray) -> jax.Array:
+    """The input of ``engine.steps_per_dispatch > 1``'s decode program: ``decode_inputs``
+    with each row's tokens left to generate ([dp, B] int32) after ``active``:
+    [dp, B, 4 + pages_per_row] int32 on the mesh."""
+    x = np.concatenate([np.asarray(tokens, np.int32)[..., None],
+                        np.asarray(positions, np.int32)[..., None],
+                        np.asarray(active, np.int32)[..., None],
+                        np.asarray(left, np.int32)[..., None],
+                        np.asarray(page_table, np.int32)], axis=-1)
+    return self._put(x)
 
   def _verify_round(self, rows, step) -> tuple[int, int, dict]:
     """``_decode_round`` with ``speculative.num_draft = d > 0``: one verify step. A request
@@ -1011,8 +1088,13 @@ class Engine:
     return self._put(x)
 
   def idle_decode_inputs(self) -> jax.Array:
-    """``decode_inputs`` of a step with no active row (to compile or time the step)."""
+    """``decode_inputs`` of a step with no active row (to compile or time the step);
+    ``multi_inputs`` with ``engine.steps_per_dispatch > 1``."""
     dp, B = self.dp, self.max_batch
+    if self.steps_per_dispatch > 1:
+      return self.multi_inputs(np.zeros((dp, B), np.int32), np.zeros((dp, B), np.int32),
+                               np.full((dp, B, self.pages_per_row), INVALID, np.int32),
+                               np.zeros((dp, B), bool), np.zeros((dp, B), np.int32))
     return self.decode_inputs(np.zeros((dp, B), np.int32), np.zeros((dp, B), np.int32),
                               np.full((dp, B, self.pages_per_row), INVALID, np.int32),
                               np.zeros((dp, B), bool))
