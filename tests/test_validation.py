@@ -125,6 +125,7 @@ def test_shipped_block_sweeps_pass_every_check():
   sweeps = {"memory_systems_small": ["resident", "ula_pb_lru", "ula_lru", "hisparse",
                                      "far_tier_cxl"],
             "glm5_summarization": ["ula_pb_lru", "hisparse", "resident"],
+            "dsv32_summarization": ["ula_pb_lru", "hisparse", "resident"],
             "far_tier": ["far_tier_cxl", "far_tier_rdma"]}
   for name, blocks in sweeps.items():
     for block in blocks:
