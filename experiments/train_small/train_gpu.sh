@@ -4,7 +4,9 @@
 #     OUT=/some/dir bash experiments/train_small/train_gpu.sh
 #
 # Trains experiments/train_small/train.yaml into runs/train_small (extra arguments are
-# overrides, e.g. train.sparse_steps=400). A run stopped by the budget (TIME_LIMIT_S,
+# overrides, e.g. train.sparse_steps=400; CONFIG and RUN name another training file and
+# run directory: CONFIG=experiments/train_small/train_mtp.yaml RUN=runs/train_small_mtp
+# trains the committed model's MTP block). A run stopped by the budget (TIME_LIMIT_S,
 # default 540: SIGTERM, a checkpoint at the step boundary) is resumed by running the
 # script again on the same machine. Then packs the run directory without its optimizer
 # checkpoints into $OUT: run.tgz.part-* (15 MB pieces; `cat run.tgz.part-* | tar xz`
@@ -18,6 +20,7 @@ gpu_setup train_small "${TIME_LIMIT_S:-540}"
 unset XLA_PYTHON_CLIENT_PREALLOCATE  # training takes the GPU to itself
 export JAX_PLATFORMS=cuda
 config_wheels
+CONFIG=${CONFIG:-experiments/train_small/train.yaml}
 RUN=${RUN:-runs/train_small}
 # An image whose standard library ships without .py sources: train on the installed
 # packages' sources instead (summary.json's corpus.root says which).
@@ -34,7 +37,7 @@ else
 fi
 if ! grep -qs '"status": "finished"' "$RUN/summary.json"; then
   timeout --kill-after=60 "$((BUDGET_S - 20))" "$PY" -m ula_jax.cli.main train \
-    experiments/train_small/train.yaml ${EXTRA[@]+"${EXTRA[@]}"} "$@" --no-progress "${WHERE[@]}" \
+    "$CONFIG" ${EXTRA[@]+"${EXTRA[@]}"} "$@" --no-progress "${WHERE[@]}" \
     2>&1 | tee "$OUT/train.log"
   echo "train exit status ${PIPESTATUS[0]}" | tee -a "$OUT/train.log"
 fi

@@ -7,9 +7,11 @@ A checkpoint is a directory::
 
 Restoring checks that the given config has the same geometry (every field except
 ``preset``, ``param_seed`` and ``checkpoint``, which only say where the values came from,
-and ``kv_layout``, which says how the KV cache is stored).
-``load_model`` builds the model a config names: restored from ``cfg.checkpoint``, or
-drawn from ``cfg.param_seed``.
+and ``kv_layout``, which says how the KV cache is stored) and that every parameter is
+saved with the model's shape (``check_checkpoint``). ``load_model`` builds the model a
+config names: restored from ``cfg.checkpoint``, or drawn from ``cfg.param_seed``;
+``restore_into`` loads a checkpoint into an existing model (``ula-jax train``'s
+``train.init_from``).
 
 A checkpoint saved without the MTP block (``Transformer.mtp``, the speculative drafts'
 block; checkpoints written before it existed) still loads: the block is drawn from
@@ -56,8 +58,20 @@ def save_params(model: Transformer, path: str | pathlib.Path, *,
   return path
 
 
-def restore_params(cfg: ModelConfig, path: str | pathlib.Path) -> Transformer:
-  """A ``Transformer`` for ``cfg`` with the parameters saved under ``path``."""
+def _leaf_key(path: tuple) -> tuple[str, ...]:
+  """A parameter's path as names (a state's ``[0]`` and ``.value`` and the metadata's
+  ``['0']`` and ``['value']`` alike)."""
+  names = tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                for k in path)
+  return names[:-1] if names and names[-1] == "value" else names
+
+
+def check_checkpoint(cfg: ModelConfig, path: str | pathlib.Path) -> pathlib.Path:
+  """Checks that the checkpoint under ``path`` fits ``cfg``: written by ``save_params``
+  (else FileNotFoundError), the same geometry (else a ValueError listing the fields that
+  differ) and every parameter of ``cfg``'s model saved with its shape (else a ValueError
+  naming the first that is missing or has another shape; the MTP block may be missing).
+  Reads the config file and the metadata only; returns the absolute path."""
   path = pathlib.Path(path).absolute()
   if not (path / CONFIG_FILE).is_file() or not (path / PARAMS_DIR).is_dir():
     raise FileNotFoundError(f"checkpoint path={str(path)!r}: expected {CONFIG_FILE} and "
@@ -69,24 +83,63 @@ def restore_params(cfg: ModelConfig, path: str | pathlib.Path) -> Transformer:
   if diff:
     raise ValueError(f"checkpoint path={str(path)!r} has another geometry: "
                      + "; ".join(diff))
+  with ocp.StandardCheckpointer() as ckpt:
+    meta = ckpt.metadata(path / PARAMS_DIR).item_metadata
+  shapes = {_leaf_key(p): tuple(x.shape)
+            for p, x in jax.tree_util.tree_leaves_with_path(meta)}
+  want = nnx.state(nnx.eval_shape(lambda: Transformer(cfg)))
+  for p, x in jax.tree_util.tree_leaves_with_path(want):
+    key = _leaf_key(p)
+    name = ".".join(key)
+    if key not in shapes:
+      if key[0] == _OPTIONAL:
+        continue
+      raise ValueError(f"checkpoint path={str(path)!r} has no parameter {name} (shape "
+                       f"{tuple(x.shape)})")
+    if shapes[key] != tuple(x.shape):
+      raise ValueError(f"checkpoint path={str(path)!r}: parameter {name} has shape "
+                       f"{shapes[key]}, the model's is {tuple(x.shape)}")
+  return path
+
+
+def _restore(path: pathlib.Path, state: nnx.State) -> nnx.State:
+  """The values saved under ``path`` for the parameters of ``state`` (arrays or shapes)."""
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), state)
+  with ocp.StandardCheckpointer() as ckpt:
+    return ckpt.restore(path / PARAMS_DIR, abstract)
+
+
+def restore_into(model: Transformer, path: str | pathlib.Path) -> bool:
+  """Replaces ``model``'s parameters by those saved under ``path`` (checked by
+  ``check_checkpoint`` against ``model.cfg``); a checkpoint without the MTP block leaves
+  ``model``'s own. Returns whether the MTP block was saved."""
+  path = check_checkpoint(model.cfg, path)
+  if mtp_saved(path):
+    nnx.update(model, _restore(path, nnx.state(model)))
+    return True
+  logging.getLogger(__name__).info(
+      "checkpoint path=%r has no MTP block (model.mtp); the model's own is kept",
+      str(path))
+  nnx.update(model, _restore(path, nnx.state(model, nnx.Not(nnx.PathContains(_OPTIONAL)))))
+  return False
+
+
+def restore_params(cfg: ModelConfig, path: str | pathlib.Path) -> Transformer:
+  """A ``Transformer`` for ``cfg`` with the parameters saved under ``path`` (checked by
+  ``check_checkpoint``); without a saved MTP block, the block is drawn from
+  ``cfg.param_seed``."""
+  path = check_checkpoint(cfg, path)
   if not mtp_saved(path):
     logging.getLogger(__name__).info(
         "checkpoint path=%r has no MTP block (model.mtp); it is drawn from "
         "model.param_seed=%d", str(path), cfg.param_seed)
     model = Transformer(cfg)
-    saved_part = nnx.state(model, nnx.Not(nnx.PathContains(_OPTIONAL)))
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), saved_part)
-    with ocp.StandardCheckpointer() as ckpt:
-      nnx.update(model, ckpt.restore(path / PARAMS_DIR, abstract))
+    nnx.update(model, _restore(path, nnx.state(model, nnx.Not(nnx.PathContains(_OPTIONAL)))))
     return model
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg)))
-  abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
-  with ocp.StandardCheckpointer() as ckpt:
-    state = ckpt.restore(path / PARAMS_DIR, abstract)
-  return nnx.merge(graphdef, state)
+  return nnx.merge(graphdef, _restore(path, abstract))
 
 
 def mtp_saved(path: str | pathlib.Path) -> bool:

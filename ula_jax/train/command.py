@@ -47,5 +47,7 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"indexer top-k captures {ev['captured_mass']:.1%} of the attention"
           + (f" ({far:.1%} over queries with more than k candidates)" if far is not None
              else ""))
+    print(f"MTP block: held-out loss {ev['mtp_loss_sparse']:.4f} nats/token (predicting the "
+          f"token two places ahead)")
   print(f"training run directory: {result.run_dir} (status {result.status})")
   return 0

@@ -9,7 +9,7 @@ then ``a.b=value`` overrides) and validated here, every problem naming its dotte
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -90,6 +90,18 @@ class TrainSection(Section):
   seed: int = Field(0, ge=0, description="seed of the training windows' positions")
   checkpoint_every: int = Field(
       100, ge=1, description="steps between orbax checkpoints (the last one is kept)")
+  init_from: str | None = Field(
+      None, min_length=1, description="a trained model directory (``model/`` of a training "
+      "run, what model.checkpoint serves; relative to the working directory) the run's "
+      "parameters start from, its geometry equal to the model section's; parameters it "
+      "does not hold (the MTP block of a model saved without one) keep their "
+      "model.param_seed values. Read at step 0 only: --resume restores the run's own "
+      "checkpoint. None = every parameter from model.param_seed")
+  trainable: Literal["all", "mtp"] = Field(
+      "all", description="the parameters that learn: 'all', or 'mtp': only the MTP block "
+      "(the speculative drafts' block), every other parameter frozen bit for bit, without "
+      "a backward pass through the main model or optimizer state for it (the language-model "
+      "loss and the KL are still computed, for the logs); needs train.mtp_weight > 0")
 
   @property
   def steps(self) -> int:
@@ -164,8 +176,12 @@ class TrainConfig(Section):
                       f"layout)")
     if m.checkpoint is not None:
       problems.append(f"model.checkpoint={m.checkpoint!r}: training starts from "
-                      f"model.param_seed; remove model.checkpoint (use --resume DIR to "
-                      f"continue a training run)")
+                      f"model.param_seed or train.init_from; remove model.checkpoint (use "
+                      f"train.init_from: PATH to start from a trained model, --resume DIR "
+                      f"to continue a training run)")
+    if t.trainable == "mtp" and t.mtp_weight == 0:
+      problems.append("train.trainable='mtp' trains only the MTP block, from its loss: it "
+                      "needs train.mtp_weight > 0 (given 0)")
     if problems:
       raise ValueError("\n".join(problems))
     return self

@@ -8,7 +8,9 @@ selection); a block reads the positions up to the end of its segment
 it reads costs ``2 H (dn + dr)`` for the scores and ``2 H dv`` for the values, four
 times (forward, the recomputation under ``jax.checkpoint``, backward twice). The indexer
 scores the same pairs once per group for the selection (``2 I K``, forward only) and,
-in the dense stage, once per layer for the KL with its backward (four times).
+in the dense stage, once per layer for the KL with its backward (four times). With
+``train.trainable: mtp`` only the MTP block (and the LM head it passes through) has a
+backward: the main model, its attention and the KL count once (forward only).
 
 This counts multiply-adds only. At long sequences the work is dominated by the [H,
 block, T] softmax blocks, which move far more bytes than they compute: read
@@ -55,13 +57,15 @@ def estimate(cfg: TrainConfig, peak_flops: float = 400e12,
   pairs = sum((r1 - r0) * r1 for r0, r1 in segments) / T  # positions read per query
   tokens_per_step = t.batch_size * T
   mtp = mtp_count(m)["matrix"] + m.hidden_size * m.vocab_size  # the block, the head again
-  mm = 6 * (matrix_params(m) - mtp_count(m)["matrix"] + (mtp if t.mtp_weight > 0 else 0))
+  main = matrix_params(m) - mtp_count(m)["matrix"]
+  passes = 1 if t.trainable == "mtp" else 4  # forward only, or with recompute and backward
+  mm = (2 if t.trainable == "mtp" else 6) * main + (6 * mtp if t.mtp_weight > 0 else 0)
   attn_pair = 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
-  attn = 4 * attn_pair * pairs * m.num_layers
+  attn = passes * attn_pair * pairs * m.num_layers
   index_pair = 2 * m.index_n_heads * m.index_head_dim
   select = index_pair * pairs * m.num_groups
-  kl_dense = 4 * index_pair * pairs * m.num_layers
-  kl_sparse = 4 * index_pair * min(m.index_topk, T) * m.num_layers
+  kl_dense = passes * index_pair * pairs * m.num_layers
+  kl_sparse = passes * index_pair * min(m.index_topk, T) * m.num_layers
   per_token = {"dense": mm + attn + kl_dense, "sparse": mm + attn + select + kl_sparse}
   total = tokens_per_step * (t.dense_steps * per_token["dense"]
                              + t.sparse_steps * per_token["sparse"])

@@ -2,7 +2,9 @@
 
 The parameters are trained in float32 (optax AdamW keeps its moments in float32 too) and
 cast to ``model.dtype`` for every forward, so a bfloat16 model computes in bfloat16 while
-its updates are not lost to bfloat16 rounding. The run directory::
+its updates are not lost to bfloat16 rounding. A run starts from ``model.param_seed``, or
+from a trained model directory (``train.init_from``); ``train.trainable: mtp`` trains only
+the MTP block on a frozen model. The run directory::
 
     config.yaml      the resolved training config (``--resume`` checks it)
     checkpoints/     orbax: float32 parameters and optimizer state, the last step kept
@@ -40,7 +42,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 
 from ula_jax.config.errors import ConfigError
-from ula_jax.models.checkpoint import save_params
+from ula_jax.models.checkpoint import check_checkpoint, restore_into, save_params
 from ula_jax.models.transformer import Transformer
 from ula_jax.report.output import (RunDirError, RunInterrupted, StopRequest, check_out_dir,
                                    claim_dir, dumps, handle_signals, new_run_dir)
@@ -73,11 +75,16 @@ def _schedule(t: TrainSection, peak: float) -> optax.Schedule:
       decay_steps=max(t.steps, t.warmup_steps + 1), end_value=peak * t.min_lr_ratio)
 
 
-def _labels(params: Any) -> Any:
-  """'indexer' for the lightning indexers' parameters, 'model' for the rest."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: "indexer" if "indexer" in jax.tree_util.keystr(path) else "model",
-      params)
+def _labels(params: Any, trainable: str = "all") -> Any:
+  """Each parameter's optimizer: with ``trainable`` 'all', 'indexer' for the lightning
+  indexers' parameters and 'model' for the rest; with 'mtp', 'model' for the MTP block's
+  and 'frozen' for the rest."""
+
+  def label(path, _) -> str:
+    if trainable == "mtp":
+      return "model" if getattr(path[0], "key", None) == "mtp" else "frozen"
+    return "indexer" if "indexer" in jax.tree_util.keystr(path) else "model"
+  return jax.tree_util.tree_map_with_path(label, params)
 
 
 @functools.lru_cache(maxsize=8)
@@ -86,7 +93,9 @@ def make_optimizer(t: TrainSection) -> tuple[optax.GradientTransformation, optax
   ``train.indexer_lr`` and one for the rest of the model (only from the language-model
   loss) at ``train.lr``, each clipping its own gradients' global norm; linear warm-up,
   then cosine decay to ``min_lr_ratio`` of the peak at the last step. Vectors (norm
-  scales) are not decayed. Returns the transformation and the model's schedule.
+  scales) are not decayed. With ``train.trainable: mtp``, one AdamW for the MTP block and
+  ``optax.set_to_zero`` (no state) for every other parameter. Returns the transformation
+  and the model's schedule.
 
   Cached: the same section gives the same (hashable) transformation, so the jitted step,
   which takes it as a static argument, compiles once per process."""
@@ -98,8 +107,12 @@ def make_optimizer(t: TrainSection) -> tuple[optax.GradientTransformation, optax
         optax.adamw(_schedule(t, peak), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay,
                     mask=decay))
 
+  labels = functools.partial(_labels, trainable=t.trainable)
+  if t.trainable == "mtp":
+    return optax.multi_transform({"model": adamw(t.lr), "frozen": optax.set_to_zero()},
+                                 labels), _schedule(t, t.lr)
   indexer_lr = t.lr if t.indexer_lr is None else t.indexer_lr
-  tx = optax.multi_transform({"model": adamw(t.lr), "indexer": adamw(indexer_lr)}, _labels)
+  tx = optax.multi_transform({"model": adamw(t.lr), "indexer": adamw(indexer_lr)}, labels)
   return tx, _schedule(t, t.lr)
 
 
@@ -108,6 +121,11 @@ def cast(params: Any, dtype: str) -> Any:
 
 
 def _loss(params, graphdef, windows, opts: ForwardOptions, cfg: TrainConfig):
+  if cfg.train.trainable != "all":
+    # Frozen parameters carry no gradient: nothing that depends only on them (the main
+    # model's layers, the language-model loss, the KL) has a backward pass.
+    params = jax.tree.map(lambda p, l: jax.lax.stop_gradient(p) if l == "frozen" else p,
+                          params, _labels(params, cfg.train.trainable))
   model = nnx.merge(graphdef, cast(params, cfg.model.dtype))
   s = terms_summary(batch_terms(model, windows, opts), cfg.train.seq_len,
                     cfg.model.index_topk)
@@ -119,12 +137,16 @@ def _loss(params, graphdef, windows, opts: ForwardOptions, cfg: TrainConfig):
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
 def train_step(graphdef, tx, opts: ForwardOptions, cfg: TrainConfig, params, opt_state,
                windows):
-  """One optimizer step on [B, T + 1] windows; returns (params, opt_state, metrics)."""
+  """One optimizer step on [B, T + 1] windows; returns (params, opt_state, metrics).
+  Frozen parameters (``train.trainable``) are returned as they came."""
   (loss, aux), grads = jax.value_and_grad(_loss, has_aux=True)(params, graphdef, windows,
                                                                opts, cfg)
   updates, opt_state = tx.update(grads, opt_state, params)
-  params = optax.apply_updates(params, updates)
-  labels = jax.tree.leaves(_labels(grads))
+  tree_labels = _labels(params, cfg.train.trainable)
+  params = jax.tree.map(
+      lambda p, u, l: p if l == "frozen" else optax.apply_updates(p, u), params, updates,
+      tree_labels)
+  labels = jax.tree.leaves(tree_labels)
 
   def norm(name: str) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
@@ -246,6 +268,25 @@ def _claim(cfg: TrainConfig, out_dir: str | Path | None, resume: str | Path | No
   return run_dir, lock
 
 
+def _init_from_error(cfg: TrainConfig, e: Exception) -> ConfigError:
+  return ConfigError([f"train.init_from={cfg.train.init_from!r}: {e}"])
+
+
+def init_model(cfg: TrainConfig) -> Transformer:
+  """The model a run starts from: drawn from ``model.param_seed``, then, with
+  ``train.init_from``, the parameters saved there (those it does not hold, the MTP block
+  of a model saved without one, keep their ``param_seed`` values). A directory that is
+  missing or has another geometry is a ConfigError (a ValueError) naming
+  ``train.init_from`` and the first field or parameter that differs."""
+  model = Transformer(cfg.model, rngs=nnx.Rngs(cfg.model.param_seed))
+  if cfg.train.init_from is not None:
+    try:
+      restore_into(model, cfg.train.init_from)
+    except (FileNotFoundError, ValueError) as e:
+      raise _init_from_error(cfg, e) from None
+  return model
+
+
 @dataclasses.dataclass
 class TrainResult:
   """What ``train`` returns: the run directory, its status and summary."""
@@ -271,7 +312,7 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, *,
     ``{experiment.out_dir}/{experiment.name}-{timestamp}``
   resume: continue the training run in this directory from its last checkpoint (its
     config must equal ``cfg``); the steps after that checkpoint are run again, with the
-    same batches
+    same batches (``train.init_from`` is read only by a run without a checkpoint)
   stop_at: stop after this step, with a checkpoint, as an interruption would (status
     ``stopped``)
 
@@ -284,6 +325,11 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, *,
     train_batch(corpus.train, 0, 1, cfg.train.seq_len, cfg.train.seed)  # text too short?
   except ValueError as e:
     raise ConfigError([str(e)]) from None
+  if cfg.train.init_from is not None and resume is None:
+    try:  # before the run directory exists (the parameters are read at step 0)
+      check_checkpoint(cfg.model, cfg.train.init_from)
+    except (FileNotFoundError, ValueError) as e:
+      raise _init_from_error(cfg, e) from None
   run_dir, lock = _claim(cfg, out_dir, resume)
   try:
     return _train(cfg, corpus, heldout, run_dir, progress, console, stop_at)
@@ -294,7 +340,13 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, *,
 def _train(cfg: TrainConfig, corpus: Corpus, heldout: np.ndarray, run_dir: Path,
            progress: bool, console: Console | None, stop_at: int | None) -> TrainResult:
   t = cfg.train
-  model = Transformer(cfg.model, rngs=nnx.Rngs(cfg.model.param_seed))
+  manager = ocp.CheckpointManager(
+      run_dir / CHECKPOINT_DIR,
+      options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
+                                           enable_async_checkpointing=False))
+  start = manager.latest_step() or 0
+  model = (init_model(cfg) if start == 0
+           else Transformer(cfg.model, rngs=nnx.Rngs(cfg.model.param_seed)))
   graphdef, params = nnx.split(model)
   # Committed to one device, as restored arrays are: a resumed run then reuses the
   # compiled steps (committed and uncommitted arguments compile separately).
@@ -302,12 +354,6 @@ def _train(cfg: TrainConfig, corpus: Corpus, heldout: np.ndarray, run_dir: Path,
   params = jax.device_put(cast(params, "float32"), device)
   tx, schedule = make_optimizer(cfg.train)
   opt_state = jax.device_put(tx.init(params), device)
-
-  manager = ocp.CheckpointManager(
-      run_dir / CHECKPOINT_DIR,
-      options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
-                                           enable_async_checkpointing=False))
-  start = manager.latest_step() or 0
   if start:
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                             {"params": params, "opt_state": opt_state})
@@ -402,8 +448,11 @@ def _train(cfg: TrainConfig, corpus: Corpus, heldout: np.ndarray, run_dir: Path,
     if status == "finished":
       _write_requests(cfg, corpus, run_dir / REQUESTS_FILE)
     num_params = int(sum(x.size for x in jax.tree.leaves(params)))
+    labels = jax.tree.leaves(_labels(params, t.trainable))
+    trained_params = int(sum(x.size for x, l in zip(jax.tree.leaves(params), labels)
+                             if l != "frozen"))
     summary = _summary(cfg, corpus, status, step, wall, timing, first_step_s, evals, unigram,
-                       estimate, num_params, run_dir)
+                       estimate, num_params, trained_params, run_dir)
     (run_dir / SUMMARY_FILE).write_text(dumps(summary, indent=1) + "\n")
     if cfg.experiment.plots:
       from ula_jax.train.plots import plot_curves
@@ -429,7 +478,7 @@ def _write_requests(cfg: TrainConfig, corpus: Corpus, path: Path) -> None:
 
 def _summary(cfg: TrainConfig, corpus: Corpus, status: str, step: int, wall: float,
              timing: dict, first_step_s: dict, evals: list[dict], unigram: float,
-             estimate: dict, num_params: int, run_dir: Path) -> dict:
+             estimate: dict, num_params: int, trained_params: int, run_dir: Path) -> dict:
   t = cfg.train
   stages = {}
   for stage, times in timing.items():
@@ -443,7 +492,10 @@ def _summary(cfg: TrainConfig, corpus: Corpus, status: str, step: int, wall: flo
   return {
       "status": status, "step": step, "steps": t.steps,
       "stages": {"dense": dense, "sparse": sparse},
-      "model": {"params": num_params, "dtype": cfg.model.dtype,
+      "model": {"params": num_params, "trained_params": trained_params,
+                "trainable": t.trainable, "dtype": cfg.model.dtype,
+                "init_from": (None if t.init_from is None
+                              else str(Path(t.init_from).absolute())),
                 "checkpoint": str(run_dir / MODEL_DIR) if status == "finished" else None},
       "corpus": corpus.describe(),
       "unigram": {"loss": unigram, "bits_per_byte": unigram / LN2},
