@@ -468,8 +468,9 @@ class Engine:
                                                            **prefill_kw)
         return entries, keys, jnp.argmax(last_logits).astype(jnp.int32), ws
 
+      e, k, _, _ = jax.eval_shape(run, ws)
+
       def skip(ws):
-        e, k, _, _ = jax.eval_shape(run, ws)
         return jnp.zeros(e.shape, e.dtype), jnp.zeros(k.shape, k.dtype), jnp.int32(0), ws
 
       entries, keys, tok, ws = jax.lax.cond(do, run, skip, ws)
