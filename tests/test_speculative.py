@@ -24,6 +24,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -31,7 +32,7 @@ from ula_jax.config import ConfigError, load_config
 from ula_jax.core.types import INVALID
 from ula_jax.engine import Engine, checkpoint, resolve_max_context
 from ula_jax.memory import MeshInfo, system_class
-from ula_jax.models.checkpoint import load_model, mtp_saved
+from ula_jax.models.checkpoint import CONFIG_FILE, PARAMS_DIR, load_model, mtp_saved
 from ula_jax.models.config import ModelConfig
 from ula_jax.models.mtp import mtp_count
 from ula_jax.models.transformer import Transformer
@@ -245,7 +246,7 @@ def test_memory_systems_check_a_verify_steps_entries():
         jnp.zeros((ROWS, 2), jnp.int32), jnp.ones((ROWS, 2), bool)), state)
 
 
-def test_every_preset_has_an_mtp_block_and_old_checkpoints_still_load():
+def test_every_preset_has_an_mtp_block_and_old_checkpoints_still_load(tmp_path):
   for preset in ("tiny", "small"):  # (the module is the same in every preset)
     cfg = ModelConfig(preset=preset)
     model = nnx.eval_shape(lambda cfg=cfg: Transformer(cfg))
@@ -253,11 +254,24 @@ def test_every_preset_has_an_mtp_block_and_old_checkpoints_still_load():
     assert sum(x.size for x in jax.tree.leaves(nnx.state(model.mtp))) == (
         count["matrix"] + count["vector"])
   # A checkpoint written before the MTP block: the block is drawn from param_seed.
-  path = "experiments/train_small/model"
+  cfg = ModelConfig(preset="tiny", param_seed=3)
+  path = tmp_path / "old"
+  path.mkdir()
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(path / PARAMS_DIR, nnx.state(Transformer(cfg), nnx.Not(nnx.PathContains("mtp"))))
+    ckpt.wait_until_finished()
+  (path / CONFIG_FILE).write_text(cfg.model_dump_json())
   assert not mtp_saved(path)
-  saved = json.loads(Path(path, "model_config.json").read_text())
-  cfg = ModelConfig(**{**saved, "checkpoint": path})
-  model, fresh = load_model(cfg), Transformer(cfg)
+  old = ModelConfig(**{**cfg.model_dump(), "param_seed": 0, "checkpoint": str(path)})
+  model, fresh = load_model(old), Transformer(old)
   np.testing.assert_array_equal(np.asarray(model.mtp.w_proj[...]),
                                 np.asarray(fresh.mtp.w_proj[...]))
   assert not np.array_equal(np.asarray(model.embed[...]), np.asarray(fresh.embed[...]))
+  # The committed trained model holds its trained block (experiments/train_small).
+  path = "experiments/train_small/model"
+  assert mtp_saved(path)
+  saved = json.loads(Path(path, "model_config.json").read_text())
+  cfg = ModelConfig(**{**saved, "checkpoint": path})
+  model, fresh = load_model(cfg), Transformer(cfg)
+  assert not np.array_equal(np.asarray(model.mtp.w_proj[...]),
+                            np.asarray(fresh.mtp.w_proj[...]))

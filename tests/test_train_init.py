@@ -81,12 +81,14 @@ def test_the_committed_models_mtp_config_starts_from_it():
                                                        "experiments/train_small/model")
   assert t.mtp_weight > 0 and t.sparse_steps > 0
   committed = REPO / t.init_from
-  assert not checkpoint.mtp_saved(committed)  # trained before the block existed
+  assert checkpoint.mtp_saved(committed)  # its block trained by this config
   got = _leaves(init_model(cfg.model_copy(
       update={"train": t.model_copy(update={"init_from": str(committed)})})))
   want = _leaves(checkpoint.restore_params(cfg.model, committed))
-  for k in want:  # the MTP block of both is drawn from model.param_seed
+  drawn = _leaves(tfm.Transformer(cfg.model))
+  for k in want:  # every parameter the committed model's, its MTP block included
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  assert any(_is_mtp(k) and not np.array_equal(got[k], drawn[k]) for k in want)
 
 
 def test_trainable_mtp_changes_only_the_mtp_block(saved, tmp_path):
