@@ -1,7 +1,9 @@
 """Test setup: 8 simulated CPU devices, a compilation cache for the session, unoptimised
-CPU code generation, and random keys whose seed is printed."""
+CPU code generation by XLA's quicker emitters, fewer garbage collections, and random keys
+whose seed is printed."""
 
 import atexit
+import gc
 import os
 import random
 import shutil
@@ -52,6 +54,54 @@ def _unoptimised_cpu_code() -> None:
 
 
 _unoptimised_cpu_code()
+
+_LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _legacy_cpu_fusion_emitters() -> None:
+  """With LLVM at -O0, most of what is left of a CPU compile is XLA's MLIR fusion
+  emitters (each fusion lowered through MLIR dialects to LLVM IR): about two thirds of an
+  engine step's compile. ``--xla_cpu_use_fusion_emitters=false`` emits fusions with
+  XLA's older LLVM IR emitters directly, about three times faster to compile. The
+  operations computed are the same; XLA groups some of them into other fusions (the two
+  emitters support different kinds), so, as with the setting above, the machine code
+  and float results in the last bits may differ from a default build's (every comparison
+  here is between programs of one session). CPU sessions only, and only where this
+  jaxlib knows the flag (XLA stops a process that sets a flag it does not know); the
+  environment variable reaches the xdist workers and the processes runs start."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if os.environ["JAX_PLATFORMS"] != "cpu" or "xla_cpu_use_fusion_emitters" in flags:
+    return
+  import mmap
+  import pathlib
+
+  import jaxlib
+
+  lib = pathlib.Path(jaxlib.__file__).parent / "libjax_common.so"
+  try:
+    with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+      known = m.find(_LEGACY_EMITTERS[2:].split("=")[0].encode()) >= 0
+  except (OSError, ValueError):
+    known = False
+  if known:
+    os.environ["XLA_FLAGS"] = f"{flags} {_LEGACY_EMITTERS}".strip()
+
+
+_legacy_cpu_fusion_emitters()
+
+
+def _fewer_garbage_collections() -> None:
+  """A quarter of the suite's time is jax tracing the steps tests build, which makes
+  objects by the million; Python's cyclic collector, run every 700 new objects, walks
+  them and the session's modules over and over (about 7% of the suite's CPU time). The
+  modules imported so far stay alive for the session (``gc.freeze``: never walked
+  again), and the collector runs every 50,000 new objects. Reference counting still
+  frees everything outside cycles at once."""
+  gc.freeze()
+  gc.set_threshold(50_000, 20, 20)
+
+
+_fewer_garbage_collections()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -48,8 +48,11 @@ def test_a_second_identical_run_compiles_nothing(tmp_path):
   import subprocess
   import sys
 
+  # Four short requests of the tiny model with every layer dense: what is compiled or
+  # read from the cache is the same kinds of step whatever the model and lengths.
   cmd = [sys.executable, "-m", "ula_jax.cli.main", "run", "experiments/quickstart/config.yaml",
-         "--no-progress", "workload.num_requests=4", "experiment.plots=false",
+         "--no-progress", "workload.num_requests=4", "workload.output_len=[2,4]",
+         "model.num_dense_layers=4", "experiment.plots=false",
          f"engine.compilation_cache_dir={tmp_path / 'cache'}"]
   for name in ("first", "second"):
     subprocess.run(cmd + ["--out", str(tmp_path / name)], check=True, capture_output=True)

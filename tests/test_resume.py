@@ -27,10 +27,12 @@ from ula_jax.workloads import build_requests
 
 QUICKSTART = str(REPO_CONFIGS.parent / "experiments" / "quickstart" / "config.yaml")
 # Two dp ranks of one decode row for four requests of 2-4 prefill chunks: at the first
-# interrupt one request per rank is half prefilled, the others queue.
-COMMON = ["mesh.dp=2", "engine.max_batch=1", "workload.num_requests=4",
-          "workload.output_len=[5,8]", "engine.prefill_chunk=64", "engine.page_size=16",
-          "experiment.plots=false", "engine.progress=false"]
+# interrupt one request per rank is half prefilled, the others queue. Every layer of the
+# tiny model is dense: a checkpoint holds the run's state, not the parameters, and the
+# kind of MLP changes nothing here but the compile time.
+COMMON = ["model.num_dense_layers=4", "mesh.dp=2", "engine.max_batch=1",
+          "workload.num_requests=4", "workload.output_len=[5,8]", "engine.prefill_chunk=64",
+          "engine.page_size=16", "experiment.plots=false", "engine.progress=false"]
 SYSTEMS = {
     "resident": [],
     # A device pool of 16 entries per group: most selections miss, entries move to and
@@ -191,9 +193,9 @@ def test_sigterm_then_resume_from_the_command_line(tmp_path, monkeypatch, capsys
   for args, match in [
       ([QUICKSTART], r"give no CONFIG"),
       (["--out", str(tmp_path / "x")], r"--out and --overwrite do not apply"),
-      (["model.num_layers=3", "memory.system=ula"],
+      (["model.num_layers=6", "memory.system=ula"],
        r"memory.system='ula', but the checkpointed run has memory.system='resident'.*"
-       r"model.num_layers=3, but the checkpointed run has model.num_layers=\d"),
+       r"model.num_layers=6, but the checkpointed run has model.num_layers=\d"),
   ]:
     assert main(["run", "--resume", str(out), *args]) == EXIT_USAGE
     err = capsys.readouterr().err

@@ -20,7 +20,7 @@ from ula_jax.memory.traces.replay import build_rank_system, replay
 from ula_jax.memory.traces.sglang import SglangImportError, import_sglang
 from ula_jax.memory.traces.stats import locality_stats
 from ula_jax.workloads.trace import TraceWorkloadError, replay_workload
-from tests.engine_util import make_requests, run_engine
+from tests.engine_util import DENSE, make_requests, run_engine
 
 GEO = KVGeometry(num_layers=6, group_size=2, entry_width=8, index_dim=4, top_k=16)
 TINY = KVGeometry(num_layers=4, group_size=2, entry_width=48, index_dim=16, top_k=8,
@@ -100,9 +100,10 @@ BASE = ["model.preset=tiny", "mesh.dp=1", "engine.max_batch=2", "engine.prefill_
 
 @pytest.mark.parametrize("name", list(LIVE))
 def test_replaying_a_live_run_reproduces_its_counts(tmp_path, name):
-  # (ula pb_lru on two ranks: tests/test_trace_run.py)
+  # (ula pb_lru on two ranks: tests/test_trace_run.py). The live run's layers are dense:
+  # the replay needs its selections, whatever model made them.
   reqs = make_requests(3, 0, (40, 70), (6, 12))
-  live = run_engine(BASE[1:] + ["engine.record_trace=true"] + LIVE[name], reqs)
+  live = run_engine(BASE[1:] + DENSE + ["engine.record_trace=true"] + LIVE[name], reqs)
   for d, trace in enumerate(live.traces):
     trace.save(tmp_path / f"trace_rank{d}.npz")
   want = {k: live.summary[f"total_{k}"] for k in ("hits", "misses", "evictions")}

@@ -15,13 +15,12 @@ from jax.sharding import AxisType, Mesh
 
 from ula_jax.config import ConfigError, ExperimentConfig, KernelsConfig, check_devices
 from ula_jax.core.compilation import enable_persistent_cache
+from ula_jax.core.host_memory import HOST_LIMIT_ENV, default_pinned_limit_gib, host_ram
 from ula_jax.kernels.auto import Device, LaunchShape, resolve_kernels
 
 AXES = ("dp", "tp")
 _JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda"}
 _DETERMINISTIC_GPU_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0")
-HOST_LIMIT_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-"""The GPU backend's cap on pinned host memory, in GB (64 when unset)."""
 MAX_CPU_DEVICES = 1024
 """Simulated CPU devices at most (``jax_num_cpu_devices``): XLA starts every one when the
 backend starts, so a count like 100000 would hang instead of failing."""
@@ -53,9 +52,11 @@ def configure_platform(cfg: ExperimentConfig, num_devices: int | None = None) ->
     os.environ["XLA_FLAGS"] = flags
   if platform in ("auto", "gpu") and HOST_LIMIT_ENV not in os.environ:
     # Read when the GPU backend starts: its pinned host allocator (host pools) stops at
-    # 64 GB unless told otherwise; check_fits_machine holds host pools to the RAM.
-    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 10**9
-    os.environ[HOST_LIMIT_ENV] = str(max(ram_gb, 1))
+    # 64 GiB unless told otherwise. Raised to the RAM less the process's reserve
+    # (core.host_memory); check_fits_machine holds host pools to it.
+    ram = host_ram()
+    if ram:
+      os.environ[HOST_LIMIT_ENV] = str(default_pinned_limit_gib(ram))
   try:
     if platform != "auto" and jax.config.jax_platforms != _JAX_PLATFORM[platform]:
       jax.config.update("jax_platforms", _JAX_PLATFORM[platform])

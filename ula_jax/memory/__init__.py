@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from ula_jax.config import ConfigError, ExperimentConfig
 from ula_jax.config.schema import MemoryConfig
+from ula_jax.core.host_memory import HOST_LIMIT_ENV, MIN_RESERVE_GIB, host_ram, pinned_host_limit
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
 from ula_jax.memory.base import CapacityReport, MemorySystem
@@ -83,13 +83,6 @@ def check_config(cfg: ExperimentConfig) -> None:
   sized_system(cfg)
 
 
-def _host_ram() -> int | None:
-  try:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  except (ValueError, OSError, AttributeError):
-    return None
-
-
 def _gib(n: int) -> str:
   return f"{n / 2**30:.1f} GiB"
 
@@ -150,7 +143,7 @@ def check_fits_machine(cfg: ExperimentConfig, mesh: Any) -> None:
   except Exception:  # some backends raise instead of returning None
     stats = {}
   limit = stats.get("bytes_limit")
-  ram = _host_ram()
+  ram = host_ram()
   pool = f"memory.device_pool={cfg.memory.device_pool!r}"
   # The field that sizes the host-side pool: far_tier's far pool, else memory.host_pool
   # (hisparse: 0 = memory.hisparse.host_to_device_ratio times the device pool).
@@ -166,12 +159,18 @@ def check_fits_machine(cfg: ExperimentConfig, mesh: Any) -> None:
           f"{_gib(device_bytes)} of pools per device, more than the {_gib(limit)} of "
           f"{dev.platform} device {dev.id}; lower memory.device_pool (or engine.max_batch / "
           f"engine.max_context when it is null)"])
-    if ram and host_bytes * local > ram:
+    # Host pools are pinned by the backend's allocator, capped below the RAM
+    # (core.host_memory): past the cap an allocation fails, at the RAM the process dies.
+    pinned = pinned_host_limit() if dev.platform == "gpu" else ram
+    if pinned and host_bytes * local > pinned:
+      what = (f"the {_gib(pinned)} that may be pinned on this host ({HOST_LIMIT_ENV}; "
+              f"the default leaves max({MIN_RESERVE_GIB} GiB, RAM / 8) of its "
+              f"{_gib(ram or 0)} of RAM to the process)" if dev.platform == "gpu"
+              else f"its {_gib(pinned)} of RAM")
       raise ConfigError([
           f"{host}: memory.system={cfg.memory.system!r} would allocate "
           f"{_gib(host_bytes)} of host pools per device, {_gib(host_bytes * local)} for the "
-          f"{local} devices of this host, more than its {_gib(ram)} of RAM; lower "
-          f"{host_field}"])
+          f"{local} devices of this host, more than {what}; lower {host_field}"])
   elif ram and (device_bytes + host_bytes) * local > ram:
     # Name the host pool only where the system has one.
     fields = [pool, host] if host_bytes else [pool]
