@@ -20,7 +20,11 @@ from ula_jax.kernels.auto import Device, LaunchShape, resolve_kernels
 
 AXES = ("dp", "tp")
 _JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda"}
-_DETERMINISTIC_GPU_FLAGS = ("--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0")
+_DETERMINISTIC_GPU_FLAGS = (
+    "--xla_gpu_deterministic_ops=true", "--xla_gpu_autotune_level=0",
+    # Every bf16 rounding the program states happens, fused or not, and every GEMM is a
+    # library call picked by its shape: neither then depends on what surrounds the op.
+    "--xla_allow_excess_precision=false", "--xla_gpu_enable_triton_gemm=false")
 MAX_CPU_DEVICES = 1024
 """Simulated CPU devices at most (``jax_num_cpu_devices``): XLA starts every one when the
 backend starts, so a count like 100000 would hang instead of failing."""
@@ -43,8 +47,9 @@ def configure_platform(cfg: ExperimentConfig, num_devices: int | None = None) ->
                        f"lower mesh.dp or mesh.tp"])
   if cfg.kernels.deterministic and platform in ("auto", "gpu"):
     # Read when the GPU backend starts. Autotuning may pick different GEMM algorithms
-    # for the same shape in two programs (resident's and ula's steps), and atomics make
-    # reductions order-dependent: either breaks token-for-token comparisons.
+    # for the same shape in two programs (resident's and ula's steps), atomics make
+    # reductions order-dependent, and fusion decides whether a bf16 rounding happens and
+    # whether a GEMM is a generated kernel: each breaks token-for-token comparisons.
     flags = os.environ.get("XLA_FLAGS", "")
     for flag in _DETERMINISTIC_GPU_FLAGS:
       if flag.split("=")[0] not in flags:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 import yaml
 from jax.sharding import Mesh
 from rich.console import Console
@@ -23,8 +24,9 @@ from ula_jax.engine.types import Request, RunResult
 from ula_jax.mesh import build_mesh, configure_platform
 from ula_jax.report import (CONFIG_FILE, METRICS_FILE, MetricsWriter, RunProgress,
                             summary_table, write_outputs)
-from ula_jax.report.output import (SUMMARY_FILE, RunDirError, RunDirTarget, RunInterrupted,
-                                   StopRequest, claim_dir, handle_signals, run_status)
+from ula_jax.report.output import (DIGESTS_FILE, SUMMARY_FILE, RunDirError, RunDirTarget,
+                                   RunInterrupted, StopRequest, claim_dir, handle_signals,
+                                   run_status)
 from ula_jax.workloads import build_requests
 
 
@@ -130,6 +132,8 @@ def _serve(cfg: ExperimentConfig, requests: list[Request], target: RunDirTarget,
         _save_checkpoint(engine, checkpoints)
       if result.traces is not None:
         _record_traces(cfg, result, target.partial)
+      if result.digests is not None:
+        np.savez_compressed(target.partial / DIGESTS_FILE, **result.digests)
       stats = write_outputs(target.partial, result, name=cfg.experiment.name,
                             plots=cfg.experiment.plots,
                             prompts={r.id: r.prompt for r in requests})

@@ -8,8 +8,10 @@
 # run in order), EXTRA (overrides for every run), RUN_LIMIT_S (each run's time limit,
 # default 480: the experiment's 8-minute target; a run stopped by it writes its run
 # directory with what it finished), TIME_LIMIT_S (the whole script's, default 570).
-# Results under $OUT: SYSTEM.json (the run's summary), SYSTEM.log (its output),
-# steps.txt (printed last).
+# Results under $OUT (8 files at most come back): SYSTEM.json (the run's summary),
+# SYSTEM_digests.npz (with engine.record_digests=true), compare_FIRST_SYSTEM.txt (tokens,
+# and digests where both runs have them, against the first system), logs.tgz (each
+# run's output and plots, gpu.txt, steps.txt).
 set -u
 cd "$(dirname "$0")/../.."
 # shellcheck source=benchmarks/probes/gpu_steps.sh
@@ -20,14 +22,26 @@ CLI="$PY -m ula_jax.cli.main"
 CONFIG=${CONFIG:-experiments/glm5_summarization/config.yaml}
 RUNS=${RUNS_DIR:-/tmp/glm5_runs}
 mkdir -p "$RUNS"
-nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
-free -g | tee -a "$OUT/gpu.txt"
+# At most 8 files come back from $OUT: logs, plots and machine facts go into logs.tgz.
+EXTRA_DIR=$(mktemp -d)
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$EXTRA_DIR/gpu.txt"
+free -g | tee -a "$EXTRA_DIR/gpu.txt"
 for sys in ${SYSTEMS:-ula_pb_lru hisparse resident}; do
   # shellcheck disable=SC2086
   STEP_TAIL=30 step "$sys" "${RUN_LIMIT_S:-480}" $CLI run "$CONFIG" "memory=$sys" ${EXTRA:-} \
     --no-progress --out "$RUNS/$sys"
-  cp "$WORK/$sys.log" "$OUT/$sys.log"
+  cp "$WORK/$sys.log" "$EXTRA_DIR/$sys.log"
   [ -f "$RUNS/$sys/summary.json" ] && cp "$RUNS/$sys/summary.json" "$OUT/$sys.json"
-  for f in "$RUNS/$sys"/*.png "$RUNS/$sys"/*.csv; do [ -f "$f" ] && cp "$f" "$OUT/${sys}_$(basename "$f")"; done
+  [ -f "$RUNS/$sys/digests.npz" ] && cp "$RUNS/$sys/digests.npz" "$OUT/${sys}_digests.npz"
+  for f in "$RUNS/$sys"/*.png "$RUNS/$sys"/*.csv; do [ -f "$f" ] && cp "$f" "$EXTRA_DIR/${sys}_$(basename "$f")"; done
 done
-print_steps | tee "$OUT/steps.txt"
+# Tokens request by request: every later system against the first (a stopped run's
+# requests compared over the tokens both have).
+set -- ${SYSTEMS:-ula_pb_lru hisparse resident}
+first=$1; shift
+for sys in "$@"; do
+  [ -d "$RUNS/$first" ] && [ -d "$RUNS/$sys" ] && $CLI compare "$RUNS/$first" "$RUNS/$sys" \
+    > "$OUT/compare_${first}_${sys}.txt" 2>&1; tail -n 1 "$OUT/compare_${first}_${sys}.txt" 2>/dev/null
+done
+print_steps | tee "$EXTRA_DIR/steps.txt"
+tar czf "$OUT/logs.tgz" -C "$EXTRA_DIR" .

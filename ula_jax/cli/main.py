@@ -278,6 +278,13 @@ def _compare(args: argparse.Namespace) -> int:
   con.print(compare_table(cmp.rows, title=f"A = {args.run_a}\nB = {args.run_b}"))
   for note in cmp.notes:
     con.print(f"note: {note}", highlight=False, markup=False)
+  if cmp.digest_differences is not None:
+    # engine.record_digests in both runs: where the bits first differed, per request
+    # (also for requests whose tokens still agree).
+    for rid, where in cmp.digest_differences.items():
+      con.print(f"{rid}: first different bits at {where}", highlight=False, markup=False)
+    if not cmp.digest_differences:
+      con.print("digests: every shared decode step computed the same bits")
   if cmp.ok:
     con.print(f"all {len(cmp.rows)} requests match token by token ({cmp.tokens_compared} "
               f"tokens compared)")

@@ -296,6 +296,11 @@ class EngineConfig(Section):
       False, description="record every rank's selections (trace_rank{d}.npz in the run "
       "directory); for memory.system=ula the summary then compares pb_lru and lru hit "
       "rates on the recorded trace")
+  record_digests: bool = Field(
+      False, description="record, per request and decode step, bit-exact digests of each "
+      "layer group's selected positions and of each layer's entries read and attention "
+      "output (digests.npz in the run directory): ula-jax compare then names the first "
+      "group or layer where two runs part, not only the first token that differs")
   compilation_cache: bool = Field(
       True, description="keep compiled programs in jax's persistent compilation cache, so "
       "a second run of the same shapes compiles nothing")
@@ -329,11 +334,12 @@ class EngineConfig(Section):
 
   @model_validator(mode="after")
   def _checkpoints_without_trace(self) -> EngineConfig:
-    if self.checkpoint_every and self.record_trace:
-      raise ValueError(f"engine.checkpoint_every={self.checkpoint_every} cannot be combined "
-                       f"with engine.record_trace=true: a selection trace is not "
-                       f"checkpointed; set engine.checkpoint_every=0 or "
-                       f"engine.record_trace=false")
+    for field, on, what in (("record_trace", self.record_trace, "a selection trace"),
+                            ("record_digests", self.record_digests, "a run's digests")):
+      if self.checkpoint_every and on:
+        raise ValueError(f"engine.checkpoint_every={self.checkpoint_every} cannot be "
+                         f"combined with engine.{field}=true: {what} is not checkpointed; "
+                         f"set engine.checkpoint_every=0 or engine.{field}=false")
     return self
 
 
@@ -375,8 +381,9 @@ class KernelsConfig(Section):
       None, description="run Pallas kernels in interpret mode; None = interpret on CPU only")
   deterministic: bool = Field(
       True, description="GPU: the same kernels for the same shapes in every compiled program "
-      "(XLA autotuning off, deterministic reductions and scatters), so memory systems can be "
-      "compared token for token; false lets XLA autotune")
+      "(XLA autotuning off, deterministic reductions and scatters, no excess precision, "
+      "GEMMs as library calls), so memory systems can be compared token for token; false "
+      "lets XLA autotune and fuse freely")
 
   @property
   def uses_pallas(self) -> bool:
@@ -559,7 +566,8 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
   if eng.steps_per_dispatch > 1:
     bad = [(f"speculative.num_draft={cfg.speculative.num_draft}", cfg.speculative.num_draft),
            ("kernels.fast_path_mode='speculate'", cfg.kernels.fast_path_mode == "speculate"),
-           ("engine.record_trace=true", eng.record_trace)]
+           ("engine.record_trace=true", eng.record_trace),
+           ("engine.record_digests=true", eng.record_digests)]
     for what, on in bad:
       if on:
         problems.append(
@@ -570,6 +578,10 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
     problems.append(
         f"engine.max_context={eng.max_context} is not a multiple of engine.page_size="
         f"{eng.page_size}; use {-(-eng.max_context // eng.page_size) * eng.page_size}")
+
+  if wl.kind == "trace" and eng.record_digests:
+    problems.append("engine.record_digests=true digests what the model computes; "
+                    "workload.kind='trace' runs no model: set engine.record_digests=false")
 
   longest = longest_request(wl)
   # A trace replay runs no model: its requests' lengths are the trace's, checked when
@@ -633,6 +645,8 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
                                "the model"),
              "engine.record_trace": (eng.record_trace, "true records one selection per "
                                      "request and step"),
+             "engine.record_digests": (eng.record_digests, "true digests plain decode "
+                                       "steps, one token per request"),
              "kernels.fast_path_mode": (cfg.kernels.fast_path_mode == "speculate",
                                         "'speculate' re-runs plain decode steps")}
     for name, (bad, why) in clash.items():

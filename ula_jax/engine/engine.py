@@ -182,6 +182,22 @@ class HostLeaf:
     return getattr(self.value(), name)
 
 
+# A decode step's digests (``engine.record_digests``; ``models.transformer.decode_step``).
+DIGEST_KEYS = ("digest_sel", "digest_new", "digest_entries", "digest_out")
+
+
+def _digest_arrays(rows: list, geo) -> dict[str, np.ndarray]:
+  """(request id, token index, [G], [L], [L], [L] digests) per request and decode step
+  -> the arrays of ``digests.npz``: request [n] str, token [n] int32, selection [n, G],
+  new [n, L], entries [n, L], output [n, L] uint32."""
+  G, L = geo.num_groups, geo.num_layers
+  cols = list(zip(*rows)) if rows else [[]] * 6
+  stack = lambda c, w: (np.stack(c).astype(np.uint32) if c else np.zeros((0, w), np.uint32))
+  return {"request": np.asarray(cols[0], dtype=str), "token": np.asarray(cols[1], np.int32),
+          "selection": stack(cols[2], G), "new": stack(cols[3], L),
+          "entries": stack(cols[4], L), "output": stack(cols[5], L)}
+
+
 def _per_rank(take: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
   """Row d of ``a`` where ``take[d]``, else of ``b`` ([dp, ...] host arrays)."""
   return np.where(take.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
@@ -318,6 +334,10 @@ class Engine:
     # engine.record_trace: keep every rank's selections (memory.trace) in the RunResult.
     self.record_trace = ecfg.record_trace
     self._recorders = None
+    # engine.record_digests: per request and decode step, where the step's bits went
+    # (core.digest), kept in the RunResult.
+    self.record_digests = ecfg.record_digests
+    self._digests: list | None = None
 
     # Where the MTP block's parameters (the drafts) came from; the run summary states it.
     self.mtp_weights = "param_seed"
@@ -367,13 +387,10 @@ class Engine:
       self.carry = (self._packing.kept(state), packed)
 
   def _report_view(self) -> Any:
-    """The state as ``MemorySystem.report`` reads it: host views of its leaves (the
-    packed ones split on the host, without a device call)."""
-    if self._packing is None:
-      return host_view(self.carry)
-    kept, packed = self.carry
-    return self._packing.merge(host_view(kept), self._packing.split(
-        [host_array(p) for p in packed]))
+    """The state as ``MemorySystem.report`` reads it: the leaves where they are (reports
+    count on the device and move only the counts), leaves spread over processes as
+    ``HostLeaf``s."""
+    return host_view(self.state)
 
   # ------------------------------------------------------------------------------
   # jitted steps
@@ -399,15 +416,16 @@ class Engine:
     page_size = self.page_size
     tp_axis = "tp" if self.tp > 1 else None
 
-    record = self.record_trace
+    record, digests = self.record_trace, self.record_digests
 
     def step_local(m, params, state, tokens, positions, page_table, active):
       model = nnx.merge(graphdef, params)
       out = tfm.decode_step(
           model, m, state, tokens[0], positions[0], page_table[0], active[0],
-          attention=attention, tp_axis=tp_axis, return_selection=record)
+          attention=attention, tp_axis=tp_axis, return_selection=record,
+          return_digests=digests)
       logits, state, stats = out[:3]
-      sel = out[3] if record else {}
+      sel = out[3] if record or digests else {}
       return jnp.argmax(logits, axis=-1).astype(jnp.int32), state, stats, sel
 
     def decode_local(params, state, tokens, positions, page_table, active):
@@ -699,6 +717,7 @@ class Engine:
       from ula_jax.memory.ula.trace import TraceRecorder
       self._recorders = [TraceRecorder(self.geo, max_batch=B, num_logical=self.mem.num_logical,
                                        page_size=self.page_size) for _ in range(dp)]
+    self._digests = [] if self.record_digests else None
     rs = resume or RunState.start(requests, dp, B, self.mem.num_logical // self.page_size)
     self.run_state = rs
     rows, pending, queue, alloc = rs.rows, rs.pending, rs.queue, rs.alloc
@@ -833,8 +852,10 @@ class Engine:
     capacity = peak["report"].as_dict() if peak["report"] is not None else {}
     traces = [r.build() for r in self._recorders] if self._recorders is not None else None
     self._recorders = None
+    digests = None if self._digests is None else _digest_arrays(self._digests, self.geo)
+    self._digests = None
     return RunResult(steps=steps, requests=ordered, capacity=capacity, summary=summary,
-                     traces=traces)
+                     traces=traces, digests=digests)
 
   def _prefill_round(self, rows, step) -> tuple[int, int]:
     if self.synthetic:
@@ -958,10 +979,15 @@ class Engine:
     else:
       out, self.carry, sel = self._decode(self.params, self.carry, inputs)
       nxt, stats, _ = self._read_out(out)
-    if self._recorders is not None:
+    if self._recorders is not None or self._digests is not None:
       sel = {k: host_array(v) for k, v in sel.items()}
+    if self._recorders is not None:
       for d, rec in enumerate(self._recorders):
         rec.decode(sel["sel_addr"][d], sel["sel_valid"][d], sel["new_addr"][d], active[d])
+    if self._digests is not None:
+      for l in live:  # [dp, G or L, B] each: this request's column
+        self._digests.append((l.req.id, len(l.generated),
+                              *(sel[k][l.device, :, l.row] for k in DIGEST_KEYS)))
     dt = time.perf_counter() - t0
     for l in live:
       if not l.generated:  # synthetic prefill: this step gave the first token

@@ -90,3 +90,4 @@ class RunResult:
   capacity: dict  # CapacityReport.as_dict() at the peak of device use
   summary: dict  # totals: wall time, tokens, tokens/s, peak batch, admitted, rejected, ...
   traces: list | None = None  # per dp rank memory.trace.SelectionTrace (engine.record_trace)
+  digests: dict | None = None  # digests.npz's arrays (engine.record_digests)

@@ -60,6 +60,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax.config.schema import MemoryConfig
@@ -446,6 +447,38 @@ def _filler(mesh: Mesh, shape: tuple[int, ...], dtype: str, memory_kind: str, fi
 
 def memory_kind_of(x: jax.Array) -> str:
   return x.sharding.memory_kind
+
+
+_HOLDS = {"valid": lambda x: x != INVALID, "true": lambda x: x, "nonneg": lambda x: x >= 0}
+
+
+@functools.partial(jax.jit, static_argnames=("holds", "limit"))
+def _count_last_jit(x: jax.Array, holds: str, limit: int | None) -> jax.Array:
+  if limit is not None:
+    x = x[..., :limit]
+  return jnp.sum(_HOLDS[holds](x), axis=-1, dtype=jnp.int32)
+
+
+def count_last(x: Any, holds: str = "valid", limit: int | None = None) -> np.ndarray:
+  """How many elements along ``x``'s last axis (its first ``limit``) hold something:
+  ``!= INVALID`` (``holds="valid"``), ``True`` (``"true"``) or ``>= 0`` (``"nonneg"``);
+  int64 ``x.shape[:-1]``.
+
+  A device array is counted where it lives and only the counts cross to the host: a
+  capacity report copying a 5M-address table per layer group to the host every step
+  took longer than the step. Host values (numpy, a gathered leaf) are counted by numpy.
+  """
+  if holds not in _HOLDS:
+    raise ValueError(f"holds={holds!r}: expected one of {sorted(_HOLDS)}")
+  if isinstance(x, jax.Array) and memory_kind_of(x) != "pinned_host":
+    n = _count_last_jit(x, holds, limit)
+    n = np.asarray(n) if n.is_fully_addressable else multihost_utils.process_allgather(
+        n, tiled=True)
+    return n.astype(np.int64)
+  v = np.asarray(x)
+  if limit is not None:
+    v = v[..., :limit]
+  return _HOLDS[holds](v).sum(axis=-1, dtype=np.int64)
 
 
 def tp_replicated(counts_dp: np.ndarray, tp: int) -> np.ndarray:

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
-from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, layer_rows,
+from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros, layer_rows,
                                  set_rows, tp_replicated)
 
 
@@ -101,7 +101,7 @@ class Resident(MemorySystem):
 
   def report(self, state: ResidentState) -> CapacityReport:
     dp, tp, G = self.mesh_info.dp, self.mesh_info.tp, self.geo.num_groups
-    used = np.asarray(state.live).sum(axis=(1, 2))  # [dp]: over groups and slots
+    used = count_last(state.live, "true").sum(axis=1)  # [dp]: over groups and slots
     cap = np.full((dp,), self.num_logical * G)
     return CapacityReport(
         system=self.name,

@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx, struct
 
 from ula_jax.kernels.sparse_attention import sparse_mla_attention
+from ula_jax.core import digest
 from ula_jax.core.addressing import addrs_of_positions
 from ula_jax.core.types import INVALID, DecodeMemory, Resolution
 from ula_jax.models.config import ModelConfig
@@ -342,7 +343,7 @@ def _add_stats(total: dict, new: dict) -> dict:
 def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Array,
                 positions: jax.Array, page_table: jax.Array, active: jax.Array, *,
                 attention: str = "xla", tp_axis: str | None = None,
-                return_selection: bool = False):
+                return_selection: bool = False, return_digests: bool = False):
   """Decodes one token per row; KV lives in ``mem`` (one device's local state).
 
   tokens:     [B] int32 the token being decoded
@@ -357,7 +358,12 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
   returns (logits [B, V] float32, mem_state, stats: dict[str, int32 scalar] summed
            over layer groups); with ``tp_axis`` the same on every rank of the axis.
            With ``return_selection``, a fourth value: {"sel_addr": [G, B, k] int32,
-           "sel_valid": [G, B, k] bool, "new_addr": [B] int32}
+           "sel_valid": [G, B, k] bool, "new_addr": [B] int32}; with ``return_digests``
+           the fourth value (also) holds ``core.digest`` digests: "digest_sel" [G, B]
+           (the selected positions), "digest_new" [L, B] (the new token's entry as the
+           layer computed it), "digest_entries" [L, B] (the stored entries attention
+           read, the new token's own left out) and "digest_out" [L, B] (the attention
+           output), uint32
 
   Calls ``mem`` in the order ``memory/base.py`` documents: per group, write and read
   the index keys, select (``mem.select``), resolve, move every layer of the group, then per layer write
@@ -380,6 +386,12 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
   if return_selection:
     carry["sel_addr"] = jnp.full((G, B, k), INVALID, jnp.int32)
     carry["sel_valid"] = jnp.zeros((G, B, k), bool)
+  if return_digests:
+    L = cfg.num_layers
+    carry["digest_sel"] = jnp.zeros((G, B), jnp.uint32)
+    carry["digest_new"] = jnp.zeros((L, B), jnp.uint32)
+    carry["digest_entries"] = jnp.zeros((L, B), jnp.uint32)
+    carry["digest_out"] = jnp.zeros((L, B), jnp.uint32)
 
   def select(g, layers, first: IndexerInput, indexer: Indexer, c):
     st = mem.write_index_keys(c["mem"], g, new_addr, indexer.key(first.h, positions))
@@ -397,16 +409,45 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
     if return_selection:
       c["sel_addr"] = c["sel_addr"].at[g].set(sel_addr)
       c["sel_valid"] = c["sel_valid"].at[g].set(sel_valid)
+    if return_digests:
+      c["digest_sel"] = c["digest_sel"].at[g].set(digest.positions_digest(sel_pos, sel_valid))
     return res, c
 
   attend = _attend_through(mem, active, cfg.softmax_scale, attention, heads, tp_axis)
+  if return_digests:
+    attend = _digesting(attend, mem)
 
   x, carry = _run_layers(model, model.embed_tokens(tokens), positions, carry, select=select,
                          attend=attend, heads=heads)
-  if not return_selection:
+  if not (return_selection or return_digests):
     return model.logits(x), carry["mem"], carry["stats"]
-  sel = {"sel_addr": carry["sel_addr"], "sel_valid": carry["sel_valid"], "new_addr": new_addr}
+  sel = {}
+  if return_selection:
+    sel = {"sel_addr": carry["sel_addr"], "sel_valid": carry["sel_valid"],
+           "new_addr": new_addr}
+  if return_digests:
+    sel.update({k: carry[k] for k in ("digest_sel", "digest_new", "digest_entries",
+                                      "digest_out")})
   return model.logits(x), carry["mem"], carry["stats"], sel
+
+
+def _digesting(attend: Attend, mem: DecodeMemory) -> Attend:
+  """``attend`` that also records, per layer, digests of the new token's entry as the
+  layer computed it, of the stored entries it read (the pool's rows at the resolved
+  slots, the new token's own slot left out: its bytes are the model's, not the memory
+  system's) and of its output."""
+  def wrapped(l, layer, proj, res: Resolution, c):
+    out, c = attend(l, layer, proj, res, c)
+    pool, base = mem.read_pool(c["mem"], l)
+    rows = jnp.where(res.valid, base + res.slots, 0)
+    read = pool.at[rows].get(mode="promise_in_bounds")  # [B, k, W]
+    stored = res.valid & (res.slots != res.new_slot[:, None])
+    c = {**c,
+         "digest_new": c["digest_new"].at[l].set(digest.values_digest(proj.entry)),
+         "digest_entries": c["digest_entries"].at[l].set(digest.rows_digest(read, stored)),
+         "digest_out": c["digest_out"].at[l].set(digest.values_digest(out))}
+    return out, c
+  return wrapped
 
 
 def union_rows(sel_addr: jax.Array, sel_valid: jax.Array) -> tuple[jax.Array, jax.Array,

@@ -11,9 +11,11 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
-from ula_jax.report.output import CONFIG_FILE, SUMMARY_FILE, RunDirError, read_summary
+from ula_jax.report.output import (CONFIG_FILE, DIGESTS_FILE, SUMMARY_FILE, RunDirError,
+                                   read_summary)
 
 # Fields every request of summary.json has, with the type each must be.
 REQUEST_FIELDS: dict[str, tuple[type, ...]] = {
@@ -37,6 +39,9 @@ class Comparison:
   rows: list[dict]
   tokens_compared: int = 0
   notes: list[str] = dataclasses.field(default_factory=list)
+  # With both runs' digests (engine.record_digests): per request whose digests differ,
+  # where the two runs first computed different bits (``first_digest_difference``).
+  digest_differences: dict[str, str] | None = None
 
   @property
   def mismatches(self) -> list[dict]:
@@ -197,4 +202,71 @@ def compare_runs(dir_a: str | Path, dir_b: str | Path, *, check: bool = True) ->
     raise IncomparableRuns(
         f"compare: no token to compare: {dir_a} generated {tokens[0]} token(s) and {dir_b} "
         f"{tokens[1]} over {len(reqs_a)} request(s), none at a position both generated")
-  return Comparison(rows=rows, tokens_compared=compared, notes=notes)
+  digests = read_digests(dir_a), read_digests(dir_b)
+  differences = (None if digests[0] is None or digests[1] is None
+                 else digest_differences(*digests))
+  return Comparison(rows=rows, tokens_compared=compared, notes=notes,
+                    digest_differences=differences)
+
+
+# ----------------------------------------------------------------------------------
+# digests (engine.record_digests)
+# ----------------------------------------------------------------------------------
+
+_DIGEST_ARRAYS = ("request", "token", "selection", "new", "entries", "output")
+
+
+def read_digests(run_dir: str | Path) -> dict[str, dict[int, tuple]] | None:
+  """A run's digests.npz as {request id: {token index: (selection [G], new [L],
+  entries [L], output [L])}}; None when the run recorded none."""
+  path = Path(run_dir) / DIGESTS_FILE
+  if not path.exists():
+    return None
+  try:
+    with np.load(path) as z:
+      arrays = {k: z[k] for k in _DIGEST_ARRAYS}
+  except (OSError, ValueError, KeyError) as e:
+    raise RunDirError(f"{path}: not a digests file with arrays {list(_DIGEST_ARRAYS)} ({e})")
+  n = arrays["request"].shape[0]
+  if any(arrays[k].shape[0] != n for k in _DIGEST_ARRAYS):
+    raise RunDirError(f"{path}: arrays {list(_DIGEST_ARRAYS)} must have one row per "
+                      f"(request, step); got {[arrays[k].shape[0] for k in _DIGEST_ARRAYS]}")
+  out: dict[str, dict[int, tuple]] = {}
+  for i in range(n):
+    out.setdefault(str(arrays["request"][i]), {})[int(arrays["token"][i])] = tuple(
+        arrays[k][i] for k in _DIGEST_ARRAYS[2:])
+  return out
+
+
+def first_digest_difference(a: dict[int, tuple], b: dict[int, tuple]) -> str | None:
+  """Where one request's decode steps first computed different bits in two runs, in the
+  order a step computes them: per layer group its selection, then per layer of the group
+  the new token's entry (the model's computation), the stored entries attention read
+  (the memory system's bytes) and the attention output. None when every shared step
+  agrees."""
+  for t in sorted(set(a) & set(b)):
+    (sel_a, new_a, ent_a, out_a), (sel_b, new_b, ent_b, out_b) = a[t], b[t]
+    G, L = len(sel_a), len(ent_a)
+    size = -(-L // G)  # layers per group
+    for g in range(G):
+      if sel_a[g] != sel_b[g]:
+        return f"token {t}: layer group {g}'s selected positions"
+      for l in range(g * size, min(L, (g + 1) * size)):
+        if new_a[l] != new_b[l]:
+          return f"token {t}: layer {l}'s new entry (computed by the model)"
+        if ent_a[l] != ent_b[l]:
+          return f"token {t}: layer {l}'s stored entries read (same selection)"
+        if out_a[l] != out_b[l]:
+          return f"token {t}: layer {l}'s attention output (same entries)"
+  return None
+
+
+def digest_differences(a: dict[str, dict[int, tuple]], b: dict[str, dict[int, tuple]]
+                       ) -> dict[str, str]:
+  """{request id: ``first_digest_difference``} for every request both runs digested
+  whose digests differ."""
+  out = {}
+  for rid in a:
+    if rid in b and (where := first_digest_difference(a[rid], b[rid])) is not None:
+      out[rid] = where
+  return out

@@ -32,6 +32,7 @@ CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 REQUESTS_FILE = "requests.jsonl"
+DIGESTS_FILE = "digests.npz"  # engine.record_digests
 RUN_PLOT = "run.png"
 
 

@@ -45,7 +45,7 @@ from jax.sharding import Mesh
 
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
-from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, layer_rows)
+from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros, layer_rows)
 from ula_jax.memory.far_tier.link_model import (COUNTER_KEYS, FarTopology, LinkSpec, link_preset,
                                        modeled_run)
 
@@ -334,7 +334,7 @@ class FarTier(MemorySystem):
     not counted). Device rows (staging copies or the local prefix copy) count per
     device."""
     dp, tp, G = self.mesh_info.dp, self.mesh_info.tp, self.geo.num_groups
-    far_used = np.asarray(state.live).sum(axis=(1, 2)).astype(np.int64)  # [dp]: groups, slots
+    far_used = count_last(state.live, "true").sum(axis=1)  # [dp]: over groups and slots
     if self.mode == "full_prefetch":
       dev_used = far_used
     else:

@@ -78,8 +78,8 @@ from ula_jax.config.schema import MemoryConfig
 from ula_jax.core.addressing import all_addrs
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
-from ula_jax.memory.base import (CapacityReport, MemorySystem, device_zeros, group_slice,
-                                 group_update, layer_rows, set_rows)
+from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros,
+                                 group_slice, group_update, layer_rows, set_rows)
 from ula_jax.memory.ula.layouts import LAYOUTS, Layout, make_layout
 from ula_jax.memory.ula.policies import make_policy, policy_fields
 from ula_jax.memory.ula.dp import Ula
@@ -328,7 +328,7 @@ class DirectStore:
 
   def counts(self, rk: DirectState):
     """Host side: (device used, host used, stored), each [dp, tp, G]."""
-    used = np.asarray(rk.live).sum(axis=3)
+    used = count_last(rk.live, "true")
     return used, np.zeros_like(used), used
 
 
@@ -383,9 +383,9 @@ class TieredStore:
   def counts(self, rk: UlaState):
     """Host side: (device used, host used, stored), each [dp, tp, G]."""
     m = rk.meta
-    dev = (np.asarray(m.dev_owner) != INVALID).sum(axis=3)
-    host = (np.asarray(m.host_owner)[..., :self.ula.host_slots] != INVALID).sum(axis=3)
-    return dev, host, (np.asarray(m.table) != INVALID).sum(axis=3)
+    dev = count_last(m.dev_owner)
+    host = count_last(m.host_owner, limit=self.ula.host_slots)
+    return dev, host, count_last(m.table)
 
 
 class UlaTP(MemorySystem):
@@ -739,7 +739,7 @@ class UlaTP(MemorySystem):
     row_bytes = self.geo.row_bytes
     rows = np.asarray([len(self.geo.group_layers(g)) for g in range(G)], np.int64)  # [G]
     dev, hst, stored = (x.astype(np.int64) for x in self.store.counts(state.ranked))
-    buf = (np.asarray(state.shared.meta.owner) != INVALID).sum(axis=2)  # [dp, G]
+    buf = count_last(state.shared.meta.owner)  # [dp, G]
     pool_used = dev.sum(axis=2)  # [dp, tp]
     host_used = hst.sum(axis=2)
     buffer_used = buf.sum(axis=1)  # [dp]
