@@ -140,3 +140,13 @@ def test_digests_file_read_back_and_malformed_refused(tmp_path):
   np.savez_compressed(tmp_path / DIGESTS_FILE, request=arrays["request"])
   with pytest.raises(RunDirError, match="not a digests file"):
     read_digests(tmp_path)
+
+
+def test_digests_change_no_token():
+  """The digest outputs change the compiled step (more outputs, a gather per layer), not
+  what the model computes: the tokens are those of the same run without them."""
+  plain = run_engine([f"engine.max_batch={ROWS}", "kernels.resolve_fast_path=false"]
+                     + DENSE + TIGHT_SYSTEMS["ula"], _requests())
+  with_digests = _digests("ula")
+  assert [r.output_tokens for r in plain.requests] == [
+      r.output_tokens for r in with_digests.requests]

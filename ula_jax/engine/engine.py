@@ -78,7 +78,11 @@ def store_prefill(mem: Any, state: Any, addrs: jax.Array, valid: jax.Array,
 
   addrs: [C] int32 logical addresses; valid: [C] bool; entries: [L, C, W];
   keys: [G, C, K] indexer keys; row: [] int32 the request's decode row
+
+  The entries and keys come in behind a fence (``transformer.fence``): the model's side
+  compiles the same way in every memory system's program.
   """
+  entries, keys = tfm.fence((entries, keys))
   state = mem.write_prefill(state, addrs, valid, entries, row)
   # A loop on the device, not one write per group: the program stays the same size
   # whatever the depth.

@@ -319,17 +319,27 @@ def tp_heads(num_heads: int, tp_axis: str) -> HeadRange:
 # ----------------------------------------------------------------------------------
 
 
+def fence(x: Any) -> Any:
+  """``x`` behind an optimization barrier: where the model hands a value to a memory
+  system (an entry, an indexer key or query) or takes one back (an attention output),
+  no fusion reaches across, so XLA compiles the model's side the same way whatever the
+  memory system does around it (its rounding and summation order then do not depend on
+  which system's program it is in). Costs nothing but the fusions it prevents."""
+  return jax.lax.optimization_barrier(x)
+
+
 def _attend_through(mem: DecodeMemory, active: jax.Array, scale: float, attention: str,
                     heads: HeadRange | None, tp_axis: str | None):
   """The ``attend`` of a step whose KV lives in ``mem``: write each row's new entry
   (``active`` [N] rows), then attend over ``read_pool`` at the resolved slots."""
   def attend(l, layer: DecoderLayer, proj: Projection, res: Resolution, c):
+    proj = fence(proj)
     st = mem.write_token(c["mem"], l, res, proj.entry, active)
     pool, base = mem.read_pool(st, l)
     rows = jnp.where(res.valid, base + res.slots, INVALID)
     out = _absorbed_attention(layer, proj, pool, rows, res.valid, scale, attention, heads,
                               tp_axis)
-    return out, {**c, "mem": st}
+    return fence(out), {**c, "mem": st}
   return attend
 
 
@@ -394,9 +404,10 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
     carry["digest_out"] = jnp.zeros((L, B), jnp.uint32)
 
   def select(g, layers, first: IndexerInput, indexer: Indexer, c):
-    st = mem.write_index_keys(c["mem"], g, new_addr, indexer.key(first.h, positions))
+    key, (q_I, w) = fence((indexer.key(first.h, positions),
+                           indexer.query(first.h, first.c_q, positions)))
+    st = mem.write_index_keys(c["mem"], g, new_addr, key)
     l0, n = layers
-    q_I, w = indexer.query(first.h, first.c_q, positions)
     sel_pos, sel_valid = mem.select(st, g, q_I, w, page_table, positions, active)
     sel_addr = jnp.where(sel_valid, addrs_of_positions(page_table, sel_pos, ps), INVALID)
     st, res = mem.resolve(st, g, sel_addr, sel_valid, new_addr, active)
@@ -512,9 +523,10 @@ def verify_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
   carry = {"mem": mem_state, "stats": {key: jnp.int32(0) for key in stat_keys}}
 
   def select(g, layers, first: IndexerInput, indexer: Indexer, c):
-    st = mem.write_index_keys(c["mem"], g, new_n, indexer.key(first.h, pos_n))
+    key, (q_I, w) = fence((indexer.key(first.h, pos_n),
+                           indexer.query(first.h, first.c_q, pos_n)))
+    st = mem.write_index_keys(c["mem"], g, new_n, key)
     l0, n = layers
-    q_I, w = indexer.query(first.h, first.c_q, pos_n)
     sel_pos, sel_valid = mem.select(st, g, q_I, w, table_n, pos_n, active_n)  # [N, k]
     sel_addr = jnp.where(sel_valid, addrs_of_positions(table_n, sel_pos, ps), INVALID)
     union, union_valid, rep = union_rows(sel_addr.reshape(B, R * k),
