@@ -5,7 +5,9 @@
 #     OUT=/some/dir SYSTEMS="ula_pb_lru hisparse" bash benchmarks/probes/gpu_glm5_run.sh
 #
 # CONFIG (default experiments/glm5_summarization/config.yaml), SYSTEMS (memory presets,
-# run in order), EXTRA (overrides for every run), RUN_LIMIT_S (each run's time limit,
+# run in order; PRESET@TAG runs PRESET with the overrides in $EXTRA_TAG as well, e.g.
+# SYSTEMS="resident resident@d ula_pb_lru@d" EXTRA_d="engine.record_digests=true"),
+# EXTRA (overrides for every run), RUN_LIMIT_S (each run's time limit,
 # default 480: the experiment's 8-minute target; a run stopped by it writes its run
 # directory with what it finished), TIME_LIMIT_S (the whole script's, default 570).
 # Results under $OUT (8 files at most come back): SYSTEM.json (the run's summary),
@@ -26,10 +28,12 @@ mkdir -p "$RUNS"
 EXTRA_DIR=$(mktemp -d)
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$EXTRA_DIR/gpu.txt"
 free -g | tee -a "$EXTRA_DIR/gpu.txt"
-for sys in ${SYSTEMS:-ula_pb_lru hisparse resident}; do
+for item in ${SYSTEMS:-ula_pb_lru hisparse resident}; do
+  preset=${item%%@*}; sys=${item/@/_}; tagged=""
+  if [ "$preset" != "$item" ]; then tag_var="EXTRA_${item#*@}"; tagged=${!tag_var:-}; fi
   # shellcheck disable=SC2086
-  STEP_TAIL=30 step "$sys" "${RUN_LIMIT_S:-480}" $CLI run "$CONFIG" "memory=$sys" ${EXTRA:-} \
-    --no-progress --out "$RUNS/$sys"
+  STEP_TAIL=30 step "$sys" "${RUN_LIMIT_S:-480}" $CLI run "$CONFIG" "memory=$preset" \
+    ${EXTRA:-} $tagged --no-progress --out "$RUNS/$sys"
   cp "$WORK/$sys.log" "$EXTRA_DIR/$sys.log"
   [ -f "$RUNS/$sys/summary.json" ] && cp "$RUNS/$sys/summary.json" "$OUT/$sys.json"
   [ -f "$RUNS/$sys/digests.npz" ] && cp "$RUNS/$sys/digests.npz" "$OUT/${sys}_digests.npz"
@@ -37,7 +41,8 @@ for sys in ${SYSTEMS:-ula_pb_lru hisparse resident}; do
 done
 # Tokens request by request: every later system against the first (a stopped run's
 # requests compared over the tokens both have).
-set -- ${SYSTEMS:-ula_pb_lru hisparse resident}
+items=${SYSTEMS:-ula_pb_lru hisparse resident}
+set -- ${items//@/_}
 first=$1; shift
 for sys in "$@"; do
   [ -d "$RUNS/$first" ] && [ -d "$RUNS/$sys" ] && $CLI compare "$RUNS/$first" "$RUNS/$sys" \
