@@ -150,3 +150,22 @@ def test_digests_change_no_token():
   with_digests = _digests("ula")
   assert [r.output_tokens for r in plain.requests] == [
       r.output_tokens for r in with_digests.requests]
+
+
+def test_a_requests_bits_do_not_depend_on_its_row_or_its_neighbours():
+  """The same request decoded in another batch row, next to other requests at other
+  stages: every decode step computes the same bits (digests) and the same tokens. A
+  model whose numerics depended on the row or the batch would part here first."""
+  reqs = make_requests(num=4, seed=11, prompt=(20, 60), output=(4, 7))
+  target = reqs[0].id
+  one_rank = ["engine.record_digests=true", "engine.max_batch=4", "mesh.dp=1"] + DENSE
+  first = run_engine(one_rank, reqs)  # admitted first: row 0
+  last = run_engine(one_rank, reqs[1:] + reqs[:1])  # admitted last: row 3
+  pick = lambda d: np.flatnonzero(d["request"] == target)
+  a, b = first.digests, last.digests
+  i, j = pick(a), pick(b)
+  assert len(i) == len(j) > 0
+  for key in ("token", "selection", "new", "entries", "output"):
+    np.testing.assert_array_equal(a[key][i], b[key][j], err_msg=key)
+  rows = {r.id: r for r in first.requests}, {r.id: r for r in last.requests}
+  assert rows[0][target].output_tokens == rows[1][target].output_tokens

@@ -19,6 +19,7 @@ cd "$(dirname "$0")/../.."
 # shellcheck source=benchmarks/probes/gpu_steps.sh
 source benchmarks/probes/gpu_steps.sh
 gpu_setup gpu_glm5_run "${TIME_LIMIT_S:-570}"
+WORK=$(mktemp -d)  # step logs outside $OUT: they travel in logs.tgz
 config_wheels
 CLI="$PY -m ula_jax.cli.main"
 CONFIG=${CONFIG:-experiments/glm5_summarization/config.yaml}
