@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
   args = p.parse_intermixed_args(argv)
 
   import jax
-  from ula_jax.bench.common import environment, same_length_requests
+  from ula_jax.bench.common import environment, overrides_for, same_length_requests
   from ula_jax.bench.profile import trace_calls
   from ula_jax.config import load_config
   from ula_jax.engine import Engine, resolve_max_context
@@ -44,11 +44,7 @@ def main(argv: list[str]) -> int:
 
   rows = {}
   for system in args.systems.split(","):
-    # Overrides of fields a system does not use are left out for it (host_pool for
-    # resident, memory.hisparse.* for the others).
-    mine = [o for o in args.overrides
-            if not (o.startswith("memory.hisparse.") and system != "hisparse")
-            and not (o.startswith("memory.host_pool=") and system == "resident")]
+    mine = overrides_for(system, args.overrides)
     over = [f"memory={system}", "workload.prefill=synthetic", "engine.progress=false",
             f"engine.max_batch={args.requests}"] + mine
     cfg = load_config(CONFIG, over)

@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
   args = p.parse_intermixed_args(argv)
 
   import numpy as np
-  from ula_jax.bench.common import environment, same_length_requests
+  from ula_jax.bench.common import environment, overrides_for, same_length_requests
   from ula_jax.config import load_config
   from ula_jax.engine import Engine, resolve_max_context
   from ula_jax.mesh import build_mesh, configure_platform
@@ -48,9 +48,7 @@ def main(argv: list[str]) -> int:
             for t, j in zip(d["token"][i], i)}
 
   def serve(system: str, target_last: bool, engine=None):
-    mine = [o for o in args.overrides
-            if not (o.startswith("memory.hisparse.") and system != "hisparse")
-            and not (o.startswith("memory.host_pool=") and system == "resident")]
+    mine = overrides_for(system, args.overrides)
     cfg = load_config(CONFIG, [f"memory={system}", "engine.progress=false",
                                "engine.record_digests=true",
                                f"engine.max_batch={args.requests}"] + mine)

@@ -92,6 +92,15 @@ def same_length_requests(n: int, prompt: int, output: int, vocab: int, seed: int
                   max_new_tokens=output) for i in range(n)]
 
 
+def overrides_for(system: str, overrides: Sequence[str]) -> list[str]:
+  """``overrides`` less those of fields ``memory=system`` does not use (the config
+  refuses them): ``memory.hisparse.*`` but for ``hisparse``, ``memory.host_pool`` for
+  ``resident``. One override list then serves a comparison of several systems."""
+  return [o for o in overrides
+          if not (o.startswith("memory.hisparse.") and system != "hisparse")
+          and not (o.startswith("memory.host_pool=") and system == "resident")]
+
+
 def best_and_median(times: Sequence[float]) -> tuple[float | None, float | None]:
   """(fastest, median) of repeated measurements of one thing; (None, None) for none."""
   if not times:
