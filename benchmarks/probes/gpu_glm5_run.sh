@@ -19,26 +19,25 @@ cd "$(dirname "$0")/../.."
 # shellcheck source=benchmarks/probes/gpu_steps.sh
 source benchmarks/probes/gpu_steps.sh
 gpu_setup gpu_glm5_run "${TIME_LIMIT_S:-570}"
-WORK=$(mktemp -d)  # step logs outside $OUT: they travel in logs.tgz
+# At most 8 files come back from $OUT: step logs, plots and machine facts go into WORK,
+# outside it, and travel as logs.tgz.
+WORK=$(mktemp -d)
 config_wheels
 CLI="$PY -m ula_jax.cli.main"
 CONFIG=${CONFIG:-experiments/glm5_summarization/config.yaml}
 RUNS=${RUNS_DIR:-/tmp/glm5_runs}
 mkdir -p "$RUNS"
-# At most 8 files come back from $OUT: logs, plots and machine facts go into logs.tgz.
-EXTRA_DIR=$(mktemp -d)
-nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$EXTRA_DIR/gpu.txt"
-free -g | tee -a "$EXTRA_DIR/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$WORK/gpu.txt"
+free -g | tee -a "$WORK/gpu.txt"
 for item in ${SYSTEMS:-ula_pb_lru hisparse resident}; do
   preset=${item%%@*}; sys=${item/@/_}; tagged=""
   if [ "$preset" != "$item" ]; then tag_var="EXTRA_${item#*@}"; tagged=${!tag_var:-}; fi
   # shellcheck disable=SC2086
   STEP_TAIL=30 step "$sys" "${RUN_LIMIT_S:-480}" $CLI run "$CONFIG" "memory=$preset" \
     ${EXTRA:-} $tagged --no-progress --out "$RUNS/$sys"
-  cp "$WORK/$sys.log" "$EXTRA_DIR/$sys.log"
   [ -f "$RUNS/$sys/summary.json" ] && cp "$RUNS/$sys/summary.json" "$OUT/$sys.json"
   [ -f "$RUNS/$sys/digests.npz" ] && cp "$RUNS/$sys/digests.npz" "$OUT/${sys}_digests.npz"
-  for f in "$RUNS/$sys"/*.png "$RUNS/$sys"/*.csv; do [ -f "$f" ] && cp "$f" "$EXTRA_DIR/${sys}_$(basename "$f")"; done
+  for f in "$RUNS/$sys"/*.png "$RUNS/$sys"/*.csv; do [ -f "$f" ] && cp "$f" "$WORK/${sys}_$(basename "$f")"; done
 done
 # Tokens request by request: every later system against the first (a stopped run's
 # requests compared over the tokens both have).
@@ -49,5 +48,5 @@ for sys in "$@"; do
   [ -d "$RUNS/$first" ] && [ -d "$RUNS/$sys" ] && $CLI compare "$RUNS/$first" "$RUNS/$sys" \
     > "$OUT/compare_${first}_${sys}.txt" 2>&1; tail -n 1 "$OUT/compare_${first}_${sys}.txt" 2>/dev/null
 done
-print_steps | tee "$EXTRA_DIR/steps.txt"
-tar czf "$OUT/logs.tgz" -C "$EXTRA_DIR" .
+print_steps | tee "$WORK/steps.txt"
+tar czf "$OUT/logs.tgz" -C "$WORK" .

@@ -35,17 +35,11 @@ def main(argv: list[str]) -> int:
   p.add_argument("--json", default="row_invariance.json")
   args = p.parse_intermixed_args(argv)
 
-  import numpy as np
   from ula_jax.bench.common import environment, overrides_for, same_length_requests
   from ula_jax.config import load_config
   from ula_jax.engine import Engine, resolve_max_context
   from ula_jax.mesh import build_mesh, configure_platform
-  from ula_jax.report.compare import first_digest_difference
-
-  def by_token(d, rid):
-    i = np.flatnonzero(d["request"] == rid)
-    return {int(t): tuple(d[k][j] for k in ("selection", "new", "entries", "output"))
-            for t, j in zip(d["token"][i], i)}
+  from ula_jax.report.compare import first_digest_difference, group_digests
 
   def serve(system: str, target_last: bool, engine=None):
     mine = overrides_for(system, args.overrides)
@@ -68,9 +62,9 @@ def main(argv: list[str]) -> int:
   for system in args.systems.split(","):
     runs[f"{system}, target first"] = serve(system, False)[2:]
   rows = []
-  ref = by_token(dig_ref, target)
+  ref = group_digests(dig_ref)[target]
   for name, (tokens, digests) in runs.items():
-    where = first_digest_difference(ref, by_token(digests, target))
+    where = first_digest_difference(ref, group_digests(digests)[target])
     rows.append({"run": name, "first_difference": where or "none",
                  "tokens_equal": tokens[target] == tok_ref[target]})
   out = {"environment": environment(), "target": target, "requests": args.requests,

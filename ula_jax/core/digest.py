@@ -18,6 +18,12 @@ import jax.numpy as jnp
 _U32 = jnp.uint32
 _GOLDEN = 0x9E3779B1
 
+STEP_DIGESTS = ("selection", "new", "entries", "output")
+"""A decode step's digests, in the order it computes them: per layer group the selected
+positions ([G]), per layer the new token's entry as the model computed it, the stored
+entries attention read and the attention output ([L] each). ``decode_step`` returns them
+as ``digest_<name>``; a run directory's digests.npz holds them under these names."""
+
 
 def bits_u32(x: jax.Array) -> jax.Array:
   """Each element's bit pattern as uint32 (1, 2 or 4-byte dtypes)."""

@@ -48,7 +48,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax.config.schema import ExperimentConfig
-from ula_jax.core import compat
+from ula_jax.core import compat, digest
 from ula_jax.core.compilation import CompileLog
 from ula_jax.engine import synthetic_prefill
 from ula_jax.engine.packing import StatePacking, pack_jit, split_jit
@@ -186,20 +186,16 @@ class HostLeaf:
     return getattr(self.value(), name)
 
 
-# A decode step's digests (``engine.record_digests``; ``models.transformer.decode_step``).
-DIGEST_KEYS = ("digest_sel", "digest_new", "digest_entries", "digest_out")
-
-
 def _digest_arrays(rows: list, geo) -> dict[str, np.ndarray]:
-  """(request id, token index, [G], [L], [L], [L] digests) per request and decode step
-  -> the arrays of ``digests.npz``: request [n] str, token [n] int32, selection [n, G],
-  new [n, L], entries [n, L], output [n, L] uint32."""
-  G, L = geo.num_groups, geo.num_layers
-  cols = list(zip(*rows)) if rows else [[]] * 6
-  stack = lambda c, w: (np.stack(c).astype(np.uint32) if c else np.zeros((0, w), np.uint32))
-  return {"request": np.asarray(cols[0], dtype=str), "token": np.asarray(cols[1], np.int32),
-          "selection": stack(cols[2], G), "new": stack(cols[3], L),
-          "entries": stack(cols[4], L), "output": stack(cols[5], L)}
+  """(request id, token index, then the ``digest.STEP_DIGESTS``: [G], [L], [L], [L]) per
+  request and decode step -> the arrays of ``digests.npz``: request [n] str, token [n]
+  int32, selection [n, G], new / entries / output [n, L] uint32."""
+  cols = list(zip(*rows)) if rows else [[]] * (2 + len(digest.STEP_DIGESTS))
+  out = {"request": np.asarray(cols[0], dtype=str), "token": np.asarray(cols[1], np.int32)}
+  for name, col in zip(digest.STEP_DIGESTS, cols[2:]):
+    width = geo.num_groups if name == "selection" else geo.num_layers
+    out[name] = np.stack(col).astype(np.uint32) if col else np.zeros((0, width), np.uint32)
+  return out
 
 
 def _per_rank(take: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -991,7 +987,8 @@ class Engine:
     if self._digests is not None:
       for l in live:  # [dp, G or L, B] each: this request's column
         self._digests.append((l.req.id, len(l.generated),
-                              *(sel[k][l.device, :, l.row] for k in DIGEST_KEYS)))
+                              *(sel[f"digest_{n}"][l.device, :, l.row]
+                                for n in digest.STEP_DIGESTS)))
     dt = time.perf_counter() - t0
     for l in live:
       if not l.generated:  # synthetic prefill: this step gave the first token

@@ -369,11 +369,11 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
            over layer groups); with ``tp_axis`` the same on every rank of the axis.
            With ``return_selection``, a fourth value: {"sel_addr": [G, B, k] int32,
            "sel_valid": [G, B, k] bool, "new_addr": [B] int32}; with ``return_digests``
-           the fourth value (also) holds ``core.digest`` digests: "digest_sel" [G, B]
-           (the selected positions), "digest_new" [L, B] (the new token's entry as the
-           layer computed it), "digest_entries" [L, B] (the stored entries attention
-           read, the new token's own left out) and "digest_out" [L, B] (the attention
-           output), uint32
+           the fourth value (also) holds the ``core.digest.STEP_DIGESTS`` as
+           "digest_<name>", uint32: "digest_selection" [G, B] (the selected positions),
+           "digest_new" [L, B] (the new token's entry as the layer computed it),
+           "digest_entries" [L, B] (the stored entries attention read, the new token's
+           own left out) and "digest_output" [L, B] (the attention output)
 
   Calls ``mem`` in the order ``memory/base.py`` documents: per group, write and read
   the index keys, select (``mem.select``), resolve, move every layer of the group, then per layer write
@@ -397,11 +397,9 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
     carry["sel_addr"] = jnp.full((G, B, k), INVALID, jnp.int32)
     carry["sel_valid"] = jnp.zeros((G, B, k), bool)
   if return_digests:
-    L = cfg.num_layers
-    carry["digest_sel"] = jnp.zeros((G, B), jnp.uint32)
-    carry["digest_new"] = jnp.zeros((L, B), jnp.uint32)
-    carry["digest_entries"] = jnp.zeros((L, B), jnp.uint32)
-    carry["digest_out"] = jnp.zeros((L, B), jnp.uint32)
+    for name in digest.STEP_DIGESTS:
+      width = G if name == "selection" else cfg.num_layers
+      carry[f"digest_{name}"] = jnp.zeros((width, B), jnp.uint32)
 
   def select(g, layers, first: IndexerInput, indexer: Indexer, c):
     key, (q_I, w) = fence((indexer.key(first.h, positions),
@@ -421,7 +419,8 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
       c["sel_addr"] = c["sel_addr"].at[g].set(sel_addr)
       c["sel_valid"] = c["sel_valid"].at[g].set(sel_valid)
     if return_digests:
-      c["digest_sel"] = c["digest_sel"].at[g].set(digest.positions_digest(sel_pos, sel_valid))
+      c["digest_selection"] = c["digest_selection"].at[g].set(
+          digest.positions_digest(sel_pos, sel_valid))
     return res, c
 
   attend = _attend_through(mem, active, cfg.softmax_scale, attention, heads, tp_axis)
@@ -437,8 +436,7 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
     sel = {"sel_addr": carry["sel_addr"], "sel_valid": carry["sel_valid"],
            "new_addr": new_addr}
   if return_digests:
-    sel.update({k: carry[k] for k in ("digest_sel", "digest_new", "digest_entries",
-                                      "digest_out")})
+    sel.update({f"digest_{n}": carry[f"digest_{n}"] for n in digest.STEP_DIGESTS})
   return model.logits(x), carry["mem"], carry["stats"], sel
 
 
@@ -456,7 +454,7 @@ def _digesting(attend: Attend, mem: DecodeMemory) -> Attend:
     c = {**c,
          "digest_new": c["digest_new"].at[l].set(digest.values_digest(proj.entry)),
          "digest_entries": c["digest_entries"].at[l].set(digest.rows_digest(read, stored)),
-         "digest_out": c["digest_out"].at[l].set(digest.values_digest(out))}
+         "digest_output": c["digest_output"].at[l].set(digest.values_digest(out))}
     return out, c
   return wrapped
 

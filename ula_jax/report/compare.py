@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from ula_jax.core.digest import STEP_DIGESTS
 from ula_jax.report.output import (CONFIG_FILE, DIGESTS_FILE, SUMMARY_FILE, RunDirError,
                                    read_summary)
 
@@ -213,12 +214,21 @@ def compare_runs(dir_a: str | Path, dir_b: str | Path, *, check: bool = True) ->
 # digests (engine.record_digests)
 # ----------------------------------------------------------------------------------
 
-_DIGEST_ARRAYS = ("request", "token", "selection", "new", "entries", "output")
+_DIGEST_ARRAYS = ("request", "token") + STEP_DIGESTS
+
+
+def group_digests(arrays: Any) -> dict[str, dict[int, tuple]]:
+  """digests.npz's arrays (or ``RunResult.digests``) as {request id: {token index:
+  (selection [G], new [L], entries [L], output [L])}}."""
+  out: dict[str, dict[int, tuple]] = {}
+  for i in range(arrays["request"].shape[0]):
+    out.setdefault(str(arrays["request"][i]), {})[int(arrays["token"][i])] = tuple(
+        arrays[k][i] for k in STEP_DIGESTS)
+  return out
 
 
 def read_digests(run_dir: str | Path) -> dict[str, dict[int, tuple]] | None:
-  """A run's digests.npz as {request id: {token index: (selection [G], new [L],
-  entries [L], output [L])}}; None when the run recorded none."""
+  """A run's digests.npz, ``group_digests``'d; None when the run recorded none."""
   path = Path(run_dir) / DIGESTS_FILE
   if not path.exists():
     return None
@@ -231,11 +241,7 @@ def read_digests(run_dir: str | Path) -> dict[str, dict[int, tuple]] | None:
   if any(arrays[k].shape[0] != n for k in _DIGEST_ARRAYS):
     raise RunDirError(f"{path}: arrays {list(_DIGEST_ARRAYS)} must have one row per "
                       f"(request, step); got {[arrays[k].shape[0] for k in _DIGEST_ARRAYS]}")
-  out: dict[str, dict[int, tuple]] = {}
-  for i in range(n):
-    out.setdefault(str(arrays["request"][i]), {})[int(arrays["token"][i])] = tuple(
-        arrays[k][i] for k in _DIGEST_ARRAYS[2:])
-  return out
+  return group_digests(arrays)
 
 
 def first_digest_difference(a: dict[int, tuple], b: dict[int, tuple]) -> str | None:
