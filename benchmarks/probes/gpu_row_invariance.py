@@ -19,6 +19,7 @@ entries read differ).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 
@@ -28,7 +29,9 @@ CONFIG = "experiments/glm5_summarization/config.yaml"
 def main(argv: list[str]) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("overrides", nargs="*")
-  p.add_argument("--systems", default="ula_pb_lru,hisparse")
+  p.add_argument("--systems", default="ula_pb_lru,hisparse",
+                 help="memory presets, comma-separated; PRESET:a.b=v:c.d=w serves PRESET "
+                      "with those overrides as well")
   p.add_argument("--requests", type=int, default=4)
   p.add_argument("--prompt", type=int, default=65536)
   p.add_argument("--output", type=int, default=32)
@@ -41,8 +44,9 @@ def main(argv: list[str]) -> int:
   from ula_jax.mesh import build_mesh, configure_platform
   from ula_jax.report.compare import first_digest_difference, group_digests
 
-  def serve(system: str, target_last: bool, engine=None):
-    mine = overrides_for(system, args.overrides)
+  def serve(spec: str, target_last: bool, engine=None):
+    system, *extra = spec.split(":")
+    mine = overrides_for(system, args.overrides) + extra
     cfg = load_config(CONFIG, [f"memory={system}", "engine.progress=false",
                                "engine.record_digests=true",
                                f"engine.max_batch={args.requests}"] + mine)
@@ -61,6 +65,7 @@ def main(argv: list[str]) -> int:
   del engine
   for system in args.systems.split(","):
     runs[f"{system}, target first"] = serve(system, False)[2:]
+    gc.collect()  # the engine's pools go before the next system's are allocated
   rows = []
   ref = group_digests(dig_ref)[target]
   for name, (tokens, digests) in runs.items():
