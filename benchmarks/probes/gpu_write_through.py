@@ -10,6 +10,11 @@ host rows are read twice: by the reference row copy (host compute) and by the sy
 own ``fetch_rows`` implementation, so a wrong host row and a wrong read of a right one
 are told apart.
 
+With ``--check-reads`` (``hisparse`` only) every layer of every decode step also compares,
+inside the step, each device row attention reads with the host row of the address its
+slot holds (the host copy is authoritative), and prints the first steps and layers where
+they differ, split into entries fetched by that step and entries already there.
+
     python benchmarks/probes/gpu_write_through.py --json OUT.json [a.b=v ...]
 """
 
@@ -31,6 +36,7 @@ def main(argv: list[str]) -> int:
   p.add_argument("--prompt", type=int, default=65536)
   p.add_argument("--output", type=int, default=8)
   p.add_argument("--json", default="write_through.json")
+  p.add_argument("--check-reads", action="store_true")
   args = p.parse_intermixed_args(argv)
 
   import jax
@@ -50,6 +56,9 @@ def main(argv: list[str]) -> int:
   configure_platform(cfg)
   reqs = same_length_requests(args.requests, args.prompt, args.output, cfg.model.vocab_size,
                               seed=0)
+  checks: list = []
+  if args.check_reads:
+    watch_reads(checks)
   engine = Engine(cfg, build_mesh(cfg), max_context=resolve_max_context(cfg))
   N, S, L = engine.mem.num_logical, engine.mem.device_slots, engine.geo.num_layers
   gsize, ps = engine.geo.group_size, engine.page_size
@@ -57,12 +66,15 @@ def main(argv: list[str]) -> int:
 
   @jax.jit
   def read(host, dev, host_rows, dev_rows):
-    n, W = host_rows.shape[0], host.shape[1]
+    # host [1, L * N, W], dev [1, L * S, W]: the engine's arrays (dp = 1), never sliced
+    # outside a program (that would copy a whole pool).
+    n, W = host_rows.shape[0], host.shape[-1]
     scratch = jnp.zeros((n, W), host.dtype)
     idx = jnp.arange(n, dtype=jnp.int32)
-    ref = fetch_rows(host, host_rows, scratch, idx, impl="xla")
-    own = fetch_rows(host, host_rows, scratch, idx, impl=impl, interpret=interpret)
-    on_dev = dev[jnp.maximum(dev_rows, 0)]
+    ref = fetch_rows(host.reshape(-1, W), host_rows, scratch, idx, impl="xla")
+    own = fetch_rows(host.reshape(-1, W), host_rows, scratch, idx, impl=impl,
+                     interpret=interpret)
+    on_dev = dev[0, jnp.maximum(dev_rows, 0)]
     return tuple(digest.values_digest(x) for x in (ref, own, on_dev))
 
   # Each finished request is read just before its release frees its slots. Its decoded
@@ -72,8 +84,8 @@ def main(argv: list[str]) -> int:
   release_round = engine._release_round
 
   def read_then_release(done):
-    state = jax.tree.map(lambda x: x[0], engine.state)  # rank 0 (dp = 1)
-    slot_of = np.asarray(state.slot_of)  # [G, N]
+    state = engine.state
+    slot_of = np.asarray(state.slot_of)[0]  # [G, N] (dp = 1)
     layer = np.arange(L, dtype=np.int32)
     for l in done:
       out = seen[l.req.id] = []
@@ -104,6 +116,18 @@ def main(argv: list[str]) -> int:
                    if (ref != want).any() else None})
   out = {"environment": environment(), "system": args.system, "prompt": args.prompt,
          "requests": args.requests, "output": args.output, "layers": L, "rows": rows}
+  if args.check_reads:
+    bad = [{"group_clock": c, "layer": layer, "wrong_per_row": wrong.tolist(),
+            "of_them_fetched_this_step": fetched.tolist()}
+           for c, layer, wrong, fetched in sorted(checks, key=lambda r: (r[0], r[1]))
+           if wrong.any()]
+    out["read_checks"] = {"layer_calls": len(checks), "wrong": bad}
+    print(f"read checks: {len(checks)} layer calls, {len(bad)} with device rows that differ "
+          "from their host rows")
+    for b in bad[:12]:
+      print(f"  group clock {b['group_clock']} layer {b['layer']}: wrong per row "
+            f"{b['wrong_per_row']}, "
+            f"fetched this step {b['of_them_fetched_this_step']}")
   with open(args.json, "w") as f:
     json.dump(out, f, indent=1)
   print(f"{'request':<8} {'token':>5} {'host wrong':>10} {'host read wrong':>15} "
@@ -112,6 +136,42 @@ def main(argv: list[str]) -> int:
     print(f"{r['request']:<8} {r['token']:>5} {r['host_wrong']:>10} {r['host_read_wrong']:>15}"
           f" {r['device_slots']:>9} {r['device_wrong']:>9}")
   return 0
+
+
+def watch_reads(checks: list) -> None:
+  """Wraps ``HiSparse.write_token`` (the call just before attention reads the layer) so
+  that it compares the device rows at the resolved slots with the host rows of the
+  addresses those slots hold, and appends (the group's clock, layer, wrong per batch
+  row, of them fetched by this step) to ``checks`` from a host callback (in any order:
+  the clock, advanced by each resolve and prefill chunk of the group, orders them)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from ula_jax.kernels.fetch import fetch_rows
+  from ula_jax.memory.hisparse import HiSparse
+
+  write_token = HiSparse.write_token
+
+  def checked(self, state, layer, res, entry, active):
+    st = write_token(self, state, layer, res, entry, active)
+    S, N, (B, k) = self.device_slots, self.num_logical, res.slots.shape
+    g = res.plan.group
+    slot = jnp.maximum(res.slots, 0)
+    addr = st.slot_addr[g, slot]  # [B, k]
+    ok = res.valid & (res.slots >= 0) & (addr >= 0)
+    dev = st.dev_pool[(layer * S + slot).reshape(-1)]
+    host = fetch_rows(st.host_pool, (layer * N + jnp.maximum(addr, 0)).reshape(-1).astype(
+        jnp.int32), jnp.zeros_like(dev), jnp.arange(B * k, dtype=jnp.int32), impl="xla")
+    wrong = jnp.any(dev != host, axis=-1).reshape(B, k) & ok
+    miss = res.plan.dev_idx
+    fetched = jnp.zeros((S,), bool).at[jnp.where(miss >= 0, miss, S)].set(True, mode="drop")
+    jax.debug.callback(
+        lambda c, l, w, f: checks.append((int(c), int(l), np.asarray(w), np.asarray(f))),
+        st.clock[g], layer, wrong.sum(axis=1), (wrong & fetched[slot]).sum(axis=1))
+    return st
+
+  HiSparse.write_token = checked
 
 
 if __name__ == "__main__":
