@@ -37,6 +37,9 @@ def main(argv: list[str]) -> int:
   p.add_argument("--output", type=int, default=8)
   p.add_argument("--json", default="write_through.json")
   p.add_argument("--check-reads", action="store_true")
+  p.add_argument("--plain-scatter", action="store_true",
+                 help="write rows with a scatter that does not declare its indices unique "
+                      "(memory.base.set_rows otherwise does), to see whether that matters")
   args = p.parse_intermixed_args(argv)
 
   import jax
@@ -56,6 +59,8 @@ def main(argv: list[str]) -> int:
   configure_platform(cfg)
   reqs = same_length_requests(args.requests, args.prompt, args.output, cfg.model.vocab_size,
                               seed=0)
+  if args.plain_scatter:
+    plain_scatter()
   checks: list = []
   if args.check_reads:
     watch_reads(checks)
@@ -136,6 +141,21 @@ def main(argv: list[str]) -> int:
     print(f"{r['request']:<8} {r['token']:>5} {r['host_wrong']:>10} {r['host_read_wrong']:>15}"
           f" {r['device_slots']:>9} {r['device_wrong']:>9}")
   return 0
+
+
+def plain_scatter() -> None:
+  """Every memory system's ``set_rows`` without ``unique_indices`` (the probe's
+  ``--plain-scatter``)."""
+  import jax.numpy as jnp
+
+  from ula_jax.memory import base, hisparse
+
+  def set_rows(pool, rows, values):
+    n = rows.shape[0]
+    idx = jnp.where(rows >= 0, rows, pool.shape[0] + jnp.arange(n, dtype=rows.dtype))
+    return pool.at[idx].set(values.astype(pool.dtype), mode="drop")
+
+  base.set_rows = hisparse.set_rows = set_rows
 
 
 def watch_reads(checks: list) -> None:
