@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Where hisparse's device rows part from their host rows on a GPU, and what changes it:
+# gpu_write_through.py --check-reads (4 requests of 65,536 tokens, GLM-5 geometry, a
+# 2048-entry buffer so slots are reused from the second decode step on) as is, with XLA's
+# command buffers (CUDA graphs) off, and with a scatter that does not declare its indices
+# unique. Run from anywhere:
+#
+#     OUT=/some/dir bash benchmarks/probes/gpu_hisparse_reads.sh
+#
+# VARIANTS (default "base nograph plain"), OUTPUT (decode steps, default 6), EXTRA
+# (overrides for every run, e.g. "--prompt 512 model=tiny mesh.platform=cpu"), TIME_LIMIT_S
+# (the script's, default 570). Results: VARIANT.json per variant, logs.tgz.
+set -u
+cd "$(dirname "$0")/../.."
+# shellcheck source=benchmarks/probes/gpu_steps.sh
+source benchmarks/probes/gpu_steps.sh
+gpu_setup gpu_hisparse_reads "${TIME_LIMIT_S:-570}"
+WORK=$(mktemp -d)
+config_wheels
+PROBE=(benchmarks/probes/gpu_write_through.py --check-reads --output "${OUTPUT:-6}"
+       memory.hisparse.device_buffer_size=2048)
+# shellcheck disable=SC2206
+PROBE+=(${EXTRA:-})
+for v in ${VARIANTS:-base nograph plain}; do
+  case $v in
+    base) step "$v" 200 "$PY" "${PROBE[@]}" --json "$OUT/$v.json" ;;
+    nograph) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+               step "$v" 200 "$PY" "${PROBE[@]}" --json "$OUT/$v.json" ;;
+    plain) step "$v" 200 "$PY" "${PROBE[@]}" --plain-scatter --json "$OUT/$v.json" ;;
+    *) echo "unknown variant $v (base, nograph, plain)"; exit 2 ;;
+  esac
+done
+print_steps | tee "$WORK/steps.txt"
+tar czf "$OUT/logs.tgz" -C "$WORK" .
