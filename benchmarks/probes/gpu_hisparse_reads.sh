@@ -2,12 +2,14 @@
 # Where hisparse's device rows part from their host rows on a GPU, and what changes it:
 # gpu_write_through.py --check-reads (4 requests of 65,536 tokens, GLM-5 geometry, a
 # 2048-entry buffer so slots are reused from the second decode step on) as is, with XLA's
-# command buffers (CUDA graphs) off, and with a scatter that does not declare its indices
-# unique. Run from anywhere:
+# command buffers (CUDA graphs) off, with XLA's deterministic-scatter rewrite off
+# (--xla_gpu_enable_scatter_determinism_expander=false: scatters with repeated or dropped
+# indices then run as loops), with deterministic ops off altogether, and with a scatter
+# that does not declare its indices unique. Run from anywhere:
 #
 #     OUT=/some/dir bash benchmarks/probes/gpu_hisparse_reads.sh
 #
-# VARIANTS (default "base nograph plain"), OUTPUT (decode steps, default 6), EXTRA
+# VARIANTS (default "base noexpander nograph nondet plain"), OUTPUT (decode steps, default 6), EXTRA
 # (overrides for every run, e.g. "--prompt 512 model=tiny mesh.platform=cpu"), TIME_LIMIT_S
 # (the script's, default 570). Results: VARIANT.json per variant, logs.tgz.
 set -u
@@ -21,13 +23,17 @@ PROBE=(benchmarks/probes/gpu_write_through.py --check-reads --output "${OUTPUT:-
        memory.hisparse.device_buffer_size=2048)
 # shellcheck disable=SC2206
 PROBE+=(${EXTRA:-})
-for v in ${VARIANTS:-base nograph plain}; do
+flagged() {  # flagged FLAGS VARIANT: the probe with FLAGS added to XLA_FLAGS
+  XLA_FLAGS="${XLA_FLAGS:-} $1" step "$2" 200 "$PY" "${PROBE[@]}" --json "$OUT/$2.json"
+}
+for v in ${VARIANTS:-base noexpander nograph nondet plain}; do
   case $v in
     base) step "$v" 200 "$PY" "${PROBE[@]}" --json "$OUT/$v.json" ;;
-    nograph) XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
-               step "$v" 200 "$PY" "${PROBE[@]}" --json "$OUT/$v.json" ;;
+    noexpander) flagged --xla_gpu_enable_scatter_determinism_expander=false "$v" ;;
+    nograph) flagged --xla_gpu_enable_command_buffer= "$v" ;;
+    nondet) flagged --xla_gpu_deterministic_ops=false "$v" ;;
     plain) step "$v" 200 "$PY" "${PROBE[@]}" --plain-scatter --json "$OUT/$v.json" ;;
-    *) echo "unknown variant $v (base, nograph, plain)"; exit 2 ;;
+    *) echo "unknown variant $v (base, noexpander, nograph, nondet, plain)"; exit 2 ;;
   esac
 done
 print_steps | tee "$WORK/steps.txt"
