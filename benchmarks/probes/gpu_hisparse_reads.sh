@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Where hisparse's device rows part from their host rows on a GPU, and what changes it:
-# gpu_write_through.py --check-reads (4 requests of 65,536 tokens, GLM-5 geometry, a
+# gpu_scatter_drop.py (does a scatter masked by one out-of-range index lose real updates,
+# with and without deterministic ops; `scatter`), then gpu_write_through.py --check-reads (4 requests of 65,536 tokens, GLM-5 geometry, a
 # 2048-entry buffer so slots are reused from the second decode step on) as is, with XLA's
 # command buffers (CUDA graphs) off, with XLA's deterministic-scatter rewrite off
 # (--xla_gpu_enable_scatter_determinism_expander=false: scatters with repeated or dropped
@@ -9,7 +10,7 @@
 #
 #     OUT=/some/dir bash benchmarks/probes/gpu_hisparse_reads.sh
 #
-# VARIANTS (default "base noexpander nograph nondet plain"), OUTPUT (decode steps, default 6), EXTRA
+# VARIANTS (default "scatter base"; also noexpander, nograph, nondet, plain), OUTPUT (decode steps, default 6), EXTRA
 # (overrides for every run, e.g. "--prompt 512 model=tiny mesh.platform=cpu"), TIME_LIMIT_S
 # (the script's, default 570). Results: VARIANT.json per variant, logs.tgz.
 set -u
@@ -26,14 +27,16 @@ PROBE+=(${EXTRA:-})
 flagged() {  # flagged FLAGS VARIANT: the probe with FLAGS added to XLA_FLAGS
   XLA_FLAGS="${XLA_FLAGS:-} $1" step "$2" 200 "$PY" "${PROBE[@]}" --json "$OUT/$2.json"
 }
-for v in ${VARIANTS:-base noexpander nograph nondet plain}; do
+for v in ${VARIANTS:-scatter base}; do
   case $v in
+    scatter) step "$v" 120 bash -c "$PY benchmarks/probes/gpu_scatter_drop.py && \
+               $PY benchmarks/probes/gpu_scatter_drop.py --deterministic" ;;
     base) step "$v" 200 "$PY" "${PROBE[@]}" --json "$OUT/$v.json" ;;
     noexpander) flagged --xla_gpu_enable_scatter_determinism_expander=false "$v" ;;
     nograph) flagged --xla_gpu_enable_command_buffer= "$v" ;;
     nondet) flagged --xla_gpu_deterministic_ops=false "$v" ;;
     plain) step "$v" 200 "$PY" "${PROBE[@]}" --plain-scatter --json "$OUT/$v.json" ;;
-    *) echo "unknown variant $v (base, noexpander, nograph, nondet, plain)"; exit 2 ;;
+    *) echo "unknown variant $v (scatter, base, noexpander, nograph, nondet, plain)"; exit 2 ;;
   esac
 done
 print_steps | tee "$WORK/steps.txt"

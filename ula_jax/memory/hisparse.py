@@ -55,6 +55,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
+from ula_jax.core.scatter import set_where
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros,
@@ -225,7 +226,6 @@ class HiSparse(MemorySystem):
     gi: the group of each victim, broadcastable to ``victim`` (a scalar, or [G, 1]).
     victim, addr: [..., M] int32, distinct valid victims per group.
     clock: broadcastable to ``victim``."""
-    S, N = self.device_slots, self.num_logical
     shape = victim.shape
     gi = jnp.broadcast_to(gi, shape)
     addr = jnp.broadcast_to(addr, shape)
@@ -233,12 +233,10 @@ class HiSparse(MemorySystem):
     used = victim >= 0
     vslot = jnp.where(used, victim, 0)
     old = jnp.where(used, slot_addr[gi, vslot], INVALID)
-    slot_of = slot_of.at[gi, jnp.where(old >= 0, old, N)].set(INVALID, mode="drop")
-    set_ok = used & (addr >= 0)
-    slot_of = slot_of.at[gi, jnp.where(set_ok, addr, N)].set(victim, mode="drop")
-    dst = jnp.where(used, victim, S)
-    slot_addr = slot_addr.at[gi, dst].set(addr, mode="drop")
-    stamp = stamp.at[gi, dst].set(clock, mode="drop")
+    slot_of = set_where(slot_of, (gi, old), INVALID, old >= 0)
+    slot_of = set_where(slot_of, (gi, addr), victim, used & (addr >= 0))
+    slot_addr = set_where(slot_addr, (gi, victim), addr, used)
+    stamp = set_where(stamp, (gi, victim), clock, used)
     return slot_of, slot_addr, stamp
 
   # -- decode ----------------------------------------------------------------------
@@ -295,8 +293,8 @@ class HiSparse(MemorySystem):
     new_cur = jnp.where(has_new, state.slot_of[g, jnp.where(has_new, new_addr, 0)], INVALID)
     hit = valid & ~is_new & (cur >= 0)
     miss = valid & first & ~is_new & (cur < 0)
-    stamp = state.stamp.at[g, jnp.where(hit, cur, S)].set(clock, mode="drop")
-    stamp = stamp.at[g, jnp.where(new_cur >= 0, new_cur, S)].set(clock, mode="drop")
+    stamp = set_where(state.stamp, (g, cur), clock, hit)
+    stamp = set_where(stamp, (g, new_cur), clock, new_cur >= 0)
 
     # 3. scan: untouched slots by (stamp, slot); misses in selection order, then the tokens
     st = stamp[g].reshape(Rb, Q)
@@ -322,7 +320,7 @@ class HiSparse(MemorySystem):
     slot_of, slot_addr, stamp = self._assign(state.slot_of, state.slot_addr, stamp, g,
                                              victim_all.astype(jnp.int32),
                                              addr_all.astype(jnp.int32), clock)
-    live = state.live.at[g, jnp.where(has_new, new_addr, N)].set(True, mode="drop")
+    live = set_where(state.live, (g, new_addr), True, has_new)
     new_sel = jnp.take_along_axis(new_slot, which, axis=1)  # [B, k]
     base = jnp.where(is_new, new_sel, jnp.where(miss, miss_slot, cur))
     slots = jnp.where(valid, jnp.take_along_axis(base, rep, axis=1), INVALID).astype(jnp.int32)
@@ -376,16 +374,15 @@ class HiSparse(MemorySystem):
     by address is exact, and ranks with nothing to release pass a row with no valid
     address."""
     del row
-    N, S, G = self.num_logical, self.device_slots, self.geo.num_groups
+    N, G = self.num_logical, self.geo.num_groups
     ok = valid & (addrs >= 0)
     a = jnp.where(ok, addrs, N)
     slot = jnp.where(ok[None, :], state.slot_of[:, jnp.where(ok, addrs, 0)], INVALID)  # [G, M]
-    dst = jnp.where(slot >= 0, slot, S)
-    gi = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32)[:, None], dst.shape)
+    gi = jnp.arange(G, dtype=jnp.int32)[:, None]
     return state.replace(
         slot_of=state.slot_of.at[:, a].set(INVALID, mode="drop"),
-        slot_addr=state.slot_addr.at[gi, dst].set(INVALID, mode="drop"),
-        stamp=state.stamp.at[gi, dst].set(-1, mode="drop"),
+        slot_addr=set_where(state.slot_addr, (gi, slot), INVALID, slot >= 0),
+        stamp=set_where(state.stamp, (gi, slot), -1, slot >= 0),
         live=state.live.at[:, a].set(False, mode="drop"))
 
   # -- accounting -------------------------------------------------------------------

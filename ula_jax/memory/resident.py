@@ -15,6 +15,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
+from ula_jax.core.scatter import set_where
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros, layer_rows,
@@ -79,8 +80,7 @@ class Resident(MemorySystem):
   def resolve(self, state: ResidentState, group, sel_addr, sel_valid, new_addr, active):
     slots = jnp.where(sel_valid, sel_addr, INVALID).astype(jnp.int32)
     new_slot = jnp.where(active, new_addr, INVALID).astype(jnp.int32)
-    idx = jnp.where(new_slot >= 0, new_slot, self.num_logical)
-    state = state.replace(live=state.live.at[group, idx].set(True, mode="drop"))
+    state = state.replace(live=set_where(state.live, (group, new_slot), True, new_slot >= 0))
     return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot)
 
   def write_token(self, state: ResidentState, layer, res, entry, active) -> ResidentState:

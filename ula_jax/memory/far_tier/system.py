@@ -43,6 +43,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
+from ula_jax.core.scatter import set_where
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros, layer_rows)
@@ -198,8 +199,7 @@ class FarTier(MemorySystem):
             & (sel_addr[:, :, None] == new_addr[:, None, :]))  # [B, k, R]
     is_new = jnp.any(same, axis=2)
     which = jnp.argmax(same, axis=2)
-    live = state.live.at[group, jnp.where(has_new, new_addr, self.num_logical)].set(
-        True, mode="drop")
+    live = set_where(state.live, (group, new_addr), True, has_new)
     writes = has_new.sum().astype(jnp.int32) * layers
     new_plan = jnp.where(has_new, new_addr, INVALID).reshape(-1).astype(jnp.int32)
     if self.mode == "full_prefetch":

@@ -76,6 +76,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax.config.schema import MemoryConfig
 from ula_jax.core.addressing import all_addrs
+from ula_jax.core.scatter import set_where
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros,
@@ -616,11 +617,12 @@ class UlaTP(MemorySystem):
       pos_bt, local_bt, ok_bt = jnp.broadcast_to(t, (B, T)), local, mine
     else:  # the owned positions of each row, compacted in position order
       Tw = min(T, self.layout.owned_per_row(page_table.shape[1]))
-      col = jnp.where(mine, jnp.cumsum(mine, axis=1) - 1, Tw)
+      col = jnp.cumsum(mine, axis=1) - 1
+      keep = mine & (col < Tw)
       rows = jnp.arange(B)[:, None]
-      pos_bt = jnp.full((B, Tw), INVALID, _I32).at[rows, col].set(
-          jnp.broadcast_to(t, (B, T)), mode="drop")
-      local_bt = jnp.full((B, Tw), INVALID, _I32).at[rows, col].set(local, mode="drop")
+      pos_bt = set_where(jnp.full((B, Tw), INVALID, _I32), (rows, col),
+                         jnp.broadcast_to(t, (B, T)), keep)
+      local_bt = set_where(jnp.full((B, Tw), INVALID, _I32), (rows, col), local, keep)
       ok_bt = pos_bt >= 0
     keys = state.ranked.index_keys  # [G, C, DI]: gather the group's rows, no slice
     keys_btk = keys[group, jnp.clip(local_bt, 0, self.rank_capacity - 1)]
