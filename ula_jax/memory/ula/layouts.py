@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ula_jax.core.scatter import set_where
 from ula_jax.core.types import INVALID
 
 _I32 = jnp.int32
@@ -205,9 +206,8 @@ class RequestLayout(Layout):
 
     # The nth free local page of each rank (ascending).
     cs = jnp.cumsum(st.free, axis=1) - 1  # [P, LP]
-    freelist = jnp.full((P, LP), INVALID, _I32).at[
-        jnp.arange(P)[:, None], jnp.where(st.free, cs, LP)].set(
-            jnp.broadcast_to(jnp.arange(LP, dtype=_I32), (P, LP)), mode="drop")
+    freelist = set_where(jnp.full((P, LP), INVALID, _I32), (jnp.arange(P)[:, None], cs),
+                         jnp.broadcast_to(jnp.arange(LP, dtype=_I32), (P, LP)), st.free)
     lpage = freelist[jnp.clip(rank, 0, P - 1), jnp.clip(nth, 0, LP - 1)]
     placed = placed & (lpage >= 0)
 
