@@ -215,13 +215,12 @@ class RequestLayout(Layout):
     return RequestLayoutState(
         page_rank=st.page_rank.at[tgt].set(rank, mode="drop"),
         page_local=st.page_local.at[tgt].set(lpage, mode="drop"),
-        free=st.free.at[jnp.where(placed, rank, P), jnp.where(placed, lpage, LP)].set(
-            False, mode="drop"),
+        free=set_where(st.free, (rank, lpage), False, placed),
         row_owner=row_owner,
     )
 
   def release(self, st: RequestLayoutState, addrs, valid, row) -> RequestLayoutState:
-    P, LP, NP = self.tp, self.local_pages, self.num_pages
+    NP = self.num_pages
     ok = valid & self._ok(addrs)
     page = jnp.clip(addrs // self.page_size, 0, NP - 1)
     rank, lpage = st.page_rank[page], st.page_local[page]
@@ -230,7 +229,7 @@ class RequestLayout(Layout):
     return RequestLayoutState(
         page_rank=st.page_rank.at[jnp.where(ok, page, NP)].set(INVALID, mode="drop"),
         page_local=st.page_local.at[jnp.where(ok, page, NP)].set(INVALID, mode="drop"),
-        free=st.free.at[jnp.where(ok, rank, P), jnp.where(ok, lpage, LP)].set(True, mode="drop"),
+        free=set_where(st.free, (rank, lpage), True, ok),
         row_owner=st.row_owner.at[jnp.where(row_ok, row, self.max_batch)].set(
             INVALID, mode="drop"),
     )
