@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -30,6 +31,9 @@ def main(argv: list[str]) -> int:
   p.add_argument("overrides", nargs="*")
   p.add_argument("--config", default=CONFIG)
   p.add_argument("--json", default="hisparse_tables.json")
+  p.add_argument("--stop-after", type=int, default=200,
+                 help="end the run this many checked calls after the first inconsistent "
+                      "one (0: serve the whole workload)")
   args = p.parse_intermixed_args(argv)
 
   import numpy as np
@@ -43,19 +47,33 @@ def main(argv: list[str]) -> int:
   events: list[dict] = []
   counts = {"resolve": 0, "prefill": 0, "release": 0}
   t0 = time.time()
-  watch_tables(events, counts)
+
+  def write(tokens=None) -> list:
+    bad = sorted(events, key=lambda e: (max(np.ravel(e["clock"])), e["kind"]))
+    out = {"environment": environment(), "overrides": args.overrides, "calls": counts,
+           "seconds": round(time.time() - t0, 1), "inconsistent": bad[:200],
+           "inconsistent_calls": len(bad), "finished": tokens is not None, "tokens": tokens}
+    with open(args.json, "w") as f:
+      json.dump(out, f, indent=1)
+    return bad
+
+  def stop() -> None:  # from a callback: the findings are in, the rest of the run is not
+    bad = write()
+    print(f"stopped {args.stop_after} calls after the first inconsistency; checked {counts}; "
+          f"{len(bad)} call(s) left inconsistent tables")
+    for e in bad[:20]:
+      print("  " + json.dumps(e))
+    sys.stdout.flush()
+    os._exit(3)
+
+  watch_tables(events, counts, stop_after=args.stop_after, stop=stop)
   with tempfile.TemporaryDirectory() as d:
     result, run_dir = run_experiment(cfg, f"{d}/run", progress=False)
     tokens = {r.id: list(r.output_tokens) for r in result.requests}
-  bad = sorted(events, key=lambda e: (max(np.ravel(e["clock"])), e["kind"]))
-  out = {"environment": environment(), "overrides": args.overrides, "calls": counts,
-         "seconds": round(time.time() - t0, 1), "inconsistent": bad[:200],
-         "inconsistent_calls": len(bad), "tokens": tokens}
-  with open(args.json, "w") as f:
-    json.dump(out, f, indent=1)
+  bad = write(tokens)
   print(f"checked {counts}; {len(bad)} call(s) left inconsistent tables")
   for e in bad[:20]:
-    print("  " + json.dumps({k: v for k, v in e.items()}))
+    print("  " + json.dumps(e))
   return 0
 
 
@@ -80,16 +98,23 @@ _FIELDS = ("bad_slots", "bad_addresses", "slot", "slot_addr", "maps_to", "addres
            "address_slot", "slot_holds")
 
 
-def watch_tables(events: list, counts: dict) -> None:
-  """Wraps HiSparse.resolve_rows, write_prefill and release with consistency checks."""
+def watch_tables(events: list, counts: dict, stop_after: int = 0, stop=None) -> None:
+  """Wraps HiSparse.resolve_rows, write_prefill and release with consistency checks;
+  calls ``stop`` ``stop_after`` checked calls after the first inconsistent one."""
   import jax
   import jax.numpy as jnp
   import numpy as np
 
   from ula_jax.memory.hisparse import HiSparse
 
+  since = []  # checked calls since the first inconsistent one
+
   def report(kind, clock, group, before, after, extra):
     counts[kind] += 1
+    if events:
+      since.append(kind)
+      if stop_after and len(since) >= stop_after:
+        stop()
     before, after = np.asarray(before), np.asarray(after)
     if before[..., :2].any() or after[..., :2].any() or int(extra) > 0:
       e = {"kind": kind, "clock": np.asarray(clock).tolist(),
