@@ -50,3 +50,34 @@ def test_a_scalar_major_index_broadcasts():
   got = set_where(x, (1, jnp.array([0, 2, 1])), jnp.array([4, 5, 6]),
                   jnp.array([True, False, True]))
   np.testing.assert_array_equal(np.asarray(got), [[0, 0, 0], [4, 6, 0]])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 9), st.integers(1, 30), st.integers(0, 2**31 - 1))
+def test_unique_set_where_gives_each_skipped_entry_its_own_index_past_the_end(G, S, n, seed):
+  # With unique=True the scatter is declared unique, so no two entries, kept or skipped,
+  # may share an index, and every skipped one must lie past the array.
+  rng = np.random.default_rng(seed)
+  x = rng.integers(-50, 50, (G, S)).astype(np.int32)
+  flat = rng.permutation(G * S)[:n]
+  gi, si = flat // S, flat % S
+  keep = rng.random(len(flat)) < 0.6
+  si = np.where(keep, si, rng.choice([S, 0, S - 1], len(flat)))
+  idx = [np.asarray(i) for i in masked_index((G, S), (jnp.asarray(gi), jnp.asarray(si)),
+                                             jnp.asarray(keep), distinct=True)]
+  pairs = set(zip(idx[0].tolist(), idx[1].tolist()))
+  assert len(pairs) == len(flat)
+  assert np.all(idx[0][~keep] >= G) and np.all(idx[1][~keep] == S)
+  values = rng.integers(100, 200, len(flat)).astype(np.int32)
+  want = x.copy()
+  want[gi[keep], si[keep]] = values[keep]
+  got = set_where(jnp.asarray(x), (jnp.asarray(gi), jnp.asarray(si)), jnp.asarray(values),
+                  jnp.asarray(keep), unique=True)
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_unique_set_where_broadcasts_a_scalar_major_index():
+  x = jnp.zeros((2, 3), jnp.int32)
+  got = set_where(x, (1, jnp.array([0, 2, 1])), jnp.array([4, 5, 6]),
+                  jnp.array([True, False, True]), unique=True)
+  np.testing.assert_array_equal(np.asarray(got), [[0, 0, 0], [4, 6, 0]])

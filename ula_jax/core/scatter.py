@@ -10,6 +10,12 @@ tuple without bounds checks. An entry skipped through its minor index, ``[g, S]`
 the skipped entry can take the place of the real update of ``[g + 1, 0]``, which is lost.
 ``set_where`` points every index component of a skipped entry past the end of its axis,
 so its offset lies past the whole array and meets no real element.
+
+Where the kept entries are distinct elements, ``set_where(..., unique=True)`` also gives
+every skipped entry an index of its own past the end and declares the scatter's indices
+unique: XLA then writes the entries in parallel and drops the out-of-range ones itself,
+with no sort and no rewrite at all (the form every table update with distinct elements
+should take).
 """
 
 from __future__ import annotations
@@ -20,21 +26,31 @@ import jax
 import jax.numpy as jnp
 
 
-def masked_index(dims: Sequence[int], index: Sequence[jax.Array | int], keep: jax.Array
-                 ) -> tuple[jax.Array, ...]:
+def masked_index(dims: Sequence[int], index: Sequence[jax.Array | int], keep: jax.Array,
+                 *, distinct: bool = False) -> tuple[jax.Array, ...]:
   """``index`` (one integer array or scalar per leading axis, of sizes ``dims``) broadcast
-  with ``keep``, every component of an entry not kept set to its axis's size."""
+  with ``keep``, every component of an entry not kept set to its axis's size; with
+  ``distinct``, the first component of the n-th entry (row-major) to its axis's size + n,
+  so no two skipped entries share an index."""
   keep = jnp.asarray(keep, bool)
   shape = jnp.broadcast_shapes(keep.shape, *(jnp.shape(i) for i in index))
   keep = jnp.broadcast_to(keep, shape)
-  return tuple(jnp.where(keep, jnp.broadcast_to(jnp.asarray(i), shape), dims[axis])
-               for axis, i in enumerate(index))
+  past = [jnp.full(shape, d, jnp.int32) for d in dims[:len(index)]]
+  if distinct:
+    past[0] = past[0] + jnp.arange(keep.size, dtype=jnp.int32).reshape(shape)
+  return tuple(jnp.where(keep, jnp.broadcast_to(jnp.asarray(i), shape), p)
+               for i, p in zip(index, past))
 
 
 def set_where(x: jax.Array, index: Sequence[jax.Array | int], values: jax.Array | int | bool,
-              keep: jax.Array) -> jax.Array:
+              keep: jax.Array, *, unique: bool = False) -> jax.Array:
   """``x`` with ``x[index] = values`` for the entries where ``keep``; the others write
   nothing. ``index`` has one integer array (or scalar) per leading axis of ``x``,
   broadcastable with ``keep``; kept entries must be in range. Where kept entries repeat
-  an element, which value lands is as for ``x.at[index].set``."""
-  return x.at[masked_index(x.shape, index, keep)].set(values, mode="drop")
+  an element, which value lands is as for ``x.at[index].set``.
+
+  unique: the caller guarantees that no two kept entries name the same element; the
+    scatter is then declared unique (see the module docstring). Kept entries that repeat
+    an element under ``unique`` leave that element undefined."""
+  idx = masked_index(x.shape, index, keep, distinct=unique)
+  return x.at[idx].set(values, mode="drop", unique_indices=unique)

@@ -190,8 +190,8 @@ class HiSparse(MemorySystem):
     src = jnp.arange(L * C, dtype=jnp.int32)
     host_pool = self.evict_rows(entries.reshape(L * C, W).astype(state.host_pool.dtype), src,
                                 state.host_pool, host_rows)
-    oob = jnp.where(ok, addrs, N)
-    live = state.live.at[:, oob].set(True, mode="drop")
+    gi = jnp.arange(self.geo.num_groups, dtype=jnp.int32)[:, None]
+    live = set_where(state.live, (gi, addrs[None, :]), True, ok[None, :], unique=True)
     state = state.replace(host_pool=host_pool, live=live)
     return self._warm(state, addrs, ok, entries, jnp.asarray(row, jnp.int32))
 
@@ -233,10 +233,12 @@ class HiSparse(MemorySystem):
     used = victim >= 0
     vslot = jnp.where(used, victim, 0)
     old = jnp.where(used, slot_addr[gi, vslot], INVALID)
-    slot_of = set_where(slot_of, (gi, old), INVALID, old >= 0)
-    slot_of = set_where(slot_of, (gi, addr), victim, used & (addr >= 0))
-    slot_addr = set_where(slot_addr, (gi, victim), addr, used)
-    stamp = set_where(stamp, (gi, victim), clock, used)
+    # Every update names distinct elements (distinct victims per group, the addresses
+    # they held, distinct new addresses): unique scatters, which XLA runs as they are.
+    slot_of = set_where(slot_of, (gi, old), INVALID, old >= 0, unique=True)
+    slot_of = set_where(slot_of, (gi, addr), victim, used & (addr >= 0), unique=True)
+    slot_addr = set_where(slot_addr, (gi, victim), addr, used, unique=True)
+    stamp = set_where(stamp, (gi, victim), clock, used, unique=True)
     return slot_of, slot_addr, stamp
 
   # -- decode ----------------------------------------------------------------------
@@ -280,7 +282,7 @@ class HiSparse(MemorySystem):
     first_s = jnp.concatenate([jnp.ones((Rb, 1), bool), skey[:, 1:] != skey[:, :-1]], axis=1)
     start = jax.lax.cummax(jnp.where(first_s, jnp.arange(k), 0), axis=1)
     rep = jnp.zeros((Rb, k), jnp.int32).at[rows, order].set(
-        jnp.take_along_axis(order, start, axis=1).astype(jnp.int32))
+        jnp.take_along_axis(order, start, axis=1).astype(jnp.int32), unique_indices=True)
     first = rep == jnp.arange(k)[None, :]
     # A selected entry that is one of the step's new tokens (and which one).
     same = (valid[:, :, None] & has_new[:, None, :]
@@ -293,8 +295,9 @@ class HiSparse(MemorySystem):
     new_cur = jnp.where(has_new, state.slot_of[g, jnp.where(has_new, new_addr, 0)], INVALID)
     hit = valid & ~is_new & (cur >= 0)
     miss = valid & first & ~is_new & (cur < 0)
-    stamp = set_where(state.stamp, (g, cur), clock, hit)
-    stamp = set_where(stamp, (g, new_cur), clock, new_cur >= 0)
+    # (each hit once: its first occurrence; a row's new tokens have distinct slots)
+    stamp = set_where(state.stamp, (g, cur), clock, hit & first, unique=True)
+    stamp = set_where(stamp, (g, new_cur), clock, new_cur >= 0, unique=True)
 
     # 3. scan: untouched slots by (stamp, slot); misses in selection order, then the tokens
     st = stamp[g].reshape(Rb, Q)
@@ -320,7 +323,7 @@ class HiSparse(MemorySystem):
     slot_of, slot_addr, stamp = self._assign(state.slot_of, state.slot_addr, stamp, g,
                                              victim_all.astype(jnp.int32),
                                              addr_all.astype(jnp.int32), clock)
-    live = set_where(state.live, (g, new_addr), True, has_new)
+    live = set_where(state.live, (g, new_addr), True, has_new, unique=True)
     new_sel = jnp.take_along_axis(new_slot, which, axis=1)  # [B, k]
     base = jnp.where(is_new, new_sel, jnp.where(miss, miss_slot, cur))
     slots = jnp.where(valid, jnp.take_along_axis(base, rep, axis=1), INVALID).astype(jnp.int32)
@@ -374,16 +377,16 @@ class HiSparse(MemorySystem):
     by address is exact, and ranks with nothing to release pass a row with no valid
     address."""
     del row
-    N, G = self.num_logical, self.geo.num_groups
+    G = self.geo.num_groups
     ok = valid & (addrs >= 0)
-    a = jnp.where(ok, addrs, N)
     slot = jnp.where(ok[None, :], state.slot_of[:, jnp.where(ok, addrs, 0)], INVALID)  # [G, M]
     gi = jnp.arange(G, dtype=jnp.int32)[:, None]
-    return state.replace(
-        slot_of=state.slot_of.at[:, a].set(INVALID, mode="drop"),
-        slot_addr=set_where(state.slot_addr, (gi, slot), INVALID, slot >= 0),
-        stamp=set_where(state.stamp, (gi, slot), -1, slot >= 0),
-        live=state.live.at[:, a].set(False, mode="drop"))
+    a, keep = addrs[None, :], ok[None, :]  # a request's addresses are distinct, and so
+    return state.replace(                  # are the slots they map to
+        slot_of=set_where(state.slot_of, (gi, a), INVALID, keep, unique=True),
+        slot_addr=set_where(state.slot_addr, (gi, slot), INVALID, slot >= 0, unique=True),
+        stamp=set_where(state.stamp, (gi, slot), -1, slot >= 0, unique=True),
+        live=set_where(state.live, (gi, a), False, keep, unique=True))
 
   # -- accounting -------------------------------------------------------------------
 

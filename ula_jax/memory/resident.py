@@ -62,9 +62,11 @@ class Resident(MemorySystem):
 
   def _mark(self, live: jax.Array, addrs: jax.Array, valid: jax.Array, value: bool
             ) -> jax.Array:
-    """live [G, S] with ``addrs`` [N] set to ``value`` in every group."""
-    idx = jnp.where(valid & (addrs >= 0), addrs, self.num_logical)
-    return live.at[:, idx].set(value, mode="drop")
+    """live [G, S] with ``addrs`` [N] (distinct where valid) set to ``value`` in every
+    group."""
+    gi = jnp.arange(live.shape[0], dtype=jnp.int32)[:, None]
+    return set_where(live, (gi, addrs[None, :]), value, (valid & (addrs >= 0))[None, :],
+                     unique=True)
 
   def write_prefill(self, state: ResidentState, addrs, valid, entries, row) -> ResidentState:
     """addrs [C] int32, valid [C] bool, entries [L, C, W]: slot = address in every layer."""
@@ -80,7 +82,8 @@ class Resident(MemorySystem):
   def resolve(self, state: ResidentState, group, sel_addr, sel_valid, new_addr, active):
     slots = jnp.where(sel_valid, sel_addr, INVALID).astype(jnp.int32)
     new_slot = jnp.where(active, new_addr, INVALID).astype(jnp.int32)
-    state = state.replace(live=set_where(state.live, (group, new_slot), True, new_slot >= 0))
+    state = state.replace(live=set_where(state.live, (group, new_slot), True, new_slot >= 0,
+                                         unique=True))
     return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot)
 
   def write_token(self, state: ResidentState, layer, res, entry, active) -> ResidentState:

@@ -161,8 +161,9 @@ class FarTier(MemorySystem):
     far_rows = layer_rows(layers, far_idx[None, :], self.num_logical).reshape(-1)
     far = self.evict_rows(entries.reshape(L * C, W).astype(state.far_pools.dtype), src,
                           state.far_pools, far_rows)
-    state = state.replace(far_pools=far, live=state.live.at[
-        :, jnp.where(ok, addrs, self.num_logical)].set(True, mode="drop"))
+    gi = jnp.arange(state.live.shape[0], dtype=jnp.int32)[:, None]
+    state = state.replace(far_pools=far, live=set_where(state.live, (gi, addrs[None, :]), True,
+                                                        ok[None, :], unique=True))
     if self.mode == "full_prefetch":
       # The RDMA baseline's prefetch: the prefix comes back from the far pool, not
       # from the prefill's own device copy.
@@ -199,7 +200,7 @@ class FarTier(MemorySystem):
             & (sel_addr[:, :, None] == new_addr[:, None, :]))  # [B, k, R]
     is_new = jnp.any(same, axis=2)
     which = jnp.argmax(same, axis=2)
-    live = set_where(state.live, (group, new_addr), True, has_new)
+    live = set_where(state.live, (group, new_addr), True, has_new, unique=True)
     writes = has_new.sum().astype(jnp.int32) * layers
     new_plan = jnp.where(has_new, new_addr, INVALID).reshape(-1).astype(jnp.int32)
     if self.mode == "full_prefetch":
@@ -278,8 +279,9 @@ class FarTier(MemorySystem):
 
   def release(self, state: FarTierState, addrs, valid, row) -> FarTierState:
     del row
-    idx = jnp.where(valid & (addrs >= 0), addrs, self.num_logical)
-    return state.replace(live=state.live.at[:, idx].set(False, mode="drop"))
+    gi = jnp.arange(state.live.shape[0], dtype=jnp.int32)[:, None]
+    return state.replace(live=set_where(state.live, (gi, addrs[None, :]), False,
+                                        (valid & (addrs >= 0))[None, :], unique=True))
 
   # -- traffic and modeled time (host side) -----------------------------------------
 
