@@ -31,6 +31,8 @@ def main(argv: list[str]) -> int:
   p.add_argument("overrides", nargs="*")
   p.add_argument("--config", default=CONFIG)
   p.add_argument("--json", default="hisparse_tables.json")
+  p.add_argument("--out", default=None,
+                 help="keep the run directory here (default: a temporary one)")
   p.add_argument("--stop-after", type=int, default=200,
                  help="end the run this many checked calls after the first inconsistent "
                       "one (0: serve the whole workload)")
@@ -68,7 +70,7 @@ def main(argv: list[str]) -> int:
 
   watch_tables(events, counts, stop_after=args.stop_after, stop=stop)
   with tempfile.TemporaryDirectory() as d:
-    result, run_dir = run_experiment(cfg, f"{d}/run", progress=False)
+    result, run_dir = run_experiment(cfg, args.out or f"{d}/run", progress=False)
     tokens = {r.id: list(r.output_tokens) for r in result.requests}
   bad = write(tokens)
   print(f"checked {counts}; {len(bad)} call(s) left inconsistent tables")
