@@ -42,6 +42,7 @@ def main(argv: list[str]) -> int:
 
   from ula_jax.bench.common import environment
   from ula_jax.config import load_config
+  from ula_jax.report.output import RunInterrupted
   from ula_jax.run import run_experiment
 
   cfg = load_config(args.config, ["memory=hisparse", "engine.progress=false"]
@@ -70,7 +71,13 @@ def main(argv: list[str]) -> int:
 
   watch_tables(events, counts, stop_after=args.stop_after, stop=stop)
   with tempfile.TemporaryDirectory() as d:
-    result, run_dir = run_experiment(cfg, args.out or f"{d}/run", progress=False)
+    try:
+      result, run_dir = run_experiment(cfg, args.out or f"{d}/run", progress=False)
+    except RunInterrupted as e:  # a time limit (SIGTERM): keep what was found so far
+      bad = write()
+      print(f"stopped by {e.signal_name}; checked {counts}; {len(bad)} call(s) left "
+            "inconsistent tables")
+      return 124
     tokens = {r.id: list(r.output_tokens) for r in result.requests}
   bad = write(tokens)
   print(f"checked {counts}; {len(bad)} call(s) left inconsistent tables")
