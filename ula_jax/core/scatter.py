@@ -20,7 +20,7 @@ should take).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,3 +54,17 @@ def set_where(x: jax.Array, index: Sequence[jax.Array | int], values: jax.Array 
     an element under ``unique`` leave that element undefined."""
   idx = masked_index(x.shape, index, keep, distinct=unique)
   return x.at[idx].set(values, mode="drop", unique_indices=unique)
+
+
+def map_groups(fn: Callable[..., Any], stacked: Any, *shared: Any) -> Any:
+  """``fn(group_slice, *shared)`` for every slice of ``stacked`` (leaves with a leading
+  group axis), results stacked: ``jax.vmap(fn, (0, None, ...))``'s value, computed one
+  group after another (``lax.map``).
+
+  For per-group updates written with 1-D masked scatters. Under ``vmap`` a scatter into
+  a ``[N]`` array becomes one into ``[G, N]``, and an entry skipped through index ``N``
+  becomes ``[g, N]``, which XLA's deterministic scatter (module docstring) orders with
+  ``[g + 1, 0]``: a real update of the next group's first element, or of a bitmap's
+  first word, can be lost or merged with the skipped one. Inside ``lax.map`` every
+  scatter stays 1-D, where an index past the end is past the whole array."""
+  return jax.lax.map(lambda x: fn(x, *shared), stacked)

@@ -63,6 +63,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ula_jax.core.scatter import set_where
 from ula_jax.config.schema import MemoryConfig
 from ula_jax.core import compat
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
@@ -305,8 +306,7 @@ class MemorySystem(abc.ABC):
                        keys: jax.Array) -> Any:
     """keys: [N, index_dim] at logical ``addrs`` [N] (INVALID addresses are dropped)."""
     table = state.index_keys  # [G, num_logical, index_dim]
-    idx = jnp.where(addrs >= 0, addrs, table.shape[1])
-    new = table.at[group, idx].set(keys.astype(table.dtype), mode="drop")
+    new = set_where(table, (group, addrs), keys.astype(table.dtype), addrs >= 0, unique=True)
     return state.replace(index_keys=new)
 
   def gather_index_keys(self, state: Any, group: int | jax.Array,

@@ -476,8 +476,8 @@ def union_rows(sel_addr: jax.Array, sel_valid: jax.Array) -> tuple[jax.Array, ja
   head = jnp.concatenate([jnp.ones((B, 1), bool), skey[:, 1:] != skey[:, :-1]], axis=1)
   start = jax.lax.cummax(jnp.where(head, jnp.arange(U), 0), axis=1)
   rows = jnp.arange(B)[:, None]
-  rep = jnp.zeros((B, U), jnp.int32).at[rows, order].set(
-      jnp.take_along_axis(order, start, axis=1).astype(jnp.int32))
+  rep = jnp.zeros((B, U), jnp.int32).at[rows, order].set(  # a permutation: unique
+      jnp.take_along_axis(order, start, axis=1).astype(jnp.int32), unique_indices=True)
   union_valid = sel_valid & (rep == jnp.arange(U)[None, :])
   return jnp.where(union_valid, sel_addr, INVALID), union_valid, rep
 

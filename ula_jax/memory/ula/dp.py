@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ula_jax.core.scatter import map_groups, set_where
 from ula_jax.memory.ula.resolve import fastpath, resolve_group
 from ula_jax.memory.ula.resolve.fastpath import resolve_speculative
 from ula_jax.core.sizes import parse_size
@@ -188,10 +189,12 @@ class Ula(MemorySystem):
     to_hst = fresh & ~to_dev & (hrank >= 0) & (hrank < n_host)
     hslot = jnp.where(to_hst, hfree[jnp.clip(hrank, 0, C - 1)], INVALID)
 
-    table = meta.table.at[jnp.where(to_dev, addrs, N)].set(dslot, mode="drop")
-    table = table.at[jnp.where(to_hst, addrs, N)].set(Sd + hslot, mode="drop")
-    dev_owner = meta.dev_owner.at[jnp.where(to_dev, dslot, Sd)].set(addrs, mode="drop")
-    host_owner = meta.host_owner.at[jnp.where(to_hst, hslot, Hr)].set(addrs, mode="drop")
+    # Distinct addresses and slots: unique scatters (``core.scatter``; this runs under
+    # ``vmap`` over the groups, where an index past one group's end is another's).
+    table = set_where(meta.table, (addrs,), dslot, to_dev, unique=True)
+    table = set_where(table, (addrs,), Sd + hslot, to_hst, unique=True)
+    dev_owner = set_where(meta.dev_owner, (dslot,), addrs, to_dev, unique=True)
+    host_owner = set_where(meta.host_owner, (hslot,), addrs, to_hst, unique=True)
     used = bitmap.words_of(Hr, hslot, to_hst, distinct=True)
     host_free = bitmap.summarize(meta.host_free[0] & ~used)
 
@@ -246,11 +249,11 @@ class Ula(MemorySystem):
     dst = jnp.where(placed, cand[pidx], INVALID)
 
     # Table update (victims and placed entries are disjoint: victims are on the device).
-    table = meta.table.at[jnp.where(victim, victim_addr, N)].set(Sd + vhost, mode="drop")
-    table = table.at[jnp.where(placed, u, N)].set(dst, mode="drop")
-    dev_owner = meta.dev_owner.at[jnp.where(placed, dst, Sd)].set(u, mode="drop")
-    host_owner = meta.host_owner.at[jnp.where(on_host, miss_host, Hr)].set(INVALID, mode="drop")
-    host_owner = host_owner.at[jnp.where(victim, vhost, Hr)].set(victim_addr, mode="drop")
+    table = set_where(meta.table, (victim_addr,), Sd + vhost, victim, unique=True)
+    table = set_where(table, (u,), dst, placed, unique=True)
+    dev_owner = set_where(meta.dev_owner, (dst,), u, placed, unique=True)
+    host_owner = set_where(meta.host_owner, (miss_host,), INVALID, on_host, unique=True)
+    host_owner = set_where(host_owner, (vhost,), victim_addr, victim, unique=True)
     used = bitmap.words_of(Hr, vhost, victim, distinct=True)
     host_free = bitmap.summarize(hfree[0] & ~used)
     pst = self.policy.touch(pst, dst, placed)
@@ -279,9 +282,10 @@ class Ula(MemorySystem):
     loc = jnp.where(ok, meta.table[jnp.clip(addrs, 0, N - 1)], INVALID)
     on_dev = (loc >= 0) & (loc < Sd)
     on_host = loc >= Sd
-    table = meta.table.at[jnp.where(ok, addrs, N)].set(INVALID, mode="drop")
-    dev_owner = meta.dev_owner.at[jnp.where(on_dev, loc, Sd)].set(INVALID, mode="drop")
-    host_owner = meta.host_owner.at[jnp.where(on_host, loc - Sd, Hr)].set(INVALID, mode="drop")
+    # (under ``vmap`` over the groups: unique scatters, as in ``prefill_meta``)
+    table = set_where(meta.table, (addrs,), INVALID, ok, unique=True)
+    dev_owner = set_where(meta.dev_owner, (loc,), INVALID, on_dev, unique=True)
+    host_owner = set_where(meta.host_owner, (loc - Sd,), INVALID, on_host, unique=True)
     freed = bitmap.words_of(Hr, loc - Sd, on_host, distinct=False)
     return GroupMeta(table=table, dev_owner=dev_owner, host_owner=host_owner,
                      host_free=bitmap.summarize(meta.host_free[0] | freed),
@@ -290,14 +294,14 @@ class Ula(MemorySystem):
   # -- transitions (local, inside shard_map) ---------------------------------------
 
   def write_prefill(self, state: UlaState, addrs, valid, entries, row) -> UlaState:
-    """entries: [L, C, W] layer-major. Every group places the chunk at once (``vmap``
-    over the group axis: the same placement per group as one call each), then every
-    layer's rows land in one scatter per pool."""
+    """entries: [L, C, W] layer-major. Every group places the chunk (``map_groups``: one
+    program, the groups one after another), then every layer's rows land in one scatter
+    per pool."""
     del row  # one pool shared by every request of the rank
     L, C = entries.shape[0], entries.shape[1]
     Sd, Hr = self.device_slots, self.host_rows
-    place = jax.vmap(self.prefill_meta, (0, None, None))
-    meta, dev_dst, host_dst = place(state.meta, addrs, valid)  # [G, C] each
+    meta, dev_dst, host_dst = map_groups(self.prefill_meta, state.meta, addrs,
+                                         valid)  # [G, C] each
     # Layer l belongs to group l // group_size (``geo.group_layers``).
     of_layer = np.arange(L) // self.geo.group_size
     layer = jnp.arange(L, dtype=_I32)[:, None]
@@ -390,8 +394,7 @@ class Ula(MemorySystem):
 
   def release(self, state: UlaState, addrs, valid, row) -> UlaState:
     del row
-    release = jax.vmap(self.release_meta, (0, None, None))  # every group at once
-    return state.replace(meta=release(state.meta, addrs, valid))
+    return state.replace(meta=map_groups(self.release_meta, state.meta, addrs, valid))
 
   # -- accounting ------------------------------------------------------------------
 

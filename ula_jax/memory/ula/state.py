@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from ula_jax.core.scatter import set_where
 from ula_jax.core.types import INVALID
 
 _I32 = jnp.int32
@@ -75,7 +76,7 @@ def _compact(mask: jax.Array, values: jax.Array, size: int) -> jax.Array:
   """``values[mask]`` moved to the front of a [size] int32 array, INVALID after."""
   rank = jnp.cumsum(mask) - 1
   out = jnp.full((size,), INVALID, _I32)
-  return out.at[jnp.where(mask, rank, size)].set(values.astype(_I32), mode="drop")
+  return set_where(out, (rank,), values.astype(_I32), mask, unique=True)
 
 
 def stage_selection(sel_addr: jax.Array, sel_valid: jax.Array, new_addr: jax.Array,
@@ -99,9 +100,9 @@ def stage_selection(sel_addr: jax.Array, sel_valid: jax.Array, new_addr: jax.Arr
   skey = key[order]
   head = (skey < N) & jnp.concatenate([jnp.ones((1,), jnp.bool_), skey[1:] != skey[:-1]])
   uid_sorted = (jnp.cumsum(head) - 1).astype(_I32)
-  uid = jnp.zeros((M,), _I32).at[order].set(uid_sorted)
+  uid = jnp.zeros((M,), _I32).at[order].set(uid_sorted, unique_indices=True)
   n_u = jnp.sum(head)
-  u = jnp.full((M,), INVALID, _I32).at[jnp.where(head, uid_sorted, M)].set(skey, mode="drop")
+  u = set_where(jnp.full((M,), INVALID, _I32), (uid_sorted,), skey, head, unique=True)
   u_ok = jnp.arange(M) < n_u
   u_new = jnp.zeros((M,), _I32).at[jnp.where(want, uid, M)].max(
       (is_new & want).astype(_I32), mode="drop") > 0

@@ -76,7 +76,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax.config.schema import MemoryConfig
 from ula_jax.core.addressing import all_addrs
-from ula_jax.core.scatter import set_where
+from ula_jax.core.scatter import map_groups, set_where
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros,
@@ -293,7 +293,10 @@ class DirectStore:
   def _mark(self, live: jax.Array, group, local: jax.Array, mine: jax.Array, value: bool):
     """live [G, C] with ``local`` [n] (where ``mine``) set to ``value`` in ``group``
     (an index or ``slice(None)``: every group)."""
-    return live.at[group, jnp.where(mine, local, self.capacity)].set(value, mode="drop")
+    if isinstance(group, slice):  # every group: the same positions in each
+      group = jnp.arange(live.shape[0], dtype=_I32)[:, None]
+      local, mine = local[None, :], mine[None, :]
+    return set_where(live, (group, local), value, mine, unique=True)
 
   def write_prefill(self, rk: DirectState, local, mine, entries, row) -> DirectState:
     """entries: [num_layers, n, W]; every layer's rows at the owned local addresses."""
@@ -546,11 +549,11 @@ class UlaTP(MemorySystem):
       slot = jnp.where(ok, m.table[jnp.clip(addrs, 0, N - 1)], INVALID)
       held = slot >= 0
       return BufferMeta(
-          table=m.table.at[jnp.where(ok, addrs, N)].set(INVALID, mode="drop"),
-          owner=m.owner.at[jnp.where(held, slot, L)].set(INVALID, mode="drop"),
+          table=set_where(m.table, (addrs,), INVALID, ok, unique=True),
+          owner=set_where(m.owner, (slot,), INVALID, held, unique=True),
           policy=self.policy.release(m.policy, slot, held))
 
-    return jax.vmap(one)(meta)  # the same per-group update over the group axis
+    return map_groups(one, meta)  # the same per-group update, group by group
 
   def _group_layers(self, group: int | jax.Array) -> jax.Array:
     """[] int32 layers of ``group`` (Python or traced; the last group may be shorter)."""
@@ -585,8 +588,7 @@ class UlaTP(MemorySystem):
     state = self._place(state, addrs, valid, self._decode_rows(addrs.shape[0]))
     local, _ = self._mine(state.shared.layout, addrs, valid)
     table = state.ranked.index_keys  # [G, C, DI]
-    new = table.at[group, jnp.where(local >= 0, local, table.shape[1])].set(
-        keys.astype(table.dtype), mode="drop")
+    new = set_where(table, (group, local), keys.astype(table.dtype), local >= 0, unique=True)
     return state.replace(ranked=state.ranked.replace(index_keys=new))
 
   def read_index_keys(self, state: UlaTPState, group: int | jax.Array) -> jax.Array:
@@ -664,9 +666,9 @@ class UlaTP(MemorySystem):
     pidx = jnp.clip(jnp.cumsum(place) - 1, 0, M - 1)
     placed = place & cand_ok[pidx]
     dst = jnp.where(placed, cand[pidx], INVALID)
-    table = bm.table.at[jnp.where(victim, victim_addr, N)].set(INVALID, mode="drop")
-    table = table.at[jnp.where(placed, u, N)].set(dst, mode="drop")
-    owner = bm.owner.at[jnp.where(placed, dst, L)].set(u, mode="drop")
+    table = set_where(bm.table, (victim_addr,), INVALID, victim, unique=True)
+    table = set_where(table, (u,), dst, placed, unique=True)
+    owner = set_where(bm.owner, (dst,), u, placed, unique=True)
     pst = self.policy.touch(pst, dst, placed)
     bm = BufferMeta(table=table, owner=owner, policy=pst)
 

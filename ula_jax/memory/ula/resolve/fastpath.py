@@ -47,6 +47,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ula_jax.core.scatter import set_where
 from ula_jax.core.types import INVALID
 from ula_jax.memory.ula.policies import bitmap
 from ula_jax.memory.ula.policies.base import FREE
@@ -144,9 +145,8 @@ def _resolve_all_hit(system: Any, meta: Any, st: _Staged, shape: tuple[int, int]
   free, _ = policy.first_free(pst, B)
   new_slot = jnp.where(st.want_n, free[jnp.clip(st.rank_n, 0, max(B - 1, 0))], INVALID)
   new_slot = new_slot.astype(_I32)
-  table = meta.table.at[jnp.where(st.want_n, st.addr_n, N)].set(new_slot, mode="drop")
-  dev_owner = meta.dev_owner.at[jnp.where(st.want_n, new_slot, Sd)].set(st.addr_n,
-                                                                       mode="drop")
+  table = set_where(meta.table, (st.addr_n,), new_slot, st.want_n, unique=True)
+  dev_owner = set_where(meta.dev_owner, (new_slot,), st.addr_n, st.want_n, unique=True)
   pst = policy.touch(pst, new_slot, st.want_n)
   # The host side is untouched; its summary levels are consistent with level 0 (every
   # transition keeps them so), which is what the full resolve's ``summarize`` rebuilds.
