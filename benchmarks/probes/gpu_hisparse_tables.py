@@ -9,7 +9,8 @@ and addresses whose slot does not hold them; before and after every resolve it d
 same for the resolved group, and counts the selected entries whose resolved slot holds
 another address. Each check reports through a host callback with the group's clock (every
 resolve and prefill chunk of the group advances it), so the first inconsistency and the
-call that made it are named:
+call that made it are named. The host callbacks change the compiled programs around
+the model, so token comparisons of this run are weaker than a plain run's.
 
     python benchmarks/probes/gpu_hisparse_tables.py --json OUT.json [a.b=v ...]
 """
@@ -45,8 +46,10 @@ def main(argv: list[str]) -> int:
   from ula_jax.report.output import RunInterrupted
   from ula_jax.run import run_experiment
 
-  cfg = load_config(args.config, ["memory=hisparse", "engine.progress=false"]
-                    + args.overrides)
+  # mesh.platform=auto keeps jax's CPU backend beside the GPU: the checks report through
+  # host callbacks, which need it.
+  cfg = load_config(args.config, ["memory=hisparse", "engine.progress=false",
+                                  "mesh.platform=auto"] + args.overrides)
   events: list[dict] = []
   counts = {"resolve": 0, "prefill": 0, "release": 0}
   t0 = time.time()
