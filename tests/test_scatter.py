@@ -7,12 +7,11 @@ from hypothesis import given, settings, strategies as st
 from ula_jax.core.scatter import masked_index, set_where
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.integers(1, 5), st.integers(1, 9), st.integers(1, 30), st.integers(0, 2**31 - 1))
-def test_set_where_writes_the_kept_entries_and_nothing_else(G, S, n, seed):
+def _case(G, S, n, seed):
+  """x [G, S]; n entries (gi, si) with values: the kept ones at distinct elements, the
+  skipped ones anywhere, in range or at the edge; want: x with the kept entries set."""
   rng = np.random.default_rng(seed)
   x = rng.integers(-50, 50, (G, S)).astype(np.int32)
-  # Kept entries at distinct elements; skipped ones anywhere, in range or at the edge.
   flat = rng.permutation(G * S)[:n]
   gi, si = flat // S, flat % S
   keep = rng.random(len(flat)) < 0.6
@@ -20,8 +19,16 @@ def test_set_where_writes_the_kept_entries_and_nothing_else(G, S, n, seed):
   values = rng.integers(100, 200, len(flat)).astype(np.int32)
   want = x.copy()
   want[gi[keep], si[keep]] = values[keep]
+  return x, gi, si, keep, values, want
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 9), st.integers(1, 30), st.integers(0, 2**31 - 1),
+       st.booleans())
+def test_set_where_writes_the_kept_entries_and_nothing_else(G, S, n, seed, unique):
+  x, gi, si, keep, values, want = _case(G, S, n, seed)
   got = set_where(jnp.asarray(x), (jnp.asarray(gi), jnp.asarray(si)), jnp.asarray(values),
-                  jnp.asarray(keep))
+                  jnp.asarray(keep), unique=unique)
   np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -57,23 +64,13 @@ def test_a_scalar_major_index_broadcasts():
 def test_unique_set_where_gives_each_skipped_entry_its_own_index_past_the_end(G, S, n, seed):
   # With unique=True the scatter is declared unique, so no two entries, kept or skipped,
   # may share an index, and every skipped one must lie past the array.
-  rng = np.random.default_rng(seed)
-  x = rng.integers(-50, 50, (G, S)).astype(np.int32)
-  flat = rng.permutation(G * S)[:n]
-  gi, si = flat // S, flat % S
-  keep = rng.random(len(flat)) < 0.6
-  si = np.where(keep, si, rng.choice([S, 0, S - 1], len(flat)))
+  _, gi, si, keep, _, _ = _case(G, S, n, seed)
   idx = [np.asarray(i) for i in masked_index((G, S), (jnp.asarray(gi), jnp.asarray(si)),
                                              jnp.asarray(keep), distinct=True)]
-  pairs = set(zip(idx[0].tolist(), idx[1].tolist()))
-  assert len(pairs) == len(flat)
+  assert len(set(zip(idx[0].tolist(), idx[1].tolist()))) == len(gi)
   assert np.all(idx[0][~keep] >= G) and np.all(idx[1][~keep] == S)
-  values = rng.integers(100, 200, len(flat)).astype(np.int32)
-  want = x.copy()
-  want[gi[keep], si[keep]] = values[keep]
-  got = set_where(jnp.asarray(x), (jnp.asarray(gi), jnp.asarray(si)), jnp.asarray(values),
-                  jnp.asarray(keep), unique=True)
-  np.testing.assert_array_equal(np.asarray(got), want)
+  np.testing.assert_array_equal(idx[0][keep], gi[keep])
+  np.testing.assert_array_equal(idx[1][keep], si[keep])
 
 
 def test_unique_set_where_broadcasts_a_scalar_major_index():

@@ -333,8 +333,13 @@ class MemorySystem(abc.ABC):
     T = cand_addr.shape[1]
     cand = ((cand_addr >= 0) & (jnp.arange(T, dtype=jnp.int32)[None, :] <= positions[:, None])
             & active[:, None])
-    keys_btk = self.gather_index_keys(state, group, cand_addr)
-    return select_topk(index_scores(q_I, w, keys_btk), cand, self.geo.top_k)
+    # The scoring between barriers, as the model's side of the step is: the gathered keys
+    # ([B, T, index_dim], the same shape in every system) and the scores are where the
+    # system's own arrays end, so no fusion reaching into a system's tables (whose sizes
+    # differ between systems) can change how the scores are computed and rounded.
+    keys_btk = jax.lax.optimization_barrier(self.gather_index_keys(state, group, cand_addr))
+    scores = jax.lax.optimization_barrier(index_scores(q_I, w, keys_btk))
+    return select_topk(scores, cand, self.geo.top_k)
 
   # -- accounting (host side) -------------------------------------------------------
 
