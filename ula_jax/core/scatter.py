@@ -56,15 +56,28 @@ def set_where(x: jax.Array, index: Sequence[jax.Array | int], values: jax.Array 
   return x.at[idx].set(values, mode="drop", unique_indices=unique)
 
 
-def map_groups(fn: Callable[..., Any], stacked: Any, *shared: Any) -> Any:
-  """``fn(group_slice, *shared)`` for every slice of ``stacked`` (leaves with a leading
-  group axis), results stacked: ``jax.vmap(fn, (0, None, ...))``'s value, computed one
-  group after another (``lax.map``).
+def update_groups(fn: Callable[[Any, Any], tuple[Any, Any]], stacked: Any, xs: Any = None
+                  ) -> tuple[Any, Any]:
+  """Applies a per-group update to every group of ``stacked`` (leaves with a leading group
+  axis), one group after another, in place: ``fn(group_slice, xs_slice) -> (new_slice,
+  extras)``; returns (``stacked`` with every slice replaced, the extras stacked [G, ...]).
+  ``xs`` (optional, leaves [G, ...]) are per-group inputs.
 
-  For per-group updates written with 1-D masked scatters. Under ``vmap`` a scatter into
-  a ``[N]`` array becomes one into ``[G, N]``, and an entry skipped through index ``N``
-  becomes ``[g, N]``, which XLA's deterministic scatter (module docstring) orders with
-  ``[g + 1, 0]``: a real update of the next group's first element, or of a bitmap's
-  first word, can be lost or merged with the skipped one. Inside ``lax.map`` every
-  scatter stays 1-D, where an index past the end is past the whole array."""
-  return jax.lax.map(lambda x: fn(x, *shared), stacked)
+  For per-group updates written with 1-D masked scatters, which must not run under
+  ``jax.vmap``: there a scatter into ``[N]`` becomes one into ``[G, N]``, and an entry
+  skipped through index ``N`` becomes ``[g, N]``, which XLA's deterministic scatter
+  (module docstring) orders with ``[g + 1, 0]``: a real update of the next group's first
+  element, or of a bitmap's first word, can be lost or merged with the skipped one. Here
+  every scatter stays 1-D, where an index past the end is past the whole array, and the
+  stacked arrays are a loop's carry, updated in place (no second copy of them)."""
+  G = jax.tree.leaves(stacked)[0].shape[0]
+  take = lambda tree, g: jax.tree.map(
+      lambda x: jax.lax.dynamic_index_in_dim(x, g, 0, keepdims=False), tree)
+  put = lambda tree, g, new: jax.tree.map(
+      lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y.astype(x.dtype), g, 0), tree, new)
+
+  def body(st, g):
+    new, extras = fn(take(st, g), take(xs, g))
+    return put(st, g, new), extras
+
+  return jax.lax.scan(body, stacked, jnp.arange(G, dtype=jnp.int32))

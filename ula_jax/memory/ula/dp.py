@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ula_jax.core.scatter import map_groups, set_where
+from ula_jax.core.scatter import set_where, update_groups
 from ula_jax.memory.ula.resolve import fastpath, resolve_group
 from ula_jax.memory.ula.resolve.fastpath import resolve_speculative
 from ula_jax.core.sizes import parse_size
@@ -294,14 +294,17 @@ class Ula(MemorySystem):
   # -- transitions (local, inside shard_map) ---------------------------------------
 
   def write_prefill(self, state: UlaState, addrs, valid, entries, row) -> UlaState:
-    """entries: [L, C, W] layer-major. Every group places the chunk (``map_groups``: one
+    """entries: [L, C, W] layer-major. Every group places the chunk (``update_groups``: one
     program, the groups one after another), then every layer's rows land in one scatter
     per pool."""
     del row  # one pool shared by every request of the rank
     L, C = entries.shape[0], entries.shape[1]
     Sd, Hr = self.device_slots, self.host_rows
-    meta, dev_dst, host_dst = map_groups(self.prefill_meta, state.meta, addrs,
-                                         valid)  # [G, C] each
+    def place(m, _):
+      m, dev, host = self.prefill_meta(m, addrs, valid)
+      return m, (dev, host)
+
+    meta, (dev_dst, host_dst) = update_groups(place, state.meta)  # [G, C] each
     # Layer l belongs to group l // group_size (``geo.group_layers``).
     of_layer = np.arange(L) // self.geo.group_size
     layer = jnp.arange(L, dtype=_I32)[:, None]
@@ -394,7 +397,9 @@ class Ula(MemorySystem):
 
   def release(self, state: UlaState, addrs, valid, row) -> UlaState:
     del row
-    return state.replace(meta=map_groups(self.release_meta, state.meta, addrs, valid))
+    meta, _ = update_groups(lambda m, _: (self.release_meta(m, addrs, valid), None),
+                            state.meta)
+    return state.replace(meta=meta)
 
   # -- accounting ------------------------------------------------------------------
 

@@ -76,7 +76,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax.config.schema import MemoryConfig
 from ula_jax.core.addressing import all_addrs
-from ula_jax.core.scatter import map_groups, set_where
+from ula_jax.core.scatter import set_where, update_groups
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros,
@@ -553,7 +553,7 @@ class UlaTP(MemorySystem):
           owner=set_where(m.owner, (slot,), INVALID, held, unique=True),
           policy=self.policy.release(m.policy, slot, held))
 
-    return map_groups(one, meta)  # the same per-group update, group by group
+    return update_groups(lambda m, _: (one(m), None), meta)[0]  # group by group
 
   def _group_layers(self, group: int | jax.Array) -> jax.Array:
     """[] int32 layers of ``group`` (Python or traced; the last group may be shorter)."""

@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 
 from ula_jax.config.schema import MemoryConfig
-from ula_jax.core.scatter import map_groups
+from ula_jax.core.scatter import update_groups
 from ula_jax.core.types import INVALID, MeshInfo
 from ula_jax.memory.traces.format import (DECODE, EVENT_NAMES, PREFILL, RELEASE,
                                           SelectionTrace, TraceRecorder)
@@ -127,14 +127,19 @@ def _replay_ops(trace: SelectionTrace, chunk: int):
 def _replay_program(system: Ula):
   """The jitted replay of ``system``: one ``lax.scan`` over the ops, each a
   ``lax.switch`` on its kind; the layer groups' metadata stacked in one pytree and
-  updated group by group (``core.scatter.map_groups``). returns stats [E, G, 3] int32:
+  updated group by group (``core.scatter.update_groups``). returns stats [E, G, 3] int32:
   hits, misses and evictions of the decode ops (zeros elsewhere)."""
-  prefill = lambda ms, a: map_groups(lambda m: system.prefill_meta(m, a, a >= 0)[0], ms)
-  release = lambda ms, a: map_groups(lambda m: system.release_meta(m, a, a >= 0), ms)
+  prefill = lambda ms, a: update_groups(
+      lambda m, _: (system.prefill_meta(m, a, a >= 0)[0], None), ms)[0]
+  release = lambda ms, a: update_groups(
+      lambda m, _: (system.release_meta(m, a, a >= 0), None), ms)[0]
 
   def resolve(ms, sel_addr, sel_valid, new_addr, active):
-    return map_groups(lambda x: system.resolve_meta(*x, new_addr, active),
-                      (ms, sel_addr, sel_valid))
+    def one(m, x):
+      m, slots, new_slot, plan, stats = system.resolve_meta(m, *x, new_addr, active)
+      return m, (slots, new_slot, plan, stats)
+    ms, (slots, new_slot, plan, stats) = update_groups(one, ms, (sel_addr, sel_valid))
+    return ms, slots, new_slot, plan, stats
 
   def program(kind, step, addrs, sel_addr, sel_valid, new_addr, active):
     metas = system.init_meta()  # every leaf [G, ...]
