@@ -169,3 +169,31 @@ def test_a_requests_bits_do_not_depend_on_its_row_or_its_neighbours():
     np.testing.assert_array_equal(a[key][i], b[key][j], err_msg=key)
   rows = {r.id: r for r in first.requests}, {r.id: r for r in last.requests}
   assert rows[0][target].output_tokens == rows[1][target].output_tokens
+
+
+def test_a_stored_entry_given_the_new_tokens_slot_shows_as_a_wrong_stored_entry(monkeypatch):
+  """A system that hands a step's new token a slot a selected entry still lives in makes
+  attention read the new token's row in that entry's place: the digest of stored entries
+  (which leaves the new token's slot out) covers other rows than ``resident``'s, so
+  ``compare`` names the stored entries, not only the attention output."""
+  from ula_jax.core.types import INVALID
+  from ula_jax.memory.resident import Resident
+
+  ref = _digests("resident")  # before the fault is in place
+  resolve = Resident.resolve
+
+  def faulty(self, state, group, sel_addr, sel_valid, new_addr, active):
+    state, res = resolve(self, state, group, sel_addr, sel_valid, new_addr, active)
+    # row 0's first selected entry that is not the new token resolves to the new slot
+    other = res.valid[0] & (sel_addr[0] != new_addr[0]) & active[0]
+    j = jnp.argmax(other)
+    slots = res.slots.at[0, j].set(jnp.where(other[j], res.new_slot[0], res.slots[0, j]))
+    return state, res.replace(slots=jnp.where(res.slots == INVALID, INVALID, slots))
+
+  monkeypatch.setattr(Resident, "resolve", faulty)
+  bad = run_engine(["engine.record_digests=true", f"engine.max_batch={ROWS}",
+                    "kernels.resolve_fast_path=false"] + DENSE + TIGHT_SYSTEMS["resident"],
+                   _requests())
+  from ula_jax.report.compare import group_digests
+  found = digest_differences(group_digests(ref.digests), group_digests(bad.digests))
+  assert found and all("stored entries read" in why for why in found.values()), found

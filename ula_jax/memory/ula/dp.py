@@ -380,11 +380,9 @@ class Ula(MemorySystem):
     return state.replace(dev_pool=dev, host_pool=host)
 
   def write_token(self, state: UlaState, layer, res: Resolution, entry, active) -> UlaState:
-    pool = state.dev_pool
     ok = active & (res.new_slot >= 0)
-    idx = jnp.where(ok, layer_rows(layer, res.new_slot, self.device_slots), pool.shape[0])
-    pool = pool.at[idx].set(entry.astype(pool.dtype), mode="drop")
-    return state.replace(dev_pool=pool)
+    rows = layer_rows(layer, jnp.where(ok, res.new_slot, INVALID), self.device_slots)
+    return state.replace(dev_pool=set_rows(state.dev_pool, rows, entry))
 
   def read_pool(self, state: UlaState, layer) -> tuple[jax.Array, jax.Array]:
     """(dev_pool [L * Sd, W], base [] int32): layer ``layer``'s slot s is row base + s."""
