@@ -11,7 +11,7 @@ import pytest
 
 from ula_jax.config import ConfigError, load_config
 from ula_jax.core import digest
-from ula_jax.report.compare import digest_differences, first_digest_difference
+from ula_jax.report.compare import digest_differences, first_digest_difference, group_digests
 from tests.engine_util import BASE, DENSE, ROWS, TIGHT_SYSTEMS, make_requests, run_engine
 
 
@@ -194,6 +194,5 @@ def test_a_stored_entry_given_the_new_tokens_slot_shows_as_a_wrong_stored_entry(
   bad = run_engine(["engine.record_digests=true", f"engine.max_batch={ROWS}",
                     "kernels.resolve_fast_path=false"] + DENSE + TIGHT_SYSTEMS["resident"],
                    _requests())
-  from ula_jax.report.compare import group_digests
   found = digest_differences(group_digests(ref.digests), group_digests(bad.digests))
   assert found and all("stored entries read" in why for why in found.values()), found

@@ -4,7 +4,7 @@ import numpy as np
 import jax.numpy as jnp
 from hypothesis import given, settings, strategies as st
 
-from ula_jax.core.scatter import masked_index, set_where
+from ula_jax.core.scatter import masked_index, set_every_group, set_where
 
 
 def _case(G, S, n, seed):
@@ -78,3 +78,11 @@ def test_unique_set_where_broadcasts_a_scalar_major_index():
   got = set_where(x, (1, jnp.array([0, 2, 1])), jnp.array([4, 5, 6]),
                   jnp.array([True, False, True]), unique=True)
   np.testing.assert_array_equal(np.asarray(got), [[0, 0, 0], [4, 6, 0]])
+
+
+def test_set_every_group_sets_the_kept_columns_of_every_group():
+  x = jnp.zeros((3, 4, 2), jnp.int32)
+  got = set_every_group(x, jnp.array([3, 0, 1]), 7, jnp.array([True, False, True]))
+  want = np.zeros((3, 4, 2), np.int32)
+  want[:, [3, 1]] = 7
+  np.testing.assert_array_equal(np.asarray(got), want)

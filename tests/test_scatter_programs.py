@@ -65,8 +65,7 @@ def test_the_check_finds_the_scatters_it_should():
 @pytest.mark.parametrize("system", sorted(SYSTEMS))
 def test_engine_programs_hold_no_unsafe_scatter(system):
   cfg = load_config(BASE, ["model.preset=tiny", "engine.progress=false", "engine.max_batch=4",
-                           "mesh.dp=1",
-                           "speculative.num_draft=1"] + SYSTEMS[system])
+                           "mesh.dp=1", "speculative.num_draft=1"] + SYSTEMS[system])
   engine = Engine(cfg, mesh_for(cfg.mesh.dp, cfg.mesh.tp), max_context=resolve_max_context(cfg))
   found = {}
   for kind in ("prefill", "decode", "verify", "release"):

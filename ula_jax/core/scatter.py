@@ -56,6 +56,16 @@ def set_where(x: jax.Array, index: Sequence[jax.Array | int], values: jax.Array 
   return x.at[idx].set(values, mode="drop", unique_indices=unique)
 
 
+def set_every_group(x: jax.Array, index: jax.Array, values: jax.Array | int | bool,
+                    keep: jax.Array) -> jax.Array:
+  """``x`` ([G, N, ...]) with ``x[g, index] = values`` in every group ``g`` for the entries
+  where ``keep`` (index, keep: [M]; the kept indices distinct): ``set_where`` with a
+  unique scatter, not the column scatter ``x.at[:, index]``, whose masked entries XLA's
+  deterministic rewrite bounds-checks against the wrong axis."""
+  gi = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
+  return set_where(x, (gi, index[None, :]), values, keep[None, :], unique=True)
+
+
 def update_groups(fn: Callable[[Any, Any], tuple[Any, Any]], stacked: Any, xs: Any = None
                   ) -> tuple[Any, Any]:
   """Applies a per-group update to every group of ``stacked`` (leaves with a leading group

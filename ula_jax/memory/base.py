@@ -63,9 +63,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ula_jax.core.scatter import set_where
 from ula_jax.config.schema import MemoryConfig
 from ula_jax.core import compat
+from ula_jax.core.scatter import set_where
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
 
 @dataclasses.dataclass(frozen=True)

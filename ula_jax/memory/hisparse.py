@@ -55,7 +55,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
-from ula_jax.core.scatter import set_where
+from ula_jax.core.scatter import set_every_group, set_where
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros,
@@ -190,8 +190,7 @@ class HiSparse(MemorySystem):
     src = jnp.arange(L * C, dtype=jnp.int32)
     host_pool = self.evict_rows(entries.reshape(L * C, W).astype(state.host_pool.dtype), src,
                                 state.host_pool, host_rows)
-    gi = jnp.arange(self.geo.num_groups, dtype=jnp.int32)[:, None]
-    live = set_where(state.live, (gi, addrs[None, :]), True, ok[None, :], unique=True)
+    live = set_every_group(state.live, addrs, True, ok)
     state = state.replace(host_pool=host_pool, live=live)
     return self._warm(state, addrs, ok, entries, jnp.asarray(row, jnp.int32))
 
@@ -377,16 +376,15 @@ class HiSparse(MemorySystem):
     by address is exact, and ranks with nothing to release pass a row with no valid
     address."""
     del row
-    G = self.geo.num_groups
     ok = valid & (addrs >= 0)
     slot = jnp.where(ok[None, :], state.slot_of[:, jnp.where(ok, addrs, 0)], INVALID)  # [G, M]
-    gi = jnp.arange(G, dtype=jnp.int32)[:, None]
-    a, keep = addrs[None, :], ok[None, :]  # a request's addresses are distinct, and so
-    return state.replace(                  # are the slots they map to
-        slot_of=set_where(state.slot_of, (gi, a), INVALID, keep, unique=True),
+    gi = jnp.arange(self.geo.num_groups, dtype=jnp.int32)[:, None]
+    # A request's addresses are distinct, and so are the slots they map to.
+    return state.replace(
+        slot_of=set_every_group(state.slot_of, addrs, INVALID, ok),
         slot_addr=set_where(state.slot_addr, (gi, slot), INVALID, slot >= 0, unique=True),
         stamp=set_where(state.stamp, (gi, slot), -1, slot >= 0, unique=True),
-        live=set_where(state.live, (gi, a), False, keep, unique=True))
+        live=set_every_group(state.live, addrs, False, ok))
 
   # -- accounting -------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
-from ula_jax.core.scatter import set_where
+from ula_jax.core.scatter import set_every_group, set_where
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros, layer_rows,
@@ -64,9 +64,7 @@ class Resident(MemorySystem):
             ) -> jax.Array:
     """live [G, S] with ``addrs`` [N] (distinct where valid) set to ``value`` in every
     group."""
-    gi = jnp.arange(live.shape[0], dtype=jnp.int32)[:, None]
-    return set_where(live, (gi, addrs[None, :]), value, (valid & (addrs >= 0))[None, :],
-                     unique=True)
+    return set_every_group(live, addrs, value, valid & (addrs >= 0))
 
   def write_prefill(self, state: ResidentState, addrs, valid, entries, row) -> ResidentState:
     """addrs [C] int32, valid [C] bool, entries [L, C, W]: slot = address in every layer."""

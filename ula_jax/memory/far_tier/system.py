@@ -43,7 +43,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
-from ula_jax.core.scatter import set_where
+from ula_jax.core.scatter import set_every_group, set_where
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros, layer_rows)
@@ -161,9 +161,7 @@ class FarTier(MemorySystem):
     far_rows = layer_rows(layers, far_idx[None, :], self.num_logical).reshape(-1)
     far = self.evict_rows(entries.reshape(L * C, W).astype(state.far_pools.dtype), src,
                           state.far_pools, far_rows)
-    gi = jnp.arange(state.live.shape[0], dtype=jnp.int32)[:, None]
-    state = state.replace(far_pools=far, live=set_where(state.live, (gi, addrs[None, :]), True,
-                                                        ok[None, :], unique=True))
+    state = state.replace(far_pools=far, live=set_every_group(state.live, addrs, True, ok))
     if self.mode == "full_prefetch":
       # The RDMA baseline's prefetch: the prefix comes back from the far pool, not
       # from the prefill's own device copy.
@@ -279,9 +277,8 @@ class FarTier(MemorySystem):
 
   def release(self, state: FarTierState, addrs, valid, row) -> FarTierState:
     del row
-    gi = jnp.arange(state.live.shape[0], dtype=jnp.int32)[:, None]
-    return state.replace(live=set_where(state.live, (gi, addrs[None, :]), False,
-                                        (valid & (addrs >= 0))[None, :], unique=True))
+    return state.replace(live=set_every_group(state.live, addrs, False,
+                                              valid & (addrs >= 0)))
 
   # -- traffic and modeled time (host side) -----------------------------------------
 

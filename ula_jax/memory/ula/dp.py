@@ -189,8 +189,7 @@ class Ula(MemorySystem):
     to_hst = fresh & ~to_dev & (hrank >= 0) & (hrank < n_host)
     hslot = jnp.where(to_hst, hfree[jnp.clip(hrank, 0, C - 1)], INVALID)
 
-    # Distinct addresses and slots: unique scatters (``core.scatter``; this runs under
-    # ``vmap`` over the groups, where an index past one group's end is another's).
+    # Distinct addresses and slots: unique scatters (``core.scatter``).
     table = set_where(meta.table, (addrs,), dslot, to_dev, unique=True)
     table = set_where(table, (addrs,), Sd + hslot, to_hst, unique=True)
     dev_owner = set_where(meta.dev_owner, (dslot,), addrs, to_dev, unique=True)
@@ -282,7 +281,6 @@ class Ula(MemorySystem):
     loc = jnp.where(ok, meta.table[jnp.clip(addrs, 0, N - 1)], INVALID)
     on_dev = (loc >= 0) & (loc < Sd)
     on_host = loc >= Sd
-    # (under ``vmap`` over the groups: unique scatters, as in ``prefill_meta``)
     table = set_where(meta.table, (addrs,), INVALID, ok, unique=True)
     dev_owner = set_where(meta.dev_owner, (loc,), INVALID, on_dev, unique=True)
     host_owner = set_where(meta.host_owner, (loc - Sd,), INVALID, on_host, unique=True)

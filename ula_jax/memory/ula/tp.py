@@ -76,7 +76,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax.config.schema import MemoryConfig
 from ula_jax.core.addressing import all_addrs
-from ula_jax.core.scatter import set_where, update_groups
+from ula_jax.core.scatter import set_every_group, set_where, update_groups
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros,
@@ -294,8 +294,7 @@ class DirectStore:
     """live [G, C] with ``local`` [n] (where ``mine``) set to ``value`` in ``group``
     (an index or ``slice(None)``: every group)."""
     if isinstance(group, slice):  # every group: the same positions in each
-      group = jnp.arange(live.shape[0], dtype=_I32)[:, None]
-      local, mine = local[None, :], mine[None, :]
+      return set_every_group(live, local, value, mine)
     return set_where(live, (group, local), value, mine, unique=True)
 
   def write_prefill(self, rk: DirectState, local, mine, entries, row) -> DirectState:
