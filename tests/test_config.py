@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import jax
@@ -359,6 +360,25 @@ def test_build_mesh_on_simulated_devices():
   assert list(mesh.devices.flat) == jax.devices("cpu")[:8]
   small = build_mesh(cfg_of(mesh={"dp": 3, "platform": "cpu"}))
   assert dict(small.shape) == {"dp": 3, "tp": 1}
+
+
+def test_gpu_memory_fraction_is_set_unless_the_environment_sets_it(monkeypatch):
+  from ula_jax.core.host_memory import HOST_LIMIT_ENV
+  from ula_jax.mesh import MEM_FRACTION_ENV
+  for var in (*MEM_FRACTION_ENV, "XLA_FLAGS", HOST_LIMIT_ENV):
+    monkeypatch.delenv(var, raising=False)
+  configure_platform(cfg_of(mesh={"platform": "auto", "gpu_memory_fraction": 0.9}))
+  assert os.environ["XLA_CLIENT_MEM_FRACTION"] == "0.9"
+  monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION")
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # the user's, older name
+  configure_platform(cfg_of(mesh={"platform": "auto"}))
+  assert "XLA_CLIENT_MEM_FRACTION" not in os.environ
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+  configure_platform(cfg_of(mesh={"platform": "cpu"}))  # no GPU backend: nothing to set
+  configure_platform(cfg_of(mesh={"platform": "auto", "gpu_memory_fraction": None}))
+  assert not any(v in os.environ for v in MEM_FRACTION_ENV)
+  with pytest.raises(ConfigError, match="mesh.gpu_memory_fraction"):
+    cfg_of(mesh={"gpu_memory_fraction": 1.5})
 
 
 def test_build_mesh_rejects_more_devices_than_exist():

@@ -25,6 +25,8 @@ _DETERMINISTIC_GPU_FLAGS = (
     # Every bf16 rounding the program states happens, fused or not, and every GEMM is a
     # library call picked by its shape: neither then depends on what surrounds the op.
     "--xla_allow_excess_precision=false", "--xla_gpu_enable_triton_gemm=false")
+MEM_FRACTION_ENV = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+"""The GPU allocator's share of device memory (the second is the older name)."""
 MAX_CPU_DEVICES = 1024
 """Simulated CPU devices at most (``jax_num_cpu_devices``): XLA starts every one when the
 backend starts, so a count like 100000 would hang instead of failing."""
@@ -55,6 +57,12 @@ def configure_platform(cfg: ExperimentConfig, num_devices: int | None = None) ->
       if flag.split("=")[0] not in flags:
         flags = f"{flags} {flag}".strip()
     os.environ["XLA_FLAGS"] = flags
+  fraction = cfg.mesh.gpu_memory_fraction
+  if (platform in ("auto", "gpu") and fraction is not None
+      and not any(os.environ.get(v) for v in MEM_FRACTION_ENV)):
+    # Read when the GPU backend starts: the allocator's limit, a share of the device's
+    # memory (jax's default, 0.75, also caps growth without preallocation).
+    os.environ[MEM_FRACTION_ENV[0]] = str(fraction)
   if platform in ("auto", "gpu") and HOST_LIMIT_ENV not in os.environ:
     # Read when the GPU backend starts: its pinned host allocator (host pools) stops at
     # 64 GiB unless told otherwise. Raised to the RAM less the process's reserve

@@ -182,6 +182,11 @@ class MeshConfig(Section):
   tp: int = Field(1, ge=1, description="tensor-parallel ranks (attention heads split over them)")
   platform: Literal["auto", "cpu", "gpu"] = Field(
       "auto", description="backend: auto (jax's default), cpu (simulated devices) or gpu")
+  gpu_memory_fraction: float | None = Field(
+      0.95, gt=0, le=1, description="share of each GPU's memory jax's allocator may hold "
+      "(XLA_CLIENT_MEM_FRACTION, set when the backend starts unless the environment sets "
+      "it); with XLA_PYTHON_CLIENT_PREALLOCATE=false jax's own limit is 0.75, which pools "
+      "sized for the whole device outgrow. null: jax's default")
 
   @property
   def num_devices(self) -> int:

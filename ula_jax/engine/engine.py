@@ -1227,6 +1227,9 @@ class Engine:
     }
     if self.synthetic:
       out["prefill_note"] = synthetic_prefill.NOTE
+    memory = _device_memory(self.mesh)
+    if memory:
+      out["device_memory"] = memory
     out.update({f"total_{k}": v for k, v in totals.items()})
     out.update(self.mem.run_summary(steps, reqs))
     if totals.get("hits", 0) + totals.get("misses", 0):
@@ -1236,3 +1239,15 @@ class Engine:
     # Programs compiled (or read from the persistent cache) since the engine was built.
     out["compilation"] = self.compile_log.summary(STEP_PROGRAMS)
     return out
+
+
+def _device_memory(mesh: Mesh) -> dict[str, int]:
+  """The allocator's limit and peak use on this process's first device of ``mesh``, in
+  bytes (``memory_stats``); empty on a backend without them (CPU)."""
+  mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  try:
+    stats = (mine[0].memory_stats() or {}) if mine else {}
+  except Exception:  # some backends raise instead of returning None
+    stats = {}
+  return {k: int(stats[k]) for k in ("bytes_limit", "peak_bytes_in_use") if k in stats}
+
