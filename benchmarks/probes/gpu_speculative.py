@@ -58,7 +58,7 @@ def write(args, runs: list, tokens: dict) -> None:
     row["tokens_equal_num_draft_0"] = None if ref0 is None else tokens[key] == ref0
     row["tokens_equal_resident"] = None if res0 is None else tokens[key] == res0
   out = {"environment": environment(), "config": CONFIG, "overrides": args.overrides,
-         "prompt": args.prompt, "output": args.output, "ula_device_per_row": args.ula_device,
+         "prompt": args.prompt, "output": args.output or "auto", "ula_device_per_row": args.ula_device,
          "hisparse_buffer": args.hisparse_buffer, "runs": runs}
   with open(args.json, "w") as f:
     json.dump(out, f, indent=1)
@@ -72,7 +72,10 @@ def main(argv: list[str]) -> int:
   p.add_argument("--rate-drafts", default="0,2", help="num_draft values timed at every batch")
   p.add_argument("--batches", default="1,32")
   p.add_argument("--prompt", type=int, default=12288)
-  p.add_argument("--output", type=int, default=48)
+  p.add_argument("--output", type=int, default=None,
+                 help="tokens per request (default: (1 + the largest timed num_draft) x "
+                 "batch + 48, so that with every draft accepted the first request is still "
+                 "decoding when the last prefill ends and full-batch steps exist to time)")
   p.add_argument("--ula-device", type=int, default=8448, help="ula device tokens per row")
   p.add_argument("--hisparse-buffer", type=int, default=8200)
   p.add_argument("--json", default="speculative.json")
@@ -88,8 +91,11 @@ def main(argv: list[str]) -> int:
   batches = [int(b) for b in args.batches.split(",")]
   runs, tokens = [], {}
   for B in batches:
-    reqs = windows(B, args.prompt, args.output)
-    context = -(-(args.prompt + args.output + 1) // 64) * 64  # whole pages
+    # One prefill per engine step: the first request decodes B - 1 steps before the
+    # batch is full, up to 1 + num_draft tokens a step.
+    output = args.output or (1 + max(rate_drafts)) * B + 48
+    reqs = windows(B, args.prompt, output)
+    context = -(-(args.prompt + output + 1) // 64) * 64  # whole pages
     for system in args.systems.split(","):
       # Every num_draft at the smallest batch for ula and hisparse (tokens); the timed
       # ones elsewhere.
@@ -120,7 +126,12 @@ def main(argv: list[str]) -> int:
         misses = sum(m.extra.get("misses", 0) for m in full)
         hits = sum(m.extra.get("hits", 0) for m in full)
         spec = res.summary
-        row = {"batch": B, "system": system, "num_draft": d, "first_run_s": round(first, 2),
+        if not full:
+          print(f"warning: batch {B}, {system}, num_draft {d}: no step after the last "
+                f"prefill decodes the whole batch (requests of {output} tokens finished "
+                f"first); nothing timed: raise --output", file=sys.stderr)
+        row = {"batch": B, "system": system, "num_draft": d, "output": output,
+               "first_run_s": round(first, 2),
                "full_steps": len(full),
                "decode_tokens_per_s": dec_n / dec_t if dec_t else None,
                "median_step_ms": 1e3 * statistics.median([m.decode_time_s for m in full])
