@@ -281,6 +281,7 @@ class Engine:
   """
 
   def __init__(self, cfg: ExperimentConfig, mesh: Mesh, *, max_context: int | None = None):
+    t_setup = time.perf_counter()
     self.cfg = cfg
     self.mesh = mesh
     self.compile_log = CompileLog().start()  # read by the run's summary
@@ -355,7 +356,11 @@ class Engine:
     self.graphdef, params = nnx.split(model)
     replicated = NamedSharding(mesh, P())
     self.params = jax.tree.map(lambda x: global_array(x, replicated), params)
-    state = self.mem.init_state(mesh)
+    t_pools = time.perf_counter()
+    state = jax.block_until_ready(self.mem.init_state(mesh))
+    # Where a run's time before its first step goes (the summary's setup_time_s):
+    # allocating and filling the pools, pinned host memory included, dominates at scale.
+    self.pools_time_s = time.perf_counter() - t_pools
     self._state_specs = self.mem.state_specs(state)
     # engine.pack_state: the state's small leaves travel between steps in a few buffers.
     self._packing = (StatePacking.plan(state, self._state_specs)
@@ -363,6 +368,7 @@ class Engine:
     self.state = state
     self.workspace = None if self.synthetic else self._init_workspace()
     self._build_steps()
+    self.setup_time_s = time.perf_counter() - t_setup
 
   # ``carry`` is the state as the jitted steps (``_decode``, ``_prefill``, ``_release``)
   # take and return it: the state itself, or with ``engine.pack_state`` (kept leaves,
@@ -1216,6 +1222,8 @@ class Engine:
         "steps": len(steps),
         "generated_tokens": gen,
         "wall_time_s": wall,
+        "setup_time_s": self.setup_time_s,
+        "pools_time_s": self.pools_time_s,
         "decode_time_s": decode_time,
         "decode_tokens_per_s": dec_tokens / decode_time if decode_time else 0.0,
         "tokens_per_s": gen / wall if wall else 0.0,
