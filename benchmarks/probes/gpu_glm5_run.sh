@@ -6,7 +6,9 @@
 #
 # CONFIG (default experiments/glm5_summarization/config.yaml), SYSTEMS (memory presets,
 # run in order; PRESET@TAG runs PRESET with the overrides in $EXTRA_TAG as well, e.g.
-# SYSTEMS="resident resident@d ula_pb_lru@d" EXTRA_d="engine.record_digests=true"),
+# SYSTEMS="resident resident@d ula_pb_lru@d" EXTRA_d="engine.record_digests=true"; and
+# with $CONFIG_TAG set, that config file instead of CONFIG, e.g.
+# SYSTEMS="resident@v ula_pb_lru@v" CONFIG_v=experiments/dsv32_summarization/config.yaml),
 # EXTRA (overrides for every run), RUN_LIMIT_S (each run's time limit,
 # default 480: the experiment's 8-minute target; a run stopped by it writes its run
 # directory with what it finished), TIME_LIMIT_S (the whole script's, default 570).
@@ -30,10 +32,13 @@ mkdir -p "$RUNS"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$WORK/gpu.txt"
 free -g | tee -a "$WORK/gpu.txt"
 for item in ${SYSTEMS:-ula_pb_lru hisparse resident}; do
-  preset=${item%%@*}; sys=${item/@/_}; tagged=""
-  if [ "$preset" != "$item" ]; then tag_var="EXTRA_${item#*@}"; tagged=${!tag_var:-}; fi
+  preset=${item%%@*}; sys=${item/@/_}; tagged=""; config=$CONFIG
+  if [ "$preset" != "$item" ]; then
+    tag_var="EXTRA_${item#*@}"; tagged=${!tag_var:-}
+    config_var="CONFIG_${item#*@}"; config=${!config_var:-$CONFIG}
+  fi
   # shellcheck disable=SC2086
-  STEP_TAIL=30 step "$sys" "${RUN_LIMIT_S:-480}" $CLI run "$CONFIG" "memory=$preset" \
+  STEP_TAIL=30 step "$sys" "${RUN_LIMIT_S:-480}" $CLI run "$config" "memory=$preset" \
     ${EXTRA:-} $tagged --no-progress --out "$RUNS/$sys"
   [ -f "$RUNS/$sys/summary.json" ] && cp "$RUNS/$sys/summary.json" "$OUT/$sys.json"
   [ -f "$RUNS/$sys/digests.npz" ] && cp "$RUNS/$sys/digests.npz" "$OUT/${sys}_digests.npz"
