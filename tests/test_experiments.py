@@ -121,6 +121,11 @@ def test_far_tier(out):
   fr = res["data"]["by_fraction"]
   small = fr[min(fr, key=float)]
   assert small["on_demand/cxl"]["throughput"] > small["full_prefetch/rdma"]["throughput"]
+  # SAC's baseline: the same bulk prefetch, then every step's top-k from host DRAM
+  staged = small["staged_prefetch/rdma"]
+  assert small["on_demand/cxl"]["throughput"] > staged["throughput"]
+  assert staged["tbt_s"] == small["on_demand/dram"]["tbt_s"]
+  assert staged["ttft_s"] > small["full_prefetch/rdma"]["ttft_s"]
   for d in list(fr.values()) + list(res["data"]["by_context"].values()):
     assert d["on_demand/cxl"]["throughput"] <= d["on_demand/dram"]["throughput"]
 
