@@ -78,8 +78,8 @@ def run(name: str, scale: str = "cpu", overrides: Sequence[str] = (), *,
     console.print(rich_table(f"{outcome.title} ({machine_line(env)})", outcome.columns,
                              outcome.rows))
     for p in outcome.anchor:
-      console.print(f"{p.what}: ours {_num(p.ours)}, {p.source} {_num(p.anchor)}",
-                    highlight=False)
+      anchor = f", {p.source} {_num(p.anchor)}" if p.source else ""
+      console.print(f"{p.what}: ours {_num(p.ours)}{anchor}", highlight=False)
     for c in outcome.checks:
       console.print(f"check {c.name}: {'holds' if c.holds else 'FAILS'} ({c.detail})",
                     highlight=False, markup=False)

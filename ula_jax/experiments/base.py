@@ -65,7 +65,7 @@ class AnchorPoint:
   what: str
   ours: float | None
   anchor: float | None
-  source: str  # "UlaCache", "HiSparse", "SAC"
+  source: str  # "UlaCache", "HiSparse", "SAC"; "" for a point of ours alone
 
 
 @dataclasses.dataclass
@@ -305,7 +305,8 @@ def anchor_panel(ax, points: Sequence[AnchorPoint]) -> None:
               label=label if i == 0 else None)
       ax.text(value / top + 0.02, i + dy, f"{label} {fmt(float(value))}", va="center",
               fontsize="small")
-  ax.set_yticks(list(y), [_wrap(f"{p.what} ({p.source})") for p in shown], fontsize="small")
+  ax.set_yticks(list(y), [_wrap(f"{p.what} ({p.source})" if p.source else p.what)
+                          for p in shown], fontsize="small")
   ax.set_xlim(0, 1.9)
   ax.set_ylim(len(shown) - 0.5, -0.5)
   ax.set_xticks([])
@@ -341,7 +342,8 @@ def write_outcome(run_dir: Path, exp: Experiment, scale: str, params: Params,
            markdown_table(outcome.columns, outcome.rows), ""]
   if outcome.anchor:
     lines += ["| ours beside the anchor | ours | anchor |", "|---|---|---|"]
-    lines += [f"| {_cell(p.what)} ({_cell(p.source)}) | {fmt(p.ours)} | {fmt(p.anchor)} |"
+    lines += [f"| {_cell(p.what)}{f' ({_cell(p.source)})' if p.source else ''} | "
+              f"{fmt(p.ours)} | {fmt(p.anchor)} |"
               for p in outcome.anchor]
     lines.append("")
   lines += [f"- check: {c.name}: {'holds' if c.holds else 'FAILS'} ({c.detail})"

@@ -162,7 +162,7 @@ def run(p: FarTierParams, ctx: Context) -> Outcome:
       AnchorPoint(f"CXL on demand / RDMA prefetch to host, {top // 1024}K",
                   cxl["throughput"] / rdma["throughput"], 2.1, "SAC"),
       AnchorPoint(f"CXL on demand / RDMA prefetch to the GPU, {top // 1024}K",
-                  cxl["throughput"] / direct["throughput"], None, "SAC"),
+                  cxl["throughput"] / direct["throughput"], None, ""),
       AnchorPoint("RDMA / CXL time between tokens", rdma["tbt_s"] / cxl["tbt_s"], 1.8, "SAC"),
       AnchorPoint("RDMA / CXL TTFT", rdma["ttft_s"] / cxl["ttft_s"], 9.7, "SAC"),
       AnchorPoint(f"CXL / DRAM read latency, {few} rows", lat["cxl"][0] / lat["dram"][0],
