@@ -208,6 +208,25 @@ def test_pools_larger_than_the_machine_exit_2(tmp_path, capsys):
   assert not out.exists()
 
 
+def test_model_parameters_count_against_the_machine():
+  import jax
+  from flax import nnx
+
+  from ula_jax.core.host_memory import host_ram
+  from ula_jax.memory import check_fits_machine
+  from ula_jax.mesh import build_mesh
+  from ula_jax.models import transformer as tfm
+  cfg = load_config(QUICKSTART, ["mesh.platform=cpu"])
+  model = tfm.Transformer(cfg.model, rngs=nnx.Rngs(cfg.model.param_seed))
+  _, params = nnx.split(model)
+  assert tfm.param_bytes(cfg.model) == sum(x.nbytes for x in jax.tree.leaves(params))
+  mesh = build_mesh(cfg)
+  check_fits_machine(cfg, mesh, params_bytes=tfm.param_bytes(cfg.model))
+  with pytest.raises(ConfigError, match=r"GiB of pools per device beside the model's .* GiB "
+                     r"of parameters, .* more than its .* GiB of RAM"):
+    check_fits_machine(cfg, mesh, params_bytes=host_ram())
+
+
 def test_host_pools_larger_than_the_machine_exit_2(capsys):
   err = error_of(capsys, ["run", QUICKSTART, "memory.system=ula", "memory.device_pool=1024",
                           "memory.host_pool=1TiB", "--no-progress"])

@@ -97,8 +97,14 @@ def _machine_mesh(cfg: ExperimentConfig) -> Mesh:
   configure_platform(cfg)
   mesh = build_mesh(cfg)
   if cfg.workload.kind != "trace":  # a trace replay allocates no pools
-    check_fits_machine(cfg, mesh)
+    check_fits_machine(cfg, mesh, params_bytes=_param_bytes(cfg))
   return mesh
+
+
+def _param_bytes(cfg: ExperimentConfig) -> int:
+  """The model's parameter bytes (on every device), from shapes alone."""
+  from ula_jax.models.transformer import param_bytes
+  return param_bytes(cfg.model)
 
 
 # ----------------------------------------------------------------------------------
@@ -203,7 +209,7 @@ def _sweep(args: argparse.Namespace) -> int:
   configure_platform(cfgs[0], num_devices=max(c.mesh.num_devices for c in cfgs))
   for cfg in cfgs:
     if cfg.workload.kind != "trace":  # a trace replay allocates no pools
-      check_fits_machine(cfg, build_mesh(cfg))
+      check_fits_machine(cfg, build_mesh(cfg), params_bytes=_param_bytes(cfg))
 
   name = cfgs[0].experiment.name
   out = Path(args.out or Path(cfgs[0].experiment.out_dir) / f"{name}-sweep-{timestamp()}")

@@ -119,10 +119,11 @@ def pool_bytes_per_device(system: MemorySystem, mesh: Any) -> dict[str, int] | N
   return out
 
 
-def check_fits_machine(cfg: ExperimentConfig, mesh: Any) -> None:
+def check_fits_machine(cfg: ExperimentConfig, mesh: Any, params_bytes: int = 0) -> None:
   """ConfigError when the pools ``cfg`` asks for exceed this machine's memory, checked
   before anything is allocated (an allocation that size would fail deep inside XLA or
-  leave the machine swapping): device pools against one device's memory
+  leave the machine swapping): device pools and the model's parameters
+  (``params_bytes``, on every device) against one device's memory
   (``memory_stats()['bytes_limit']``), host pools against the host's RAM. On a backend
   without memory statistics (CPU) both live in host RAM, for every local device."""
   import jax
@@ -152,13 +153,16 @@ def check_fits_machine(cfg: ExperimentConfig, mesh: Any) -> None:
   else:
     host_field, host_value = "memory.host_pool", cfg.memory.host_pool
   host = f"{host_field}={host_value!r}"
+  params = (f" beside the model's {_gib(params_bytes)} of parameters" if params_bytes
+            else "")
   if limit:
-    if device_bytes > limit:
+    if device_bytes + params_bytes > limit:
       raise ConfigError([
           f"{pool}: memory.system={cfg.memory.system!r} would allocate "
-          f"{_gib(device_bytes)} of pools per device, more than the {_gib(limit)} of "
-          f"{dev.platform} device {dev.id}; lower memory.device_pool (or engine.max_batch / "
-          f"engine.max_context when it is null)"])
+          f"{_gib(device_bytes)} of pools per device{params}, more than the "
+          f"{_gib(limit)} of {dev.platform} device {dev.id} (mesh.gpu_memory_fraction="
+          f"{cfg.mesh.gpu_memory_fraction}); lower memory.device_pool (or "
+          f"engine.max_batch / engine.max_context when it is null)"])
     # Host pools are pinned by the backend's allocator, capped below the RAM
     # (core.host_memory): past the cap an allocation fails, at the RAM the process dies.
     pinned = pinned_host_limit() if dev.platform == "gpu" else ram
@@ -171,14 +175,15 @@ def check_fits_machine(cfg: ExperimentConfig, mesh: Any) -> None:
           f"{host}: memory.system={cfg.memory.system!r} would allocate "
           f"{_gib(host_bytes)} of host pools per device, {_gib(host_bytes * local)} for the "
           f"{local} devices of this host, more than {what}; lower {host_field}"])
-  elif ram and (device_bytes + host_bytes) * local > ram:
+  elif ram and (device_bytes + host_bytes + params_bytes) * local > ram:
     # Name the host pool only where the system has one.
     fields = [pool, host] if host_bytes else [pool]
     lower = f"memory.device_pool or {host_field}" if host_bytes else "memory.device_pool"
     raise ConfigError([
         f"{', '.join(fields)}: memory.system={cfg.memory.system!r} would allocate "
-        f"{_gib(device_bytes + host_bytes)} of pools per device, "
-        f"{_gib((device_bytes + host_bytes) * local)} for the {local} {dev.platform} "
+        f"{_gib(device_bytes + host_bytes)} of pools per device{params}, "
+        f"{_gib((device_bytes + host_bytes + params_bytes) * local)} for the {local} "
+        f"{dev.platform} "
         f"devices of this host, more than its {_gib(ram)} of RAM; lower {lower} (or "
         f"engine.max_batch / engine.max_context where a pool is null)"])
 

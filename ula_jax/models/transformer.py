@@ -216,6 +216,14 @@ class Transformer(nnx.Module):
                       preferred_element_type=F32)
 
 
+def param_bytes(cfg: ModelConfig) -> int:
+  """Bytes of the parameters ``Transformer(cfg)`` holds, from their shapes alone (nothing
+  is allocated): on every device of a run, beside the memory system's pools."""
+  _, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(params))
+
+
 Select = Callable[[jax.Array, tuple[jax.Array, int], IndexerInput, Indexer, Any],
                   tuple[Any, Any]]
 Attend = Callable[[jax.Array, DecoderLayer, Projection, Any, Any], tuple[jax.Array, Any]]
