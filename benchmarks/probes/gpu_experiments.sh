@@ -10,13 +10,13 @@
 # runs that each fit a call. SCALE (default gpu), RUN_LIMIT_S (each run's limit, default
 # 540; a run stopped by it writes no directory), TIME_LIMIT_S (the whole script's,
 # default 570). Under $OUT: NAME[_TAG].tgz (figure.png, table.md, results.json,
-# params.yaml), work/NAME[_TAG].log (each run's output) and steps.txt: at most three runs
-# per call, since 8 files come back from a device call.
+# params.yaml) and logs.tgz (each run's output, steps.txt): at most seven runs per call,
+# since 8 files come back from a device call.
 set -u
 cd "$(dirname "$0")/../.."
 # shellcheck source=benchmarks/probes/gpu_steps.sh
 source benchmarks/probes/gpu_steps.sh
-gpu_setup gpu_experiments "${TIME_LIMIT_S:-570}"
+gpu_setup gpu_experiments "${TIME_LIMIT_S:-570}" outside
 config_wheels
 CLI="$PY -m ula_jax.cli.main"
 DIRS=${EXPERIMENT_DIRS:-/tmp/gpu_experiments}
@@ -30,4 +30,5 @@ for item in ${EXPERIMENTS:-latency policies}; do
     --scale "${SCALE:-gpu}" --no-progress --out "$DIRS/$run" $args
   [ -d "$DIRS/$run" ] && tar czf "$OUT/$run.tgz" -C "$DIRS" "$run"
 done
-print_steps | tee "$OUT/steps.txt"
+print_steps | tee "$WORK/steps.txt"
+tar czf "$OUT/logs.tgz" -C "$WORK" .

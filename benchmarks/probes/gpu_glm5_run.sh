@@ -20,10 +20,9 @@ set -u
 cd "$(dirname "$0")/../.."
 # shellcheck source=benchmarks/probes/gpu_steps.sh
 source benchmarks/probes/gpu_steps.sh
-gpu_setup gpu_glm5_run "${TIME_LIMIT_S:-570}"
 # At most 8 files come back from $OUT: step logs, plots and machine facts go into WORK,
 # outside it, and travel as logs.tgz.
-WORK=$(mktemp -d)
+gpu_setup gpu_glm5_run "${TIME_LIMIT_S:-570}" outside
 config_wheels
 CLI="$PY -m ula_jax.cli.main"
 CONFIG=${CONFIG:-experiments/glm5_summarization/config.yaml}

@@ -17,8 +17,7 @@ set -u
 cd "$(dirname "$0")/../.."
 # shellcheck source=benchmarks/probes/gpu_steps.sh
 source benchmarks/probes/gpu_steps.sh
-gpu_setup gpu_hisparse_reads "${TIME_LIMIT_S:-570}"
-WORK=$(mktemp -d)
+gpu_setup gpu_hisparse_reads "${TIME_LIMIT_S:-570}" outside
 config_wheels
 PROBE=(benchmarks/probes/gpu_write_through.py --check-reads --output "${OUTPUT:-6}"
        memory.hisparse.device_buffer_size=2048)

@@ -4,14 +4,17 @@
 # $SECONDS at start), which gpu_setup sets.
 # STEP_TAIL: lines of each step's log printed after it (default 25).
 
-# gpu_setup NAME DEFAULT_BUDGET_S: ROOT (the repository root), OUT (default
-# $ROOT/NAME_out), WORK=$OUT/work (created), PY, BUDGET_S (default DEFAULT_BUDGET_S),
-# START; the repository on PYTHONPATH, the GPU first, no up-front device memory (jax
-# and CuPy may share the GPU), unbuffered Python output.
+# gpu_setup NAME DEFAULT_BUDGET_S [outside]: ROOT (the repository root), OUT (default
+# $ROOT/NAME_out), WORK=$OUT/work (created; with "outside", a fresh folder outside OUT,
+# for scripts that pack their logs: at most 8 files come back from a device call), PY,
+# BUDGET_S (default DEFAULT_BUDGET_S), START; the repository on PYTHONPATH, the GPU
+# first, no up-front device memory (jax and CuPy may share the GPU), unbuffered Python
+# output.
 gpu_setup() {
   ROOT=$PWD
   OUT=${OUT:-$ROOT/${1}_out}
-  WORK=$OUT/work
+  mkdir -p "$OUT"
+  if [ "${3:-}" = outside ]; then WORK=$(mktemp -d); else WORK=$OUT/work; fi
   mkdir -p "$WORK"
   PY=${PYTHON:-python3}
   BUDGET_S=${BUDGET_S:-$2}
