@@ -22,12 +22,11 @@ CLI="$PY -m ula_jax.cli.main"
 DIRS=${EXPERIMENT_DIRS:-/tmp/gpu_experiments}
 mkdir -p "$DIRS"
 for item in ${EXPERIMENTS:-latency policies}; do
-  name=${item%%@*}; run=${item/@/_}; args=""
-  if [ "$name" != "$item" ]; then args_var="ARGS_${item#*@}"; args=${!args_var:-}; fi
+  name=${item%%@*}; run=${item/@/_}
   rm -rf "${DIRS:?}/$run"
-  # shellcheck disable=SC2086
+  # shellcheck disable=SC2046,SC2086
   STEP_TAIL=20 step "$run" "${RUN_LIMIT_S:-540}" $CLI experiment "$name" \
-    --scale "${SCALE:-gpu}" --no-progress --out "$DIRS/$run" $args
+    --scale "${SCALE:-gpu}" --no-progress --out "$DIRS/$run" $(tagged ARGS "$item")
   [ -d "$DIRS/$run" ] && tar czf "$OUT/$run.tgz" -C "$DIRS" "$run"
 done
 print_steps | tee "$WORK/steps.txt"

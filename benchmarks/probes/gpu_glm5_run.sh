@@ -31,14 +31,10 @@ mkdir -p "$RUNS"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$WORK/gpu.txt"
 free -g | tee -a "$WORK/gpu.txt"
 for item in ${SYSTEMS:-ula_pb_lru hisparse resident}; do
-  preset=${item%%@*}; sys=${item/@/_}; tagged=""; config=$CONFIG
-  if [ "$preset" != "$item" ]; then
-    tag_var="EXTRA_${item#*@}"; tagged=${!tag_var:-}
-    config_var="CONFIG_${item#*@}"; config=${!config_var:-$CONFIG}
-  fi
-  # shellcheck disable=SC2086
-  STEP_TAIL=30 step "$sys" "${RUN_LIMIT_S:-480}" $CLI run "$config" "memory=$preset" \
-    ${EXTRA:-} $tagged --no-progress --out "$RUNS/$sys"
+  preset=${item%%@*}; sys=${item/@/_}
+  # shellcheck disable=SC2046,SC2086
+  STEP_TAIL=30 step "$sys" "${RUN_LIMIT_S:-480}" $CLI run "$(tagged CONFIG "$item" "$CONFIG")" \
+    "memory=$preset" ${EXTRA:-} $(tagged EXTRA "$item") --no-progress --out "$RUNS/$sys"
   [ -f "$RUNS/$sys/summary.json" ] && cp "$RUNS/$sys/summary.json" "$OUT/$sys.json"
   [ -f "$RUNS/$sys/digests.npz" ] && cp "$RUNS/$sys/digests.npz" "$OUT/${sys}_digests.npz"
   for f in "$RUNS/$sys"/*.png "$RUNS/$sys"/*.csv; do [ -f "$f" ] && cp "$f" "$WORK/${sys}_$(basename "$f")"; done

@@ -58,8 +58,9 @@ def write(args, runs: list, tokens: dict) -> None:
     row["tokens_equal_num_draft_0"] = None if ref0 is None else tokens[key] == ref0
     row["tokens_equal_resident"] = None if res0 is None else tokens[key] == res0
   out = {"environment": environment(), "config": CONFIG, "overrides": args.overrides,
-         "prompt": args.prompt, "output": args.output or "auto", "ula_device_per_row": args.ula_device,
-         "hisparse_buffer": args.hisparse_buffer, "runs": runs}
+         "prompt": args.prompt, "output": args.output or "auto",
+         "ula_device_per_row": args.ula_device, "hisparse_buffer": args.hisparse_buffer,
+         "runs": runs}
   with open(args.json, "w") as f:
     json.dump(out, f, indent=1)
 

@@ -58,6 +58,15 @@ print_steps() {
   done
 }
 
+# tagged PREFIX ITEM [DEFAULT]: for ITEM of the form NAME@TAG, the value of the variable
+# PREFIX_TAG (DEFAULT when it is unset or empty); DEFAULT for an ITEM without a tag.
+tagged() {
+  local item=$2 var
+  if [ "${item%%@*}" = "$item" ]; then printf '%s' "${3:-}"; return; fi
+  var="${1}_${item#*@}"
+  printf '%s' "${!var:-${3:-}}"
+}
+
 # config_wheels: the config packages (pydantic, omegaconf), from the wheels carried in
 # .whl/, when the machine lacks them (installed to /tmp/site, put on PYTHONPATH).
 config_wheels() {

@@ -53,7 +53,8 @@ from ula_jax.core.compilation import CompileLog
 from ula_jax.engine import synthetic_prefill
 from ula_jax.engine.packing import StatePacking, pack_jit, split_jit
 from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
-from ula_jax.memory import INVALID, MeshInfo, build_memory_system
+from ula_jax.memory import (INVALID, MeshInfo, build_memory_system, local_devices,
+                             memory_stats)
 from ula_jax.kernels.auto import concrete
 from ula_jax.mesh import auto_kernels, interpret_kernels
 from ula_jax.core.addressing import PageAllocator, addrs_of_positions, all_addrs
@@ -1249,13 +1250,10 @@ class Engine:
     return out
 
 
+
 def _device_memory(mesh: Mesh) -> dict[str, int]:
   """The allocator's limit and peak use on this process's first device of ``mesh``, in
-  bytes (``memory_stats``); empty on a backend without them (CPU)."""
-  mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-  try:
-    stats = (mine[0].memory_stats() or {}) if mine else {}
-  except Exception:  # some backends raise instead of returning None
-    stats = {}
+  bytes; empty on a backend without memory statistics (CPU)."""
+  mine = local_devices(mesh)
+  stats = memory_stats(mine[0]) if mine else {}
   return {k: int(stats[k]) for k in ("bytes_limit", "peak_bytes_in_use") if k in stats}
-

@@ -9,9 +9,10 @@ through; ``full_prefetch`` reads nothing per step but copies the whole prefix to
 device before the first step (``FarTier.prefill_traffic``: written out and read back in
 bulk); ``staged_prefetch`` over RDMA, SAC's baseline, prefetches the prefix the same way
 into host DRAM and loads each step's top-k from there (on demand over the DRAM link), as
-an RDMA pool under HiSparse does. ``link_model.modeled_run`` turns them into time with the link presets (DRAM,
-CXL, RDMA: ``LINK_PRESETS``, calibrated on SAC's latency ratios) plus ``compute_s`` of
-device work per step. No CXL or RDMA hardware exists here: every time is modeled.
+an RDMA pool under HiSparse does. ``link_model.modeled_run`` turns them into time with
+the link presets (DRAM, CXL, RDMA: ``LINK_PRESETS``, calibrated on SAC's latency ratios)
+plus ``compute_s`` of device work per step. No CXL or RDMA hardware exists here: every
+time is modeled.
 
 Two sweeps: throughput against context (top-k fixed) and against the fraction of the
 context each step reads (``k / context`` at ``fraction_context``).
@@ -77,12 +78,17 @@ def _far_tier(p: FarTierParams, geo, mode: str, link: str, context: int):
                              page_size=p.page_size, max_context=context)
 
 
-def _records(p: FarTierParams, geo, system, on_demand: bool, prompt: int, k: int) -> list:
-  """The prefill record (``system.prefill_traffic``), then one per decode step: the
-  selected entries' rows loaded when ``on_demand``, the new token's rows written."""
+def _prefill_record(p: FarTierParams, system, prompt: int) -> dict:
+  """Step 0: the prompts' far traffic (``system.prefill_traffic``), no token."""
+  pre = {key: int(v) for key, v in system.prefill_traffic(p.batch * prompt).items()}
+  return {"step": 0, "decode_tokens": 0, "compute_s": p.prefill_s, **pre}
+
+
+def _decode_records(p: FarTierParams, geo, on_demand: bool, prompt: int, k: int) -> list:
+  """One record per decode step: the selected entries' rows loaded when ``on_demand``,
+  the new token's rows written."""
   B, L, G = p.batch, geo.num_layers, geo.num_groups
-  pre = {key: int(v) for key, v in system.prefill_traffic(B * prompt).items()}
-  records = [{"step": 0, "decode_tokens": 0, "compute_s": p.prefill_s, **pre}]
+  records = []
   for t in range(p.output_tokens):
     history = prompt + t + 1
     loads = B * max(min(k, history) - 1, 0) * L if on_demand else 0
@@ -109,14 +115,16 @@ def model_request(p: FarTierParams, geo, mode: str, link: str, context: int, k: 
   reqs = [{"arrival_step": 0, "first_token_step": 1}]
   if mode != "staged_prefetch":
     system = _far_tier(p, geo, mode, link, context)
-    m = system.modeled(_records(p, geo, system, mode == "on_demand", prompt, k), reqs)
+    records = [_prefill_record(p, system, prompt),
+               *_decode_records(p, geo, mode == "on_demand", prompt, k)]
+    m = system.modeled(records, reqs)
     return {"throughput": m["modeled_throughput_tok_s"], "tbt_s": m["modeled_tbt_s"],
             "ttft_s": m["modeled_ttft_s"], "transfer_s": m["modeled_transfer_total_s"],
             "total_s": m["modeled_total_s"], "fraction_read": min(k, context) / context}
   far = _far_tier(p, geo, "full_prefetch", link, context)
   host = _far_tier(p, geo, "on_demand", "dram", context)
-  pre = far.modeled(_records(p, geo, far, False, prompt, k)[:1])
-  dec = host.modeled(_records(p, geo, host, True, prompt, k)[1:])
+  pre = far.modeled([_prefill_record(p, far, prompt)])
+  dec = host.modeled(_decode_records(p, geo, True, prompt, k))
   total = pre["modeled_total_s"] + dec["modeled_total_s"]
   tokens = p.batch * p.output_tokens
   return {"throughput": tokens / total if total > 0 else 0.0, "tbt_s": dec["modeled_tbt_s"],

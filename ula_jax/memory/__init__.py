@@ -119,6 +119,21 @@ def pool_bytes_per_device(system: MemorySystem, mesh: Any) -> dict[str, int] | N
   return out
 
 
+def local_devices(mesh: Any) -> list:
+  """This process's devices of ``mesh`` (with jax.distributed the others belong to their
+  own processes)."""
+  import jax
+  return [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+
+def memory_stats(device: Any) -> dict:
+  """``device.memory_stats()``, or {} where the backend has none (CPU)."""
+  try:
+    return device.memory_stats() or {}
+  except Exception:  # some backends raise instead of returning None
+    return {}
+
+
 def check_fits_machine(cfg: ExperimentConfig, mesh: Any, params_bytes: int = 0) -> None:
   """ConfigError when the pools ``cfg`` asks for exceed this machine's memory, checked
   before anything is allocated (an allocation that size would fail deep inside XLA or
@@ -126,24 +141,17 @@ def check_fits_machine(cfg: ExperimentConfig, mesh: Any, params_bytes: int = 0) 
   (``params_bytes``, on every device) against one device's memory
   (``memory_stats()['bytes_limit']``), host pools against the host's RAM. On a backend
   without memory statistics (CPU) both live in host RAM, for every local device."""
-  import jax
-
   system = sized_system(cfg)
   per_device = pool_bytes_per_device(system, mesh)
   if per_device is None:
     return
   device_bytes = per_device.get("device", 0)
   host_bytes = sum(v for k, v in per_device.items() if k != "device")
-  # This process's devices: with jax.distributed the others' memory is theirs to check.
-  mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  mine = local_devices(mesh)  # the other processes' memory is theirs to check
   if not mine:
     return
   dev, local = mine[0], len(mine)
-  try:
-    stats = dev.memory_stats() or {}
-  except Exception:  # some backends raise instead of returning None
-    stats = {}
-  limit = stats.get("bytes_limit")
+  limit = memory_stats(dev).get("bytes_limit")
   ram = host_ram()
   pool = f"memory.device_pool={cfg.memory.device_pool!r}"
   # The field that sizes the host-side pool: far_tier's far pool, else memory.host_pool
@@ -183,11 +191,11 @@ def check_fits_machine(cfg: ExperimentConfig, mesh: Any, params_bytes: int = 0) 
         f"{', '.join(fields)}: memory.system={cfg.memory.system!r} would allocate "
         f"{_gib(device_bytes + host_bytes)} of pools per device{params}, "
         f"{_gib((device_bytes + host_bytes + params_bytes) * local)} for the {local} "
-        f"{dev.platform} "
-        f"devices of this host, more than its {_gib(ram)} of RAM; lower {lower} (or "
-        f"engine.max_batch / engine.max_context where a pool is null)"])
+        f"{dev.platform} devices of this host, more than its {_gib(ram)} of RAM; lower "
+        f"{lower} (or engine.max_batch / engine.max_context where a pool is null)"])
 
 
 __all__ = ["INVALID", "CapacityReport", "KVGeometry", "MemorySystem", "MeshInfo",
            "REGISTRY", "Resolution", "SYSTEM_NAMES", "build_memory_system", "check_config",
-           "check_fits_machine", "lookup", "parse_size", "sized_system", "system_class"]
+           "check_fits_machine", "local_devices", "lookup", "memory_stats", "parse_size",
+           "sized_system", "system_class"]
