@@ -26,7 +26,9 @@ gpu_setup gpu_glm5_run "${TIME_LIMIT_S:-570}" outside
 config_wheels
 CLI="$PY -m ula_jax.cli.main"
 CONFIG=${CONFIG:-experiments/glm5_summarization/config.yaml}
-RUNS=${RUNS_DIR:-/tmp/glm5_runs}
+# A fresh folder per call unless RUNS_DIR names one (a warm machine keeps /tmp between
+# calls, and the CLI will not overwrite a run directory).
+RUNS=${RUNS_DIR:-$(mktemp -d /tmp/glm5_runs.XXXXXX)}
 mkdir -p "$RUNS"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$WORK/gpu.txt"
 free -g | tee -a "$WORK/gpu.txt"
