@@ -318,6 +318,7 @@ class Engine:
                                    fetch_impl=kernels.fetch,
                                    resolve_impl=kernels.resolve,
                                    resolve_fast_path=cfg.kernels.resolve_fast_path,
+                                   decode_scores=cfg.kernels.decode_scores,
                                    interpret=interpret,
                                    step_rows=self.rows)
     self.attention_impl = kernels.attention

@@ -16,7 +16,7 @@ from ula_jax.memory.registry import REGISTRY, SYSTEM_NAMES, lookup, system_class
 def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: MeshInfo, *,
                         max_batch: int, page_size: int, max_context: int,
                         fetch_impl: str = "xla", resolve_impl: str = "jnp",
-                        resolve_fast_path: bool = True,
+                        resolve_fast_path: bool = True, decode_scores: str = "lengths",
                         interpret: bool | None = None, step_rows: int = 1) -> MemorySystem:
   """Instantiates ``cfg.system`` and validates its sizes (before any compute).
 
@@ -25,7 +25,8 @@ def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: Mesh
 
   fetch_impl / resolve_impl: the ``kernels.fetch`` / ``kernels.resolve`` implementations
   its row copies and resolve use; resolve_fast_path: ``kernels.resolve_fast_path`` (steps
-  that move nothing take the all-hit fast path); interpret: run Pallas kernels in
+  that move nothing take the all-hit fast path); decode_scores: ``kernels.decode_scores``
+  (how ``select`` scores a decode step's rows); interpret: run Pallas kernels in
   interpret mode; step_rows: query rows per request in one decode step
   (``1 + speculative.num_draft``).
   """
@@ -35,6 +36,7 @@ def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: Mesh
   system.fetch_impl, system.fetch_interpret = fetch_impl, interpret
   system.resolve_impl, system.resolve_interpret = resolve_impl, interpret
   system.resolve_fast_path = resolve_fast_path
+  system.decode_scores = decode_scores
   system.validate()
   return system
 

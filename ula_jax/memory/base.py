@@ -146,6 +146,9 @@ class MemorySystem(abc.ABC):
   # Steps that move nothing take the resolve's all-hit fast path (same results;
   # ``kernels.resolve_fast_path``).
   resolve_fast_path: bool = True
+  # How a decode step's indexer scores are computed (``kernels.decode_scores``):
+  # 'lengths' each row over its own history, 'window' every row over the whole window.
+  decode_scores: str = "lengths"
   # A speculative copy (``speculative()``) resolves every group by the all-hit path with
   # no conditional and reports ``stats['spec_fail']``.
   speculate: bool = False
@@ -324,21 +327,29 @@ class MemorySystem(abc.ABC):
     page_table: [B, P] int32; positions: [B] int32; active: [B] bool
     returns (sel_pos [B, k] int32 positions, INVALID where not valid; sel_valid [B, k])
 
-    The default scores every key of a row on this device. A layout that shards keys
-    over ranks overrides it: score local keys, gather, merge to the same top-k.
+    The default scores the keys of a row on this device: with ``decode_scores=
+    'lengths'`` each row's own history in blocks (``kernels.indexer.decode``), with
+    'window' every row over the whole window. A layout that shards keys over ranks
+    overrides it: score local keys, gather, merge to the same top-k.
     """
     from ula_jax.kernels.indexer import index_scores, select_topk
+    from ula_jax.kernels.indexer.decode import length_scores
     from ula_jax.core.addressing import all_addrs
     cand_addr = all_addrs(page_table, self.page_size)  # [B, T]
     T = cand_addr.shape[1]
     cand = ((cand_addr >= 0) & (jnp.arange(T, dtype=jnp.int32)[None, :] <= positions[:, None])
             & active[:, None])
     # The scoring between barriers, as the model's side of the step is: the gathered keys
-    # ([B, T, index_dim], the same shape in every system) and the scores are where the
-    # system's own arrays end, so no fusion reaching into a system's tables (whose sizes
-    # differ between systems) can change how the scores are computed and rounded.
-    keys_btk = jax.lax.optimization_barrier(self.gather_index_keys(state, group, cand_addr))
-    scores = jax.lax.optimization_barrier(index_scores(q_I, w, keys_btk))
+    # (the same shapes in every system) and the scores are where the system's own arrays
+    # end, so no fusion reaching into a system's tables (whose sizes differ between
+    # systems) can change how the scores are computed and rounded.
+    gather = lambda addrs: self.gather_index_keys(state, group, addrs)
+    if self.decode_scores == "lengths":
+      length = jnp.where(active, positions + 1, 0)
+      scores = length_scores(q_I, w, cand_addr, length, gather)
+    else:
+      keys_btk = jax.lax.optimization_barrier(gather(cand_addr))
+      scores = jax.lax.optimization_barrier(index_scores(q_I, w, keys_btk))
     return select_topk(scores, cand, self.geo.top_k)
 
   # -- accounting (host side) -------------------------------------------------------

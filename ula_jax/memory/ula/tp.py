@@ -608,6 +608,7 @@ class UlaTP(MemorySystem):
     ``index_scoring='aligned'`` identical to the unsharded selection.
     """
     from ula_jax.kernels.indexer import index_scores
+    from ula_jax.kernels.indexer.decode import length_scores
     k = self.geo.top_k
     cand_addr = all_addrs(page_table, self.page_size)  # [B, T]
     B, T = cand_addr.shape
@@ -626,9 +627,19 @@ class UlaTP(MemorySystem):
       local_bt = set_where(jnp.full((B, Tw), INVALID, _I32), (rows, col), local, keep)
       ok_bt = pos_bt >= 0
     keys = state.ranked.index_keys  # [G, C, DI]: gather the group's rows, no slice
-    keys_btk = keys[group, jnp.clip(local_bt, 0, self.rank_capacity - 1)]
-    keys_btk = jnp.where(ok_bt[..., None], keys_btk, jnp.zeros((), keys.dtype))
-    val, col = local_topk(index_scores(q_I, w, keys_btk), ok_bt, k)  # [B, k]
+
+    def gather(local_rc):  # this rank's keys; zeros where it owns none
+      out = keys[group, jnp.clip(local_rc, 0, self.rank_capacity - 1)]
+      return jnp.where((local_rc >= 0)[..., None], out, jnp.zeros((), keys.dtype))
+
+    owned = jnp.where(ok_bt, local_bt, INVALID)
+    if self.index_scoring == "aligned" and self.decode_scores == "lengths":
+      # The unsharded selection's blocks (``MemorySystem.select``), so the same bits.
+      length = jnp.where(active, positions + 1, 0)
+      scores = length_scores(q_I, w, owned, length, gather)
+    else:
+      scores = index_scores(q_I, w, gather(owned))
+    val, col = local_topk(scores, ok_bt, k)  # [B, k]
     pos = jnp.where(col >= 0, jnp.take_along_axis(pos_bt, jnp.clip(col, 0, None), axis=1),
                     INVALID)
     val_all = jax.lax.all_gather(val, TP_AXIS, axis=1, tiled=True)  # [B, P * k]

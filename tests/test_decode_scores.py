@@ -1,0 +1,99 @@
+"""A decode step's indexer scores over each row's own history (``kernels.indexer.decode``)
+against the whole-window reference (``index_scores`` of every row's gathered keys)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ula_jax.core.types import INVALID
+from ula_jax.kernels.indexer import index_scores, select_topk
+from ula_jax.kernels.indexer.decode import length_scores
+
+
+def _case(seed, B, T, I, K, dtype, idle_frac=0.3, n_keys=None):
+  rng = np.random.default_rng(seed)
+  n_keys = n_keys or 2 * T
+  keys = jnp.asarray(rng.standard_normal((n_keys, K)), dtype)
+  q = jnp.asarray(rng.standard_normal((B, I, K)), dtype)
+  w = jnp.asarray(rng.standard_normal((B, I)), jnp.float32)
+  # Each row's history: distinct addresses for its positions, INVALID past its pages.
+  length = rng.integers(1, T + 1, B)
+  length[rng.random(B) < idle_frac] = 0
+  addr = np.full((B, T), INVALID, np.int32)
+  for b in range(B):
+    pages = -(-max(length[b], 1) // 16) * 16
+    addr[b, :min(pages, T)] = rng.permutation(n_keys)[:min(pages, T)]
+  return q, w, jnp.asarray(addr), jnp.asarray(length, jnp.int32), keys
+
+
+def _gather(keys):
+  return lambda a: keys[jnp.clip(a, 0, keys.shape[0] - 1)]
+
+
+@pytest.mark.parametrize("B,T,block_rows,block_t,dtype", [
+    (5, 300, 2, 64, jnp.bfloat16),    # neither axis a multiple of its block
+    (8, 256, 8, 256, jnp.float32),    # one block each way
+    (3, 1000, 4, 128, jnp.bfloat16),  # more rows per block than rows
+    (16, 512, 3, 100, jnp.float32),
+])
+def test_length_scores_match_the_whole_window(B, T, block_rows, block_t, dtype):
+  q, w, addr, length, keys = _case(B * T, B, T, I=4, K=32, dtype=dtype)
+  fn = jax.jit(lambda *a: length_scores(*a, _gather(keys), block_rows=block_rows,
+                                        block_t=block_t))
+  got = np.asarray(fn(q, w, addr, length))
+  full = np.asarray(index_scores(q, w, _gather(keys)(addr)))
+  n = np.asarray(length)
+  scored = np.arange(T)[None, :] < n[:, None]
+  assert scored.any() and (~scored).any()
+  # The same products; a GEMM of another shape may round differently by a few ulp.
+  np.testing.assert_allclose(got[scored], full[scored], rtol=1e-5, atol=1e-5)
+  # The top-k over each row's history: the same positions in the same order.
+  active, positions = jnp.asarray(n > 0), jnp.asarray(n - 1)
+  cand = (addr >= 0) & (jnp.arange(T)[None, :] <= positions[:, None]) & active[:, None]
+  for k in (1, 7, T // 3):
+    np.testing.assert_array_equal(np.asarray(select_topk(jnp.asarray(got), cand, k)[0]),
+                                  np.asarray(select_topk(jnp.asarray(full), cand, k)[0]))
+
+
+def test_a_rows_scores_do_not_depend_on_the_other_rows():
+  # The same row, alone or among others, first or last, longest or not: the same bits
+  # (so memory systems and batches agree, whatever else runs).
+  B, T = 7, 600
+  q, w, addr, length, keys = _case(3, B, T, I=4, K=32, dtype=jnp.bfloat16, idle_frac=0.0)
+  fn = jax.jit(lambda *a: length_scores(*a, _gather(keys), block_rows=3, block_t=128))
+  base = np.asarray(fn(q, w, addr, length))
+  perm = np.random.default_rng(0).permutation(B)
+  shuffled = np.asarray(fn(q[perm], w[perm], addr[perm], length[perm]))
+  alone = np.asarray(fn(q, w, addr, jnp.where(jnp.arange(B) == 2, length, 0)))
+  n = np.asarray(length)
+  for b in range(B):
+    np.testing.assert_array_equal(shuffled[np.argsort(perm)[b], :n[b]], base[b, :n[b]])
+  np.testing.assert_array_equal(alone[2, :n[2]], base[2, :n[2]])
+
+
+def test_every_row_idle_scores_nothing():
+  q, w, addr, _, keys = _case(0, 4, 64, I=2, K=16, dtype=jnp.float32)
+  out = length_scores(q, w, addr, jnp.zeros(4, jnp.int32), _gather(keys))
+  assert out.shape == (4, 64) and np.all(np.asarray(out) == -np.inf)
+
+
+def test_only_the_blocks_some_row_needs_are_gathered():
+  # One row of 10 positions among idle rows: a single (row block, column block) is read.
+  B, T = 6, 400
+  q, w, addr, _, keys = _case(1, B, T, I=2, K=16, dtype=jnp.float32)
+  length = jnp.asarray([0, 0, 10, 0, 0, 0], jnp.int32)
+  shapes = []
+
+  def gather(a):
+    jax.debug.callback(lambda x: shapes.append(x.shape), a)
+    return keys[jnp.clip(a, 0)]
+
+  jax.block_until_ready(length_scores(q, w, addr, length, gather, block_rows=2, block_t=64))
+  assert [s for s in shapes if s != (1, 1)] == [(2, 64)]  # (1, 1): the type probe
+
+
+def test_bad_blocks_are_refused():
+  q, w, addr, length, keys = _case(2, 2, 32, I=2, K=8, dtype=jnp.float32)
+  with pytest.raises(ValueError, match="block_rows=0"):
+    length_scores(q, w, addr, length, lambda a: keys[a], block_rows=0)

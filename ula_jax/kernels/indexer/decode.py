@@ -1,0 +1,81 @@
+"""A decode step's indexer scores over each row's own history, in blocks.
+
+A decode step has ``engine.max_batch`` rows whose histories differ in length, and rows
+without a request. Scoring every row over the engine's whole window (``index_scores`` of
+``[B, T]`` gathered keys, ``T = max_context``) reads and multiplies ``B x T`` keys per
+layer group whatever the batch holds: at GLM-5 geometry (32 rows, 160K-position window)
+more than the rest of the step. ``length_scores`` scores only what some row needs: the
+rows sorted longest first, in blocks of ``block_rows``, each block over column blocks of
+``block_t`` up to its longest row (two loops on the device whose trip counts are the
+number of rows with a history and their lengths). Positions it does not score are
+``-inf``; the caller's candidate mask excludes them anyway.
+
+Each score is the same products as ``index_scores`` over the whole window; a GEMM of
+another shape may round them differently (a few ulp), but every block has the same shape,
+so a row's scores depend neither on the other rows nor on where the row sits in the
+batch, and every memory system (``MemorySystem.select``, ula TP's aligned scoring) scores
+with the same blocks and gets the same bits (``tests/test_decode_scores.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from ula_jax.core.types import INVALID
+from ula_jax.kernels.indexer.reference import index_scores
+
+F32 = jnp.float32
+BLOCK_ROWS = 8
+BLOCK_T = 16384
+
+
+def length_scores(q_nik: jax.Array, w_ni: jax.Array, cand_addr: jax.Array,
+                  length: jax.Array, gather: Callable[[jax.Array], jax.Array], *,
+                  block_rows: int = BLOCK_ROWS, block_t: int = BLOCK_T) -> jax.Array:
+  """Indexer scores of each row's first ``length`` positions.
+
+  q_nik: [B, I, K] index queries; w_ni: [B, I] float32 head weights
+  cand_addr: [B, T] int32 each position's logical address (INVALID: none)
+  length: [B] int32 positions to score per row (0: the row is idle)
+  gather: addresses [R, C] -> keys [R, C, K] (invalid addresses may read anything)
+  returns [B, T] float32: ``index_scores`` of the row's keys at positions < length
+          (and at the rest of their column block), -inf elsewhere
+  """
+  if block_rows < 1 or block_t < 1:
+    raise ValueError(f"block_rows={block_rows}, block_t={block_t}: must be >= 1")
+  B, T = cand_addr.shape
+  R, C = min(block_rows, B), min(block_t, T)
+  Bp, Tp = -(-B // R) * R, -(-T // C) * C
+  q = jnp.pad(q_nik, ((0, Bp - B), (0, 0), (0, 0)))
+  w = jnp.pad(w_ni, ((0, Bp - B), (0, 0)))
+  addr = jnp.pad(cand_addr, ((0, Bp - B), (0, Tp - T)), constant_values=INVALID)
+  n = jnp.pad(jnp.clip(length, 0, T).astype(jnp.int32), (0, Bp - B))
+  order = jnp.argsort(-n, stable=True)  # longest first; idle (and padding) rows last
+  n_sorted = n[order]
+  row_blocks = -(-jnp.sum(n > 0, dtype=jnp.int32) // R)
+
+  def row_block(rb, out):
+    rows = jax.lax.dynamic_slice(order, (rb * R,), (R,))
+    cols = -(-n_sorted[rb * R] // C)  # the block's longest row comes first
+    q_r, w_r, addr_r = q[rows], w[rows], addr[rows]
+
+    def col_block(cb, out):
+      a = jax.lax.dynamic_slice(addr_r, (0, cb * C), (R, C))
+      keys = jax.lax.optimization_barrier(gather(a))
+      s = jax.lax.optimization_barrier(index_scores(q_r, w_r, keys))
+      return jax.lax.dynamic_update_slice(out, s, (rb * R, cb * C))
+
+    return jax.lax.fori_loop(0, cols, col_block, out)
+
+  # The scores take the keys' sharding type (a mesh with explicit axes, where the keys
+  # come from one): the buffer starts as -inf plus a zero of that type (only the type is
+  # read: the gather is dead code).
+  zero = jnp.zeros_like(gather(jnp.full((1, 1), INVALID, jnp.int32))[0, 0, 0], F32)
+  out = jax.lax.fori_loop(0, row_blocks, row_block, jnp.full((Bp, Tp), -jnp.inf, F32) + zero)
+  return out[jnp.argsort(order)][:B, :T]
+
+
+__all__ = ["BLOCK_ROWS", "BLOCK_T", "length_scores"]
