@@ -97,3 +97,30 @@ def test_bad_blocks_are_refused():
   q, w, addr, length, keys = _case(2, 2, 32, I=2, K=8, dtype=jnp.float32)
   with pytest.raises(ValueError, match="block_rows=0"):
     length_scores(q, w, addr, length, lambda a: keys[a], block_rows=0)
+
+
+def test_systems_scoring_by_length_decode_residents_tokens(monkeypatch):
+  """Engines with kernels.decode_scores=lengths and blocks far smaller than the window
+  (2 rows x 16 positions; rows of different lengths, idle rows, evicting pools): ula
+  and hisparse decode resident's tokens."""
+  from ula_jax.kernels.indexer import decode
+  from tests.engine_util import DENSE, make_requests, run_engine
+  monkeypatch.setattr(decode, "BLOCK_ROWS", 2)
+  monkeypatch.setattr(decode, "BLOCK_T", 16)
+  requests = make_requests(num=6, seed=7, prompt=(9, 70), output=(4, 10))
+  base = DENSE + ["mesh.dp=1", "engine.max_batch=3", "kernels.decode_scores=lengths"]
+  systems = {
+      "resident": [],
+      "ula": ["memory.system=ula", "memory.device_pool=40", "memory.host_pool=1024"],
+      "hisparse": ["memory.system=hisparse", "memory.hisparse.device_buffer_size=8",
+                   "memory.hisparse.host_to_device_ratio=32"],
+  }
+  tokens = {}
+  for name, over in systems.items():
+    result = run_engine(base + over, requests)
+    assert all(r.status == "finished" for r in result.requests), name
+    tokens[name] = {r.id: r.output_tokens for r in result.requests}
+    if name != "resident":
+      assert result.summary.get("total_misses", 0) > 0, name
+  assert tokens["ula"] == tokens["resident"]
+  assert tokens["hisparse"] == tokens["resident"]

@@ -370,12 +370,14 @@ class KernelsConfig(Section):
       "auto", description="the resolve stages (dedupe, hits, victims): 'pallas' as four "
       "Pallas launches per layer group, 'pallas_fused' PB-LRU's in one launch (exact LRU "
       "stays four); 'auto' jnp off a GPU, on a GPU the fastest measured for the policy")
-  decode_scores: Literal["lengths", "window"] = Field(
-      "lengths", description="a decode step's indexer scores: 'lengths' scores each row over "
+  decode_scores: Literal["auto", "lengths", "window"] = Field(
+      "auto", description="a decode step's indexer scores: 'lengths' scores each row over "
       "its own history only (rows with a request, longest first, in blocks of 8 rows and "
       "16,384 positions, loops on the device), 'window' every row of engine.max_batch over "
-      "the whole max_context window; the same scores and selections (ula TP scores its own "
-      "layout either way)")
+      "the whole max_context window; 'auto' lengths where the window is longer than one "
+      "block (16,384 positions), window otherwise. The same selections up to the rounding "
+      "of the GEMMs' other shapes; every system (ula TP's aligned scoring too) scores "
+      "alike, so systems agree bit for bit")
   resolve_fast_path: bool = Field(
       True, description="a resolve whose step moves nothing (every selection on the device, "
       "room for the new tokens in free device slots) skips the full resolve for an all-hit "

@@ -16,7 +16,7 @@ from ula_jax.memory.registry import REGISTRY, SYSTEM_NAMES, lookup, system_class
 def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: MeshInfo, *,
                         max_batch: int, page_size: int, max_context: int,
                         fetch_impl: str = "xla", resolve_impl: str = "jnp",
-                        resolve_fast_path: bool = True, decode_scores: str = "lengths",
+                        resolve_fast_path: bool = True, decode_scores: str = "auto",
                         interpret: bool | None = None, step_rows: int = 1) -> MemorySystem:
   """Instantiates ``cfg.system`` and validates its sizes (before any compute).
 

@@ -147,8 +147,9 @@ class MemorySystem(abc.ABC):
   # ``kernels.resolve_fast_path``).
   resolve_fast_path: bool = True
   # How a decode step's indexer scores are computed (``kernels.decode_scores``):
-  # 'lengths' each row over its own history, 'window' every row over the whole window.
-  decode_scores: str = "lengths"
+  # 'lengths' each row over its own history, 'window' every row over the whole window,
+  # 'auto' lengths for windows longer than one block (``kernels.indexer.decode``).
+  decode_scores: str = "auto"
   # A speculative copy (``speculative()``) resolves every group by the all-hit path with
   # no conditional and reports ``stats['spec_fail']``.
   speculate: bool = False
@@ -327,13 +328,13 @@ class MemorySystem(abc.ABC):
     page_table: [B, P] int32; positions: [B] int32; active: [B] bool
     returns (sel_pos [B, k] int32 positions, INVALID where not valid; sel_valid [B, k])
 
-    The default scores the keys of a row on this device: with ``decode_scores=
-    'lengths'`` each row's own history in blocks (``kernels.indexer.decode``), with
-    'window' every row over the whole window. A layout that shards keys over ranks
+    The default scores the keys of a row on this device: by length, each row's own
+    history in blocks (``kernels.indexer.decode``), or every row over the whole window,
+    as ``decode_scores`` says (``scores_by_length``). A layout that shards keys over ranks
     overrides it: score local keys, gather, merge to the same top-k.
     """
     from ula_jax.kernels.indexer import index_scores, select_topk
-    from ula_jax.kernels.indexer.decode import length_scores
+    from ula_jax.kernels.indexer.decode import length_scores, scores_by_length
     from ula_jax.core.addressing import all_addrs
     cand_addr = all_addrs(page_table, self.page_size)  # [B, T]
     T = cand_addr.shape[1]
@@ -344,7 +345,7 @@ class MemorySystem(abc.ABC):
     # end, so no fusion reaching into a system's tables (whose sizes differ between
     # systems) can change how the scores are computed and rounded.
     gather = lambda addrs: self.gather_index_keys(state, group, addrs)
-    if self.decode_scores == "lengths":
+    if scores_by_length(self.decode_scores, T):
       length = jnp.where(active, positions + 1, 0)
       scores = length_scores(q_I, w, cand_addr, length, gather)
     else:

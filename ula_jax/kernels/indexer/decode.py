@@ -30,20 +30,33 @@ from ula_jax.kernels.indexer.reference import index_scores
 F32 = jnp.float32
 BLOCK_ROWS = 8
 BLOCK_T = 16384
+MODES = ("auto", "lengths", "window")
+
+
+def scores_by_length(mode: str, window: int) -> bool:
+  """Whether ``kernels.decode_scores=mode`` scores by length for a ``window``-position
+  decode window: 'auto' where the window is longer than one column block (on a GPU each
+  loop iteration waits for the device, which a short window does not repay)."""
+  if mode not in MODES:
+    raise ValueError(f"kernels.decode_scores={mode!r}: expected one of {list(MODES)}")
+  return mode == "lengths" or (mode == "auto" and window > BLOCK_T)
 
 
 def length_scores(q_nik: jax.Array, w_ni: jax.Array, cand_addr: jax.Array,
                   length: jax.Array, gather: Callable[[jax.Array], jax.Array], *,
-                  block_rows: int = BLOCK_ROWS, block_t: int = BLOCK_T) -> jax.Array:
+                  block_rows: int | None = None, block_t: int | None = None) -> jax.Array:
   """Indexer scores of each row's first ``length`` positions.
 
   q_nik: [B, I, K] index queries; w_ni: [B, I] float32 head weights
   cand_addr: [B, T] int32 each position's logical address (INVALID: none)
   length: [B] int32 positions to score per row (0: the row is idle)
   gather: addresses [R, C] -> keys [R, C, K] (invalid addresses may read anything)
+  block_rows, block_t: the blocks (None: ``BLOCK_ROWS``, ``BLOCK_T``, read when called)
   returns [B, T] float32: ``index_scores`` of the row's keys at positions < length
           (and at the rest of their column block), -inf elsewhere
   """
+  block_rows = BLOCK_ROWS if block_rows is None else block_rows
+  block_t = BLOCK_T if block_t is None else block_t
   if block_rows < 1 or block_t < 1:
     raise ValueError(f"block_rows={block_rows}, block_t={block_t}: must be >= 1")
   B, T = cand_addr.shape
@@ -78,4 +91,4 @@ def length_scores(q_nik: jax.Array, w_ni: jax.Array, cand_addr: jax.Array,
   return out[jnp.argsort(order)][:B, :T]
 
 
-__all__ = ["BLOCK_ROWS", "BLOCK_T", "length_scores"]
+__all__ = ["BLOCK_ROWS", "BLOCK_T", "MODES", "length_scores", "scores_by_length"]

@@ -608,7 +608,7 @@ class UlaTP(MemorySystem):
     ``index_scoring='aligned'`` identical to the unsharded selection.
     """
     from ula_jax.kernels.indexer import index_scores
-    from ula_jax.kernels.indexer.decode import length_scores
+    from ula_jax.kernels.indexer.decode import length_scores, scores_by_length
     k = self.geo.top_k
     cand_addr = all_addrs(page_table, self.page_size)  # [B, T]
     B, T = cand_addr.shape
@@ -633,7 +633,7 @@ class UlaTP(MemorySystem):
       return jnp.where((local_rc >= 0)[..., None], out, jnp.zeros((), keys.dtype))
 
     owned = jnp.where(ok_bt, local_bt, INVALID)
-    if self.index_scoring == "aligned" and self.decode_scores == "lengths":
+    if self.index_scoring == "aligned" and scores_by_length(self.decode_scores, T):
       # The unsharded selection's blocks (``MemorySystem.select``), so the same bits.
       length = jnp.where(active, positions + 1, 0)
       scores = length_scores(q_I, w, owned, length, gather)
