@@ -373,9 +373,9 @@ class KernelsConfig(Section):
   decode_scores: Literal["auto", "lengths", "window"] = Field(
       "auto", description="a decode step's indexer scores: 'lengths' scores each row over "
       "its own history only (rows with a request, longest first, in blocks of 8 rows and "
-      "16,384 positions, loops on the device), 'window' every row of engine.max_batch over "
+      "32,768 positions, loops on the device), 'window' every row of engine.max_batch over "
       "the whole max_context window; 'auto' lengths where the window is longer than one "
-      "block (16,384 positions), window otherwise. The same selections up to the rounding "
+      "block (32,768 positions), window otherwise. The same selections up to the rounding "
       "of the GEMMs' other shapes; every system (ula TP's aligned scoring too) scores "
       "alike, so systems agree bit for bit")
   resolve_fast_path: bool = Field(

@@ -29,7 +29,7 @@ from ula_jax.kernels.indexer.reference import index_scores
 
 F32 = jnp.float32
 BLOCK_ROWS = 8
-BLOCK_T = 16384
+BLOCK_T = 32768
 MODES = ("auto", "lengths", "window")
 
 
