@@ -11,7 +11,8 @@
 # SYSTEMS="resident@v ula_pb_lru@v" CONFIG_v=experiments/dsv32_summarization/config.yaml),
 # EXTRA (overrides for every run), RUN_LIMIT_S (each run's time limit,
 # default 480: the experiment's 8-minute target; a run stopped by it writes its run
-# directory with what it finished), TIME_LIMIT_S (the whole script's, default 570).
+# directory with what it finished), TIME_LIMIT_S (the whole script's, default 570),
+# SWEEP=1 (one process serves all the systems: ula-jax sweep, below).
 # Results under $OUT (8 files at most come back): SYSTEM.json (the run's summary),
 # SYSTEM_digests.npz (with engine.record_digests=true), compare_FIRST_SYSTEM.txt (tokens,
 # and digests where both runs have them, against the first system), logs.tgz (each
@@ -32,15 +33,37 @@ RUNS=${RUNS_DIR:-$(mktemp -d /tmp/glm5_runs.XXXXXX)}
 mkdir -p "$RUNS"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$WORK/gpu.txt"
 free -g | tee -a "$WORK/gpu.txt"
-for item in ${SYSTEMS:-ula_pb_lru hisparse resident}; do
-  preset=${item%%@*}; sys=${item/@/_}
+# collect SYS DIR: a run directory's summary and digests into $OUT, plots and tables into WORK.
+collect() {
+  [ -f "$2/summary.json" ] && cp "$2/summary.json" "$OUT/$1.json"
+  [ -f "$2/digests.npz" ] && cp "$2/digests.npz" "$OUT/${1}_digests.npz"
+  for f in "$2"/*.png "$2"/*.csv; do [ -f "$f" ] && cp "$f" "$WORK/${1}_$(basename "$f")"; done
+}
+if [ -n "${SWEEP:-}" ]; then
+  # One process serves every system in turn (ula-jax sweep): the backend starts once and
+  # the pinned host region made for the first host pool is reused by the next ones. The
+  # systems share the first item's tag (its CONFIG_TAG and EXTRA_TAG); RUN_LIMIT_S is
+  # the whole sweep's limit.
+  items=(${SYSTEMS:-ula_pb_lru hisparse resident})
+  presets=$(printf '%s,' "${items[@]%%@*}")
   # shellcheck disable=SC2046,SC2086
-  STEP_TAIL=30 step "$sys" "${RUN_LIMIT_S:-480}" $CLI run "$(tagged CONFIG "$item" "$CONFIG")" \
-    "memory=$preset" ${EXTRA:-} $(tagged EXTRA "$item") --no-progress --out "$RUNS/$sys"
-  [ -f "$RUNS/$sys/summary.json" ] && cp "$RUNS/$sys/summary.json" "$OUT/$sys.json"
-  [ -f "$RUNS/$sys/digests.npz" ] && cp "$RUNS/$sys/digests.npz" "$OUT/${sys}_digests.npz"
-  for f in "$RUNS/$sys"/*.png "$RUNS/$sys"/*.csv; do [ -f "$f" ] && cp "$f" "$WORK/${sys}_$(basename "$f")"; done
-done
+  STEP_TAIL=40 step sweep "${RUN_LIMIT_S:-480}" $CLI sweep "$(tagged CONFIG "${items[0]}" "$CONFIG")" \
+    "memory=${presets%,}" ${EXTRA:-} $(tagged EXTRA "${items[0]}") --no-progress --out "$RUNS/sweep"
+  for i in "${!items[@]}"; do
+    sys=${items[$i]/@/_}
+    printf -v dir '%s/sweep/%03d-memory=%s' "$RUNS" "$i" "${items[$i]%%@*}"
+    [ -d "$dir" ] && ln -sfn "$dir" "$RUNS/$sys" && collect "$sys" "$dir"
+  done
+  [ -f "$RUNS/sweep/sweep.csv" ] && cp "$RUNS/sweep/sweep.csv" "$WORK/sweep.csv"
+else
+  for item in ${SYSTEMS:-ula_pb_lru hisparse resident}; do
+    preset=${item%%@*}; sys=${item/@/_}
+    # shellcheck disable=SC2046,SC2086
+    STEP_TAIL=30 step "$sys" "${RUN_LIMIT_S:-480}" $CLI run "$(tagged CONFIG "$item" "$CONFIG")" \
+      "memory=$preset" ${EXTRA:-} $(tagged EXTRA "$item") --no-progress --out "$RUNS/$sys"
+    collect "$sys" "$RUNS/$sys"
+  done
+fi
 # Tokens request by request: every later system against the first (a stopped run's
 # requests compared over the tokens both have).
 items=${SYSTEMS:-ula_pb_lru hisparse resident}
