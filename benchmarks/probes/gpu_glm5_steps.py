@@ -14,6 +14,7 @@ step (``bench/profile.py``), and the device's peak memory in use.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import statistics
@@ -106,7 +107,9 @@ def main(argv: list[str]) -> int:
   for r in rows.values():
     if "tokens" in r:
       r["tokens_equal_resident"] = None if ref is None else r["tokens"] == ref
-      r.pop("tokens")
+      # Runs in other processes (other flags, other overrides) compare by this digest.
+      r["tokens_sha256"] = hashlib.sha256(
+          json.dumps(r.pop("tokens"), sort_keys=True).encode()).hexdigest()
   out = {"environment": environment(), "config": CONFIG, "overrides": args.overrides,
          "requests": args.requests, "prompt": args.prompt, "output": args.output,
          "systems": rows}
