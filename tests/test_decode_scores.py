@@ -124,3 +124,37 @@ def test_systems_scoring_by_length_decode_residents_tokens(monkeypatch):
       assert result.summary.get("total_misses", 0) > 0, name
   assert tokens["ula"] == tokens["resident"]
   assert tokens["hisparse"] == tokens["resident"]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_radix_topk_picks_the_sorts_positions_in_ascending_order(impl):
+  from ula_jax.kernels.indexer.decode import decode_topk
+  B, T, k = 6, 700, 64
+  q, w, addr, length, keys = _case(11, B, T, I=4, K=32, dtype=jnp.float32)
+  scores = index_scores(q, w, _gather(keys)(addr))
+  n = np.asarray(length)
+  cand = jnp.asarray(np.arange(T)[None, :] < n[:, None])
+  sp, sv = decode_topk(scores, cand, length, k, mode="sort")
+  rp, rv = decode_topk(scores, cand, length, k, mode="radix", impl=impl)
+  # (On the CPU select_prefix takes the sort's picks; the radix passes themselves run
+  # where the platform is a GPU, and in tests/test_sparse_prefill.py.)
+  sp, sv, rp, rv = map(np.asarray, (sp, sv, rp, rv))
+  for b in range(B):
+    assert set(sp[b][sv[b]]) == set(rp[b][rv[b]])
+    m = int(rv[b].sum())
+    assert rv[b, :m].all() and not rv[b, m:].any() and np.all(np.diff(rp[b, :m]) > 0)
+  with pytest.raises(ValueError, match="decode_topk='heap'"):
+    decode_topk(scores, cand, length, k, mode="heap")
+
+
+def test_systems_with_the_radix_topk_decode_residents_tokens():
+  from tests.engine_util import DENSE, make_requests, run_engine
+  requests = make_requests(num=5, seed=9, prompt=(9, 70), output=(4, 10))
+  base = DENSE + ["mesh.dp=1", "engine.max_batch=3", "kernels.decode_topk=radix"]
+  ref = run_engine(base, requests)
+  got = run_engine(base + ["memory.system=ula", "memory.device_pool=40",
+                           "memory.host_pool=1024"], requests)
+  assert [r.status for r in got.requests] == ["finished"] * len(requests)
+  assert {r.id: r.output_tokens for r in got.requests} == {
+      r.id: r.output_tokens for r in ref.requests}
+  assert got.summary.get("total_misses", 0) > 0

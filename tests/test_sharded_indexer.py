@@ -28,12 +28,12 @@ STEP = B * (GEO.top_k + 1)
 
 @functools.lru_cache(maxsize=None)
 def driver(layout: str, dp: int, tp: int, scoring: str = "aligned",
-           decode_scores: str = "auto") -> TPDriver:
+           decode_scores: str = "auto", decode_topk: str = "sort") -> TPDriver:
   # 64 logical addresses per dp rank: room for every row's pages in every layout.
   cfg = make_cfg(layout=layout, device_pool=STEP + 64 // tp, policy="lru",
                  index_scoring=scoring)
   s = build(cfg, dp=dp, tp=tp, geo=GEO, max_batch=B, page_size=PAGE, max_context=T)
-  s.decode_scores = decode_scores
+  s.decode_scores, s.decode_topk = decode_scores, decode_topk
   s.validate()
   assert s.num_logical == 64
   d = TPDriver(s, mesh_of(dp, tp))
@@ -109,16 +109,18 @@ def test_selection_equals_the_unsharded_one(rng, layout, dp, tp, ties):
       assert max(len(row) - len(np.unique(row)) for row in s) > 0
 
 
+@pytest.mark.parametrize("topk", ["sort", "radix"])
 @pytest.mark.parametrize("layout", ["mod", "request"])
-def test_scoring_by_length_equals_the_unsharded_systems(rng, layout, monkeypatch):
+def test_scoring_by_length_equals_the_unsharded_systems(rng, layout, topk, monkeypatch):
   """kernels.decode_scores=lengths with blocks smaller than the window (2 rows x 4
   positions here): ula TP's aligned scoring uses the unsharded system's blocks, so the
-  same bits and the same selection as ``MemorySystem.select`` scoring by length."""
+  same bits and the same selection as ``MemorySystem.select`` scoring by length, in the
+  order kernels.decode_topk gives (best first, or ascending positions)."""
   from ula_jax.kernels.indexer import decode
   from ula_jax.memory.resident import Resident
   monkeypatch.setattr(decode, "BLOCK_ROWS", 2)
   monkeypatch.setattr(decode, "BLOCK_T", 4)
-  d = driver(layout, 1, 4, decode_scores="lengths")
+  d = driver(layout, 1, 4, decode_scores="lengths", decode_topk=topk)
   d.state = d.sys.init_state(d.mesh)
   page_table, positions, active, keys, q, w = _inputs(rng, 1, ties=False)
   _store_keys(d, page_table, keys)
@@ -128,12 +130,17 @@ def test_scoring_by_length_equals_the_unsharded_systems(rng, layout, monkeypatch
   table = np.zeros((64, GEO.index_dim), np.float32)
   table[addrs] = keys[0] * (d.group + 1)
   ref = object.__new__(Resident)
-  ref.geo, ref.page_size, ref.decode_scores = GEO, PAGE, "lengths"
+  ref.geo, ref.page_size, ref.decode_scores, ref.decode_topk = GEO, PAGE, "lengths", topk
   ref.gather_index_keys = lambda state, g, a: jnp.asarray(table)[jnp.clip(a, 0, 63)]
   want_pos, want_valid = ref.select(None, d.group, jnp.asarray(q[0]), jnp.asarray(w[0]),
                                     jnp.asarray(page_table[0]), jnp.asarray(positions[0]),
                                     jnp.asarray(active[0]))
   assert np.asarray(want_valid).any()
+  if topk == "radix":  # ascending positions, valid ones first
+    p = np.asarray(want_pos)
+    for row, ok in zip(p, np.asarray(want_valid)):
+      n = int(ok.sum())
+      assert ok[:n].all() and not ok[n:].any() and np.all(np.diff(row[:n]) > 0)
   for t in range(4):
     np.testing.assert_array_equal(pos[0, t], np.asarray(want_pos))
     np.testing.assert_array_equal(valid[0, t], np.asarray(want_valid))

@@ -319,6 +319,8 @@ class Engine:
                                    resolve_impl=kernels.resolve,
                                    resolve_fast_path=cfg.kernels.resolve_fast_path,
                                    decode_scores=cfg.kernels.decode_scores,
+                                   decode_topk=cfg.kernels.decode_topk,
+                                   indexer_impl=kernels.indexer,
                                    interpret=interpret,
                                    step_rows=self.rows)
     self.attention_impl = kernels.attention

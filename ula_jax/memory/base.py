@@ -150,6 +150,11 @@ class MemorySystem(abc.ABC):
   # 'lengths' each row over its own history, 'window' every row over the whole window,
   # 'auto' lengths for windows longer than one block (``kernels.indexer.decode``).
   decode_scores: str = "auto"
+  # How a decode step's top-k is taken (``kernels.decode_topk``: 'sort' or 'radix'), and
+  # the ``kernels.indexer`` implementation of the radix select's counting passes.
+  decode_topk: str = "sort"
+  indexer_impl: str = "xla"
+  indexer_interpret: bool | None = None
   # A speculative copy (``speculative()``) resolves every group by the all-hit path with
   # no conditional and reports ``stats['spec_fail']``.
   speculate: bool = False
@@ -330,11 +335,12 @@ class MemorySystem(abc.ABC):
 
     The default scores the keys of a row on this device: by length, each row's own
     history in blocks (``kernels.indexer.decode``), or every row over the whole window,
-    as ``decode_scores`` says (``scores_by_length``). A layout that shards keys over ranks
+    as ``decode_scores`` says (``scores_by_length``), then the top-k as ``decode_topk``
+    says (best first, or ascending positions: the same set). A layout that shards keys over ranks
     overrides it: score local keys, gather, merge to the same top-k.
     """
-    from ula_jax.kernels.indexer import index_scores, select_topk
-    from ula_jax.kernels.indexer.decode import length_scores, scores_by_length
+    from ula_jax.kernels.indexer import index_scores
+    from ula_jax.kernels.indexer.decode import decode_topk, length_scores, scores_by_length
     from ula_jax.core.addressing import all_addrs
     cand_addr = all_addrs(page_table, self.page_size)  # [B, T]
     T = cand_addr.shape[1]
@@ -345,13 +351,14 @@ class MemorySystem(abc.ABC):
     # end, so no fusion reaching into a system's tables (whose sizes differ between
     # systems) can change how the scores are computed and rounded.
     gather = lambda addrs: self.gather_index_keys(state, group, addrs)
+    length = jnp.where(active, positions + 1, 0)  # a running row's pages cover its history
     if scores_by_length(self.decode_scores, T):
-      length = jnp.where(active, positions + 1, 0)
       scores = length_scores(q_I, w, cand_addr, length, gather)
     else:
       keys_btk = jax.lax.optimization_barrier(gather(cand_addr))
       scores = jax.lax.optimization_barrier(index_scores(q_I, w, keys_btk))
-    return select_topk(scores, cand, self.geo.top_k)
+    return decode_topk(scores, cand, length, self.geo.top_k, mode=self.decode_topk,
+                       impl=self.indexer_impl, interpret=self.indexer_interpret)
 
   # -- accounting (host side) -------------------------------------------------------
 

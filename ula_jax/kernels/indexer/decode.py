@@ -31,6 +31,7 @@ F32 = jnp.float32
 BLOCK_ROWS = 8
 BLOCK_T = 32768
 MODES = ("auto", "lengths", "window")
+TOPK_MODES = ("sort", "radix")
 
 
 def scores_by_length(mode: str, window: int) -> bool:
@@ -91,4 +92,27 @@ def length_scores(q_nik: jax.Array, w_ni: jax.Array, cand_addr: jax.Array,
   return out[jnp.argsort(order)][:B, :T]
 
 
-__all__ = ["BLOCK_ROWS", "BLOCK_T", "MODES", "length_scores", "scores_by_length"]
+def decode_topk(scores_nt: jax.Array, cand_nt: jax.Array, length: jax.Array, k: int, *,
+                mode: str = "sort", impl: str = "xla", interpret: bool | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+  """A decode step's top-k: ``kernels.decode_topk``.
+
+  scores_nt: [N, T] float32; cand_nt: [N, T] bool, each row's positions t < length[n]
+  length: [N] int32 (0: an idle row); k: picks per row
+  mode: 'sort' (``select_topk``: ``lax.top_k``, a sort on a GPU; picks best first) or
+        'radix' (``prefill.select_prefix``: radix select, the counting passes by
+        ``impl``, the ``kernels.indexer`` implementation; picks in ascending position
+        order, valid ones first). The same set of positions either way.
+  returns positions [N, k] int32 (INVALID where not valid), valid [N, k] bool
+  """
+  from ula_jax.kernels.indexer.prefill import select_prefix
+  from ula_jax.kernels.indexer.reference import select_topk
+  if mode == "sort":
+    return select_topk(scores_nt, cand_nt, k)
+  if mode != "radix":
+    raise ValueError(f"kernels.decode_topk={mode!r}: expected one of {list(TOPK_MODES)}")
+  return select_prefix(scores_nt, length, k, impl=impl, interpret=interpret)
+
+
+__all__ = ["BLOCK_ROWS", "BLOCK_T", "MODES", "TOPK_MODES", "decode_topk", "length_scores",
+           "scores_by_length"]

@@ -99,11 +99,11 @@ def select_prefix(scores_nt: jax.Array, limit_n: jax.Array, k: int, *, impl: str
   # The radix select replaces the sort a GPU's top-k of 2048 would be; a CPU's top-k is
   # no sort and many times faster than the counting passes there. Same set either way.
   return jax.lax.platform_dependent(
-      scores_nt, cand, cpu=lambda s, c: _ascending(*select_topk(s, c, k)),
+      scores_nt, cand, cpu=lambda s, c: ascending(*select_topk(s, c, k)),
       default=lambda s, c: select_topk_radix(s, c, k, radix_bits=radix_bits))
 
 
-def _ascending(pos_nk: jax.Array, valid_nk: jax.Array) -> tuple[jax.Array, jax.Array]:
+def ascending(pos_nk: jax.Array, valid_nk: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``select_topk``'s picks (best first) in ascending position order, valid ones first
   (the order ``select_topk_radix`` returns)."""
   big = jnp.iinfo(jnp.int32).max
@@ -174,5 +174,5 @@ def prefix_topk(q_nik: jax.Array, w_ni: jax.Array, keys_tk: jax.Array, limit_n: 
   return pos.reshape(nb * R, k)[:N], valid.reshape(nb * R, k)[:N]
 
 
-__all__ = ["IMPLS", "SCRATCH_BYTES", "SELECT_BYTES", "block_rows", "column_tile", "prefix_topk",
-           "scores_fn", "select_prefix"]
+__all__ = ["IMPLS", "SCRATCH_BYTES", "SELECT_BYTES", "ascending", "block_rows", "column_tile",
+           "prefix_topk", "scores_fn", "select_prefix"]

@@ -609,6 +609,7 @@ class UlaTP(MemorySystem):
     """
     from ula_jax.kernels.indexer import index_scores
     from ula_jax.kernels.indexer.decode import length_scores, scores_by_length
+    from ula_jax.kernels.indexer.prefill import ascending
     k = self.geo.top_k
     cand_addr = all_addrs(page_table, self.page_size)  # [B, T]
     B, T = cand_addr.shape
@@ -644,7 +645,9 @@ class UlaTP(MemorySystem):
                     INVALID)
     val_all = jax.lax.all_gather(val, TP_AXIS, axis=1, tiled=True)  # [B, P * k]
     pos_all = jax.lax.all_gather(pos, TP_AXIS, axis=1, tiled=True)
-    return merge_topk(val_all, pos_all, k)
+    picks = merge_topk(val_all, pos_all, k)
+    # kernels.decode_topk='radix': the unsharded select's order, ascending positions.
+    return ascending(*picks) if self.decode_topk == "radix" else picks
 
   def stat_keys(self) -> tuple[str, ...]:
     keys = ("hits", "misses", "evictions", "xdev_rows", "xdev_index_bytes")
