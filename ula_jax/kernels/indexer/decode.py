@@ -1,4 +1,4 @@
-"""A decode step's indexer scores over each row's own history, in blocks.
+"""A decode step's indexer scores over each row's own history, in blocks, and its top-k.
 
 A decode step has ``engine.max_batch`` rows whose histories differ in length, and rows
 without a request. Scoring every row over the engine's whole window (``index_scores`` of
@@ -15,6 +15,10 @@ another shape may round them differently (a few ulp), but every block has the sa
 so a row's scores depend neither on the other rows nor on where the row sits in the
 batch, and every memory system (``MemorySystem.select``, ula TP's aligned scoring) scores
 with the same blocks and gets the same bits (``tests/test_decode_scores.py``).
+
+``decode_topk`` takes the top-k of the scores by ``lax.top_k`` (a sort on a GPU) or by
+the prefill's radix select (``kernels.decode_topk``): the same positions, in another
+order.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from ula_jax.core.types import INVALID
-from ula_jax.kernels.indexer.reference import index_scores
+from ula_jax.kernels.indexer.prefill import select_prefix
+from ula_jax.kernels.indexer.reference import index_scores, select_topk
 
 F32 = jnp.float32
 BLOCK_ROWS = 8
@@ -105,8 +110,6 @@ def decode_topk(scores_nt: jax.Array, cand_nt: jax.Array, length: jax.Array, k: 
         order, valid ones first). The same set of positions either way.
   returns positions [N, k] int32 (INVALID where not valid), valid [N, k] bool
   """
-  from ula_jax.kernels.indexer.prefill import select_prefix
-  from ula_jax.kernels.indexer.reference import select_topk
   if mode == "sort":
     return select_topk(scores_nt, cand_nt, k)
   if mode != "radix":
