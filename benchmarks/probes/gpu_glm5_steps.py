@@ -41,6 +41,7 @@ def main(argv: list[str]) -> int:
   from ula_jax.bench.profile import trace_calls
   from ula_jax.config import load_config
   from ula_jax.engine import Engine, resolve_max_context
+  from ula_jax.memory import memory_stats
   from ula_jax.mesh import build_mesh, configure_platform
 
   rows = {}
@@ -77,7 +78,7 @@ def main(argv: list[str]) -> int:
     if not pick:
       rows[system] = {"error": f"{len(decoding)} decode steps: raise --output"}
       continue
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = memory_stats(jax.devices()[0])
     rows[system] = {
         "engine_build_s": built, "run_wall_s": wall,
         "summary": {k: res.summary.get(k) for k in (

@@ -30,13 +30,14 @@ def main(argv: list[str]) -> int:
   from ula_jax.bench.common import same_length_requests
   from ula_jax.config import load_config
   from ula_jax.engine import Engine, resolve_max_context
+  from ula_jax.memory import memory_stats
   from ula_jax.mesh import build_mesh, configure_platform
 
   gib = 2.0 ** 30
   t0 = time.perf_counter()
 
   def mem(tag: str) -> None:
-    s = jax.devices()[0].memory_stats() or {}
+    s = memory_stats(jax.devices()[0])
     print(f"[{time.perf_counter() - t0:7.1f}s] {tag}: in use "
           f"{s.get('bytes_in_use', 0) / gib:7.2f} GiB, peak "
           f"{s.get('peak_bytes_in_use', 0) / gib:7.2f} GiB, largest alloc "
