@@ -4,7 +4,9 @@
 memory systems' ``init_state`` uses today); ``numpy``: ``jax.device_put`` of a lazily
 zeroed numpy array (``np.zeros`` maps the zero page: no RAM is touched until written)
 straight into the pinned sharding. Each made array is checked (memory kind, all zeros on
-a sampled slice).
+a sampled slice). The first array of a size pins a new region of the allocator (the next
+power of two, up to the engine's cap), so a size's first method also pays the pinning:
+``--methods device --gib 100`` times what a 100 GiB host pool costs an engine.
 
     python benchmarks/probes/gpu_host_fill.py --gib 4,16 [--methods device] [--json OUT.json]
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import jax
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ula_jax.core.host_memory import HOST_LIMIT_ENV, default_pinned_limit_gib, host_ram
 from ula_jax.memory.base import device_zeros, memory_kind_of
 
 W = 576  # one bf16 MLA entry
@@ -30,6 +34,11 @@ def _numpy_zeros(mesh, shape, dtype):
 
 
 def main() -> None:
+  # The pinned-host cap the engine sets (``mesh.configure_platform``), read when the
+  # backend starts: without it pools above 64 GiB fail.
+  ram = host_ram()
+  if ram and HOST_LIMIT_ENV not in os.environ:
+    os.environ[HOST_LIMIT_ENV] = str(default_pinned_limit_gib(ram))
   ap = argparse.ArgumentParser()
   ap.add_argument("--gib", default="4,16")
   ap.add_argument("--methods", default="numpy,device",
