@@ -147,13 +147,19 @@ def test_radix_topk_picks_the_sorts_positions_in_ascending_order(impl):
     decode_topk(scores, cand, length, k, mode="heap")
 
 
-def test_systems_with_the_radix_topk_decode_residents_tokens():
+def test_systems_with_the_radix_topk_decode_residents_tokens(monkeypatch):
+  """kernels.decode_topk=radix with scores by length in small blocks; ula runs three
+  decode steps per dispatch (the scoring loops inside the dispatch's device loop)."""
+  from ula_jax.kernels.indexer import decode
   from tests.engine_util import DENSE, make_requests, run_engine
+  monkeypatch.setattr(decode, "BLOCK_ROWS", 2)
+  monkeypatch.setattr(decode, "BLOCK_T", 16)
   requests = make_requests(num=5, seed=9, prompt=(9, 70), output=(4, 10))
-  base = DENSE + ["mesh.dp=1", "engine.max_batch=3", "kernels.decode_topk=radix"]
+  base = DENSE + ["mesh.dp=1", "engine.max_batch=3", "kernels.decode_topk=radix",
+                  "kernels.decode_scores=lengths"]
   ref = run_engine(base, requests)
   got = run_engine(base + ["memory.system=ula", "memory.device_pool=40",
-                           "memory.host_pool=1024"], requests)
+                           "memory.host_pool=1024", "engine.steps_per_dispatch=3"], requests)
   assert [r.status for r in got.requests] == ["finished"] * len(requests)
   assert {r.id: r.output_tokens for r in got.requests} == {
       r.id: r.output_tokens for r in ref.requests}
