@@ -95,6 +95,21 @@ def test_byte_tokenizer_and_unigram_baseline():
   assert unigram_loss(log_p, windows) == pytest.approx(-(np.log(0.5) + np.log(1 / 3)) / 2)
 
 
+def test_start_token_replaces_each_windows_first_token_only():
+  from ula_jax.train.data import heldout_requests, start_windows, train_batch
+  tokens = np.arange(1000, dtype=np.uint16) % 200
+  plain = train_batch(tokens, 3, 4, 63, 0)
+  started = start_windows(plain)
+  assert np.all(started[:, 0] == BOS)
+  np.testing.assert_array_equal(started[:, 1:], plain[:, 1:])  # the targets are unchanged
+  assert not np.all(plain[:, 0] == BOS)  # (the input was not changed in place)
+  recs = heldout_requests(tokens, [10, 30], 5, start_token=True)
+  plain_recs = heldout_requests(tokens, [10, 30], 5)
+  for r, p in zip(recs, plain_recs):
+    assert r["prompt"][0] == BOS and r["prompt"][1:] == p["prompt"][1:]
+    assert len(r["prompt"]) == len(p["prompt"])
+
+
 # ----------------------------------------------------------------------------------
 # the training forward
 # ----------------------------------------------------------------------------------

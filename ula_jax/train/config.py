@@ -39,6 +39,12 @@ class DataConfig(Section):
   max_bytes: int | None = Field(
       None, ge=1, description="read files (in sorted path order) until about this many "
       "bytes, shared by the splits in proportion; None = every file")
+  start_token: bool = Field(
+      False, description="every training and held-out window starts with the document "
+      "separator (its first token replaced), as a served prompt starts at a document's "
+      "start: one token at position 0 that attention can rest on (an attention sink), so "
+      "heads need not spread what they do not use over the whole window; false = windows "
+      "start wherever their offset falls")
 
   @field_validator("extensions", mode="before")
   @classmethod

@@ -124,6 +124,13 @@ def load_corpus(cfg: DataConfig) -> Corpus:
                 train=stream[False], heldout=stream[True], sha1=digest.hexdigest())
 
 
+def start_windows(windows: np.ndarray) -> np.ndarray:
+  """``windows`` [n, L] with each first token replaced by ``BOS`` (``data.start_token``)."""
+  out = np.array(windows, copy=True)
+  out[:, 0] = BOS
+  return out
+
+
 def train_batch(tokens: np.ndarray, step: int, batch: int, seq_len: int, seed: int
                 ) -> np.ndarray:
   """The training windows of ``step``: [batch, seq_len + 1] int32 (inputs are ``[:, :-1]``,
@@ -162,17 +169,19 @@ def unigram_loss(log_probs: np.ndarray, windows: np.ndarray) -> float:
   return float(-log_probs[windows[:, 1:]].mean())
 
 
-def heldout_requests(tokens: np.ndarray, prompt_lens: list[int], max_new_tokens: int
-                     ) -> list[dict]:
+def heldout_requests(tokens: np.ndarray, prompt_lens: list[int], max_new_tokens: int,
+                     *, start_token: bool = False) -> list[dict]:
   """Request records (``workload.kind: file``) whose prompts are held-out text: one per
   length in ``prompt_lens``, at evenly spaced offsets of the held-out stream (ValueError
-  when the stream is shorter than the longest prompt)."""
+  when the stream is shorter than the longest prompt); with ``start_token`` each prompt's
+  first token is ``BOS``, as the model's training windows were (``data.start_token``)."""
   longest = max(prompt_lens)
   room = tokens.shape[0] - longest
   if room < 0:
     raise ValueError(f"the held-out files hold {tokens.shape[0]} tokens, fewer than the "
                      f"longest prompt ({longest})")
   starts = np.linspace(0, room, len(prompt_lens)).astype(int)
-  return [{"id": f"heldout-{i}", "prompt": tokens[s:s + n].astype(int).tolist(),
+  first = (lambda p: [BOS] + p[1:]) if start_token else (lambda p: p)
+  return [{"id": f"heldout-{i}", "prompt": first(tokens[s:s + n].astype(int).tolist()),
            "max_new_tokens": max_new_tokens}
           for i, (s, n) in enumerate(zip(starts, prompt_lens))]

@@ -49,7 +49,7 @@ from ula_jax.report.output import (RunDirError, RunInterrupted, StopRequest, che
 from ula_jax.train import cost
 from ula_jax.train.config import TrainConfig, TrainSection, config_dict, validate_train
 from ula_jax.train.data import (Corpus, eval_windows, heldout_requests, load_corpus,
-                                train_batch, unigram_log_probs, unigram_loss)
+                                start_windows, train_batch, unigram_log_probs, unigram_loss)
 from ula_jax.train.forward import ForwardOptions, batch_terms, terms_summary
 
 CONFIG_FILE = "config.yaml"
@@ -322,6 +322,8 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, *,
   try:
     corpus = load_corpus(cfg.data)
     heldout = eval_windows(corpus.heldout, cfg.eval.sequences, cfg.train.seq_len)
+    if cfg.data.start_token:
+      heldout = start_windows(heldout)
     train_batch(corpus.train, 0, 1, cfg.train.seq_len, cfg.train.seed)  # text too short?
   except ValueError as e:
     raise ConfigError([str(e)]) from None
@@ -398,6 +400,8 @@ def _train(cfg: TrainConfig, corpus: Corpus, heldout: np.ndarray, run_dir: Path,
       while step < t.steps:
         stage = t.stage(step)
         windows = train_batch(corpus.train, step, t.batch_size, t.seq_len, t.seed)
+        if cfg.data.start_token:
+          windows = start_windows(windows)
         t0 = time.perf_counter()
         params, opt_state, m = train_step(graphdef, tx, opts[stage], cfg, params, opt_state,
                                           windows)
@@ -470,7 +474,7 @@ def _write_requests(cfg: TrainConfig, corpus: Corpus, path: Path) -> None:
   out = min(128, max(1, T // 8))
   lens = [max(1, T * i // 4 - out) for i in range(1, 5)]
   try:
-    records = heldout_requests(corpus.heldout, lens, out)
+    records = heldout_requests(corpus.heldout, lens, out, start_token=cfg.data.start_token)
   except ValueError:
     return  # held-out text shorter than the trained length: no request file
   path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
