@@ -120,6 +120,7 @@ def test_systems_scoring_by_length_decode_residents_tokens(monkeypatch):
     result = run_engine(base + over, requests)
     assert all(r.status == "finished" for r in result.requests), name
     tokens[name] = {r.id: r.output_tokens for r in result.requests}
+    assert result.summary["decode_scores"] == "lengths", name  # what the summary states
     if name != "resident":
       assert result.summary.get("total_misses", 0) > 0, name
   assert tokens["ula"] == tokens["resident"]
@@ -164,3 +165,4 @@ def test_systems_with_the_radix_topk_decode_residents_tokens(monkeypatch):
   assert {r.id: r.output_tokens for r in got.requests} == {
       r.id: r.output_tokens for r in ref.requests}
   assert got.summary.get("total_misses", 0) > 0
+  assert (got.summary["decode_scores"], got.summary["decode_topk"]) == ("lengths", "radix")
