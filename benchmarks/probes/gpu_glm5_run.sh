@@ -44,14 +44,16 @@ if [ -n "${SWEEP:-}" ]; then
   # the pinned host region made for the first host pool is reused by the next ones. The
   # systems share the first item's tag (its CONFIG_TAG and EXTRA_TAG); RUN_LIMIT_S is
   # the whole sweep's limit.
-  items=(${SYSTEMS:-ula_pb_lru hisparse resident})
-  presets=$(printf '%s,' "${items[@]%%@*}")
+  # shellcheck disable=SC2206
+  sweep_items=(${SYSTEMS:-ula_pb_lru hisparse resident})
+  presets=$(printf '%s,' "${sweep_items[@]%%@*}")
+  tag=${sweep_items[0]}
   # shellcheck disable=SC2046,SC2086
-  STEP_TAIL=40 step sweep "${RUN_LIMIT_S:-480}" $CLI sweep "$(tagged CONFIG "${items[0]}" "$CONFIG")" \
-    "memory=${presets%,}" ${EXTRA:-} $(tagged EXTRA "${items[0]}") --no-progress --out "$RUNS/sweep"
-  for i in "${!items[@]}"; do
-    sys=${items[$i]/@/_}
-    printf -v dir '%s/sweep/%03d-memory=%s' "$RUNS" "$i" "${items[$i]%%@*}"
+  STEP_TAIL=40 step sweep "${RUN_LIMIT_S:-480}" $CLI sweep "$(tagged CONFIG "$tag" "$CONFIG")" \
+    "memory=${presets%,}" ${EXTRA:-} $(tagged EXTRA "$tag") --no-progress --out "$RUNS/sweep"
+  for i in "${!sweep_items[@]}"; do
+    sys=${sweep_items[$i]/@/_}
+    printf -v dir '%s/sweep/%03d-memory=%s' "$RUNS" "$i" "${sweep_items[$i]%%@*}"
     [ -d "$dir" ] && ln -sfn "$dir" "$RUNS/$sys" && collect "$sys" "$dir"
   done
   [ -f "$RUNS/sweep/sweep.csv" ] && cp "$RUNS/sweep/sweep.csv" "$WORK/sweep.csv"

@@ -336,8 +336,8 @@ class MemorySystem(abc.ABC):
     The default scores the keys of a row on this device: by length, each row's own
     history in blocks (``kernels.indexer.decode``), or every row over the whole window,
     as ``decode_scores`` says (``scores_by_length``), then the top-k as ``decode_topk``
-    says (best first, or ascending positions: the same set). A layout that shards keys over ranks
-    overrides it: score local keys, gather, merge to the same top-k.
+    says (best first, or ascending positions: the same set). A layout that shards keys
+    over ranks overrides it: score local keys, gather, merge to the same top-k.
     """
     from ula_jax.kernels.indexer import index_scores
     from ula_jax.kernels.indexer.decode import decode_topk, length_scores, scores_by_length
