@@ -128,7 +128,7 @@ def test_systems_scoring_by_length_decode_residents_tokens(monkeypatch):
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_radix_topk_picks_the_sorts_positions_in_ascending_order(impl):
+def test_radix_and_sort_topk_return_the_same_arrays(impl):
   from ula_jax.kernels.indexer.decode import decode_topk
   B, T, k = 6, 700, 64
   q, w, addr, length, keys = _case(11, B, T, I=4, K=32, dtype=jnp.float32)
@@ -140,12 +140,28 @@ def test_radix_topk_picks_the_sorts_positions_in_ascending_order(impl):
   # (On the CPU select_prefix takes the sort's picks; the radix passes themselves run
   # where the platform is a GPU, and in tests/test_sparse_prefill.py.)
   sp, sv, rp, rv = map(np.asarray, (sp, sv, rp, rv))
+  np.testing.assert_array_equal(sp, rp)  # the same positions in the same order
+  np.testing.assert_array_equal(sv, rv)
+  full = np.asarray(scores)
   for b in range(B):
-    assert set(sp[b][sv[b]]) == set(rp[b][rv[b]])
     m = int(rv[b].sum())
+    assert m == min(k, int(n[b]))
     assert rv[b, :m].all() and not rv[b, m:].any() and np.all(np.diff(rp[b, :m]) > 0)
+    # The picks are the row's k best candidates: none left out scores above the worst.
+    left = np.setdiff1d(np.arange(n[b]), rp[b, :m])
+    if m and left.size:
+      assert full[b, left].max() <= full[b, rp[b, :m]].min()
   with pytest.raises(ValueError, match="decode_topk='heap'"):
     decode_topk(scores, cand, length, k, mode="heap")
+
+
+def test_topk_mode_auto_is_radix_on_a_gpu_only():
+  from ula_jax.kernels.indexer.decode import topk_mode
+  assert topk_mode("auto", "gpu") == "radix"
+  assert topk_mode("auto", "cpu") == "sort"
+  assert topk_mode("sort", "gpu") == "sort" and topk_mode("radix", "cpu") == "radix"
+  with pytest.raises(ValueError, match="decode_topk='heap'"):
+    topk_mode("heap", "gpu")
 
 
 def test_systems_with_the_radix_topk_decode_residents_tokens(monkeypatch):

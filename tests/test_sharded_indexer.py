@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from ula_jax.kernels.indexer import index_scores, select_topk
+from ula_jax.kernels.indexer.prefill import ascending
 from ula_jax.core.addressing import all_addrs
 from ula_jax.core.types import KVGeometry
 from tests.test_ula_tp import TPDriver, build, make_cfg, mesh_of
@@ -81,8 +82,9 @@ def _unsharded(page_table, positions, active, keys, q, w, group):
   cand_addr = all_addrs(jnp.asarray(page_table), PAGE)
   cand = ((cand_addr >= 0) & (jnp.arange(T)[None, :] <= positions[:, None])
           & active[:, None])
-  return select_topk(index_scores(jnp.asarray(q), jnp.asarray(w),
-                                  jnp.asarray(keys * (group + 1))), cand, GEO.top_k)
+  # A decode step's picks: select_topk's, in ascending positions (decode.decode_topk).
+  return ascending(*select_topk(index_scores(jnp.asarray(q), jnp.asarray(w),
+                                             jnp.asarray(keys * (group + 1))), cand, GEO.top_k))
 
 
 @pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
@@ -114,8 +116,8 @@ def test_selection_equals_the_unsharded_one(rng, layout, dp, tp, ties):
 def test_scoring_by_length_equals_the_unsharded_systems(rng, layout, topk, monkeypatch):
   """kernels.decode_scores=lengths with blocks smaller than the window (2 rows x 4
   positions here): ula TP's aligned scoring uses the unsharded system's blocks, so the
-  same bits and the same selection as ``MemorySystem.select`` scoring by length, in the
-  order kernels.decode_topk gives (best first, or ascending positions)."""
+  same bits and the same selection as ``MemorySystem.select`` scoring by length, in
+  ascending positions under either kernels.decode_topk."""
   from ula_jax.kernels.indexer import decode
   from ula_jax.memory.resident import Resident
   monkeypatch.setattr(decode, "BLOCK_ROWS", 2)
@@ -136,11 +138,10 @@ def test_scoring_by_length_equals_the_unsharded_systems(rng, layout, topk, monke
                                     jnp.asarray(page_table[0]), jnp.asarray(positions[0]),
                                     jnp.asarray(active[0]))
   assert np.asarray(want_valid).any()
-  if topk == "radix":  # ascending positions, valid ones first
-    p = np.asarray(want_pos)
-    for row, ok in zip(p, np.asarray(want_valid)):
-      n = int(ok.sum())
-      assert ok[:n].all() and not ok[n:].any() and np.all(np.diff(row[:n]) > 0)
+  p = np.asarray(want_pos)  # ascending positions, valid ones first
+  for row, ok in zip(p, np.asarray(want_valid)):
+    n = int(ok.sum())
+    assert ok[:n].all() and not ok[n:].any() and np.all(np.diff(row[:n]) > 0)
   for t in range(4):
     np.testing.assert_array_equal(pos[0, t], np.asarray(want_pos))
     np.testing.assert_array_equal(valid[0, t], np.asarray(want_valid))

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../.."
 source benchmarks/probes/gpu_steps.sh
 gpu_setup gpu_step_flags "${TIME_LIMIT_S:-570}" outside
 config_wheels
-DEFAULT_VARIANTS="base|| window||kernels.decode_scores=window radix||kernels.decode_topk=radix \
+DEFAULT_VARIANTS="base|| window||kernels.decode_scores=window sort||kernels.decode_topk=sort \
 dsfusion|--xla_gpu_enable_dynamic_slice_fusion=true| \
 cmdbuf|--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL|"
 BASE_FLAGS=${XLA_FLAGS:-}

@@ -378,12 +378,12 @@ class KernelsConfig(Section):
       "block (32,768 positions), window otherwise. The same selections up to the rounding "
       "of the GEMMs' other shapes; every system (ula TP's aligned scoring too) scores "
       "alike, so systems agree bit for bit")
-  decode_topk: Literal["sort", "radix"] = Field(
-      "sort", description="a decode step's top-k: 'sort' lax.top_k over the scored window "
-      "(a sort on a GPU; picks best first), 'radix' the radix select of the prefill "
-      "(counting passes by kernels.indexer; picks in ascending position order). The same "
-      "positions either way; the order attention reads them in differs, so tokens may "
-      "differ between the two by rounding, never between memory systems")
+  decode_topk: Literal["auto", "sort", "radix"] = Field(
+      "auto", description="a decode step's top-k: 'sort' lax.top_k over the scored window "
+      "(a sort on a GPU), 'radix' the radix select of the prefill (counting passes by "
+      "kernels.indexer), 'auto' radix on a GPU and sort elsewhere. Both return the same "
+      "positions in ascending order, so they decode the same tokens bit for bit; only "
+      "the time differs")
   resolve_fast_path: bool = Field(
       True, description="a resolve whose step moves nothing (every selection on the device, "
       "room for the new tokens in free device slots) skips the full resolve for an all-hit "

@@ -56,7 +56,7 @@ from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 from ula_jax.memory import (INVALID, MeshInfo, build_memory_system, local_devices,
                              memory_stats)
 from ula_jax.kernels.auto import concrete
-from ula_jax.kernels.indexer.decode import scores_by_length
+from ula_jax.kernels.indexer.decode import scores_by_length, topk_mode
 from ula_jax.mesh import auto_kernels, interpret_kernels
 from ula_jax.core.addressing import PageAllocator, addrs_of_positions, all_addrs
 from ula_jax.models import mtp
@@ -313,6 +313,7 @@ class Engine:
     # kernels.*=auto decided for this device and these shapes (``kernels.auto``); everything
     # below sees concrete implementations. The run's summary records them.
     self.kernels = kernels = auto_kernels(cfg, mesh.devices.flat[0], tp=self.tp)
+    self.decode_topk = topk_mode(cfg.kernels.decode_topk, mesh.devices.flat[0].platform)
     self.mem = build_memory_system(cfg.memory, self.geo, MeshInfo(self.dp, self.tp),
                                    max_batch=self.max_batch, page_size=self.page_size,
                                    max_context=self.max_context,
@@ -320,7 +321,7 @@ class Engine:
                                    resolve_impl=kernels.resolve,
                                    resolve_fast_path=cfg.kernels.resolve_fast_path,
                                    decode_scores=cfg.kernels.decode_scores,
-                                   decode_topk=cfg.kernels.decode_topk,
+                                   decode_topk=self.decode_topk,
                                    indexer_impl=kernels.indexer,
                                    interpret=interpret,
                                    step_rows=self.rows)
@@ -1241,7 +1242,7 @@ class Engine:
         # to this window, ``kernels.decode_topk``).
         "decode_scores": ("lengths" if scores_by_length(self.cfg.kernels.decode_scores,
                                                         self.max_context) else "window"),
-        "decode_topk": self.cfg.kernels.decode_topk,
+        "decode_topk": self.decode_topk,
     }
     if self.synthetic:
       out["prefill_note"] = synthetic_prefill.NOTE

@@ -150,7 +150,8 @@ class MemorySystem(abc.ABC):
   # 'lengths' each row over its own history, 'window' every row over the whole window,
   # 'auto' lengths for windows longer than one block (``kernels.indexer.decode``).
   decode_scores: str = "auto"
-  # How a decode step's top-k is taken (``kernels.decode_topk``: 'sort' or 'radix'), and
+  # How a decode step's top-k is taken (``kernels.decode_topk`` resolved: 'sort' or
+  # 'radix', the same ascending picks), and
   # the ``kernels.indexer`` implementation of the radix select's counting passes.
   decode_topk: str = "sort"
   indexer_impl: str = "xla"
@@ -336,7 +337,7 @@ class MemorySystem(abc.ABC):
     The default scores the keys of a row on this device: by length, each row's own
     history in blocks (``kernels.indexer.decode``), or every row over the whole window,
     as ``decode_scores`` says (``scores_by_length``), then the top-k as ``decode_topk``
-    says (best first, or ascending positions: the same set). A layout that shards keys
+    says (the same positions in ascending order either way). A layout that shards keys
     over ranks overrides it: score local keys, gather, merge to the same top-k.
     """
     from ula_jax.kernels.indexer import index_scores

@@ -17,8 +17,11 @@ batch, and every memory system (``MemorySystem.select``, ula TP's aligned scorin
 with the same blocks and gets the same bits (``tests/test_decode_scores.py``).
 
 ``decode_topk`` takes the top-k of the scores by ``lax.top_k`` (a sort on a GPU) or by
-the prefill's radix select (``kernels.decode_topk``): the same positions, in another
-order.
+the prefill's radix select (``kernels.decode_topk``): the same positions (ties to the lower
+one), and both return them in ascending order, so attention sums them in the same order
+and the two decode the same tokens bit for bit; only the time differs. ``auto`` takes the
+radix select on a GPU (a fifth of a GLM-5-geometry decode step less than the sort) and the
+sort elsewhere.
 """
 
 from __future__ import annotations
@@ -29,14 +32,14 @@ import jax
 import jax.numpy as jnp
 
 from ula_jax.core.types import INVALID
-from ula_jax.kernels.indexer.prefill import select_prefix
+from ula_jax.kernels.indexer.prefill import ascending, select_prefix
 from ula_jax.kernels.indexer.reference import index_scores, select_topk
 
 F32 = jnp.float32
 BLOCK_ROWS = 8
 BLOCK_T = 32768
 MODES = ("auto", "lengths", "window")
-TOPK_MODES = ("sort", "radix")
+TOPK_MODES = ("auto", "sort", "radix")
 
 
 def scores_by_length(mode: str, window: int) -> bool:
@@ -97,6 +100,16 @@ def length_scores(q_nik: jax.Array, w_ni: jax.Array, cand_addr: jax.Array,
   return out[jnp.argsort(order)][:B, :T]
 
 
+def topk_mode(mode: str, platform: str) -> str:
+  """``kernels.decode_topk=mode`` on ``platform``: 'auto' is 'radix' on a GPU, 'sort'
+  elsewhere (on a CPU the radix select takes the sort's picks anyway)."""
+  if mode not in TOPK_MODES:
+    raise ValueError(f"kernels.decode_topk={mode!r}: expected one of {list(TOPK_MODES)}")
+  if mode != "auto":
+    return mode
+  return "radix" if platform == "gpu" else "sort"
+
+
 def decode_topk(scores_nt: jax.Array, cand_nt: jax.Array, length: jax.Array, k: int, *,
                 mode: str = "sort", impl: str = "xla", interpret: bool | None = None
                 ) -> tuple[jax.Array, jax.Array]:
@@ -104,18 +117,20 @@ def decode_topk(scores_nt: jax.Array, cand_nt: jax.Array, length: jax.Array, k: 
 
   scores_nt: [N, T] float32; cand_nt: [N, T] bool, each row's positions t < length[n]
   length: [N] int32 (0: an idle row); k: picks per row
-  mode: 'sort' (``select_topk``: ``lax.top_k``, a sort on a GPU; picks best first) or
-        'radix' (``prefill.select_prefix``: radix select, the counting passes by
-        ``impl``, the ``kernels.indexer`` implementation; picks in ascending position
-        order, valid ones first). The same set of positions either way.
-  returns positions [N, k] int32 (INVALID where not valid), valid [N, k] bool
+  mode: 'sort' (``select_topk``: ``lax.top_k``, a sort on a GPU, then its picks sorted
+        by position) or 'radix' (``prefill.select_prefix``: radix select, the counting
+        passes by ``impl``, the ``kernels.indexer`` implementation); 'auto' resolved
+        (``topk_mode``) before it gets here
+  returns positions [N, k] int32 in ascending order, valid ones first (INVALID after),
+          valid [N, k] bool: the same arrays in either mode
   """
   if mode == "sort":
-    return select_topk(scores_nt, cand_nt, k)
+    return ascending(*select_topk(scores_nt, cand_nt, k))
   if mode != "radix":
-    raise ValueError(f"kernels.decode_topk={mode!r}: expected one of {list(TOPK_MODES)}")
+    raise ValueError(f"kernels.decode_topk={mode!r}: expected 'sort' or 'radix' (resolve "
+                     f"'auto' with topk_mode)")
   return select_prefix(scores_nt, length, k, impl=impl, interpret=interpret)
 
 
 __all__ = ["BLOCK_ROWS", "BLOCK_T", "MODES", "TOPK_MODES", "decode_topk", "length_scores",
-           "scores_by_length"]
+           "scores_by_length", "topk_mode"]

@@ -645,9 +645,8 @@ class UlaTP(MemorySystem):
                     INVALID)
     val_all = jax.lax.all_gather(val, TP_AXIS, axis=1, tiled=True)  # [B, P * k]
     pos_all = jax.lax.all_gather(pos, TP_AXIS, axis=1, tiled=True)
-    picks = merge_topk(val_all, pos_all, k)
-    # kernels.decode_topk='radix': the unsharded select's order, ascending positions.
-    return ascending(*picks) if self.decode_topk == "radix" else picks
+    # The unsharded select's order (either kernels.decode_topk): ascending positions.
+    return ascending(*merge_topk(val_all, pos_all, k))
 
   def stat_keys(self) -> tuple[str, ...]:
     keys = ("hits", "misses", "evictions", "xdev_rows", "xdev_index_bytes")
