@@ -1,7 +1,8 @@
-"""``model.kv_layout``: entries stored in DeepSeek-V3.2's 656-B FP8 layout.
+"""``model.kv_layout``: entries stored in DeepSeek-V3.2's 656-B FP8 layout, indexer keys
+in its 132-B FP8 rows.
 
-The encoding is checked byte by byte on hand-computed values and against its error
-bound on random ones; fp8 rows go through every memory system's pools (prefill, decode
+The encodings are checked byte by byte on hand-computed values and against their error
+bounds on random ones; fp8 rows go through every memory system's pools (prefill, decode
 writes, eviction to host and fetch back) bit for bit; every system decodes the tokens
 ``resident`` and the memory-free reference decode with the fp8 layout; pools sized in
 bytes hold 1152/656 times the tokens.
@@ -22,7 +23,7 @@ from pydantic import ValidationError
 from ula_jax.config import ConfigError, load_config
 from ula_jax.config.schema import HiSparseConfig, MemoryConfig
 from ula_jax.core import kv_layout
-from ula_jax.core.kv_layout import EntryLayout
+from ula_jax.core.kv_layout import EntryLayout, KeyLayout
 from ula_jax.core.types import KVGeometry, MeshInfo
 from ula_jax.engine import synthetic_prefill as sp
 from ula_jax.kernels.sparse_attention import sparse_mla_attention
@@ -34,6 +35,7 @@ from tests.engine_util import BASE, ROWS, TIGHT_SYSTEMS, make_requests, run_engi
 from tests.memory_util import CHUNK, Workload, local_state, prefill_fn, step_fn
 
 BF16, F8 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn
+FP8_MODEL = dict(kv_layout="fp8", kv_lora_rank=128)
 # The tiny model with a latent of one fp8 block: rows of 128 + 4 + 2 * 16 = 164 bytes.
 FP8 = ["model.kv_layout=fp8", "model.kv_lora_rank=128"]
 
@@ -54,9 +56,13 @@ def test_row_sizes():
   assert EntryLayout("bf16", 512, 64, "bfloat16").row_bytes == 1152
   geo = ModelConfig(preset="glm5", kv_layout="fp8").kv_geometry()
   assert (geo.entry_width, geo.kv_dtype, geo.row_bytes) == (656, "uint8", 656)
-  assert geo.token_bytes == 78 * 656 and geo.index_dtype == "bfloat16"
+  assert geo.token_bytes == 78 * 656
+  assert (geo.index_dim, geo.index_dtype, geo.index_layout.dim) == (132, "uint8", 128)
   geo = ModelConfig(preset="glm5").kv_geometry()
   assert (geo.entry_width, geo.kv_dtype, geo.row_bytes) == (576, "bfloat16", 1152)
+  assert (geo.index_dim, geo.index_dtype) == (128, "bfloat16")
+  assert KeyLayout("fp8", 128).row_bytes == 132
+  assert KeyLayout("bf16", 128, "bfloat16").row_bytes == 256
 
 
 def test_fp8_bytes_hand_checked():
@@ -78,6 +84,40 @@ def test_fp8_bytes_hand_checked():
   np.testing.assert_allclose(back[:4], [2.0, -2.0, 0.0, 0.5], rtol=1e-6)
   assert not back[4:256].any()
   np.testing.assert_array_equal(back[256:], entry[256:].astype(BF16).astype(np.float32))
+
+
+def test_fp8_key_bytes_hand_checked():
+  """One key of 128 values with amax 4 (+-4 encode as +-448, 1 as 112 = 0x6E), then the
+  float32 scale 4 / 448; a key of zeros has scale 0 and decodes to zeros."""
+  key = np.zeros((2, 128), np.float32)
+  key[0, :3] = [4.0, -4.0, 1.0]
+  rows = np.asarray(kv_layout.quantize_key(jnp.asarray(key)))
+  assert rows.dtype == np.uint8 and rows.shape == (2, 132)
+  assert rows[0, :3].tolist() == [0x7E, 0xFE, 0x6E] and not rows[0, 3:128].any()
+  assert rows[0, 128:].tobytes() == _scale(4.0).astype("<f4").tobytes()
+  assert not rows[1].any()
+  back = np.asarray(KeyLayout("fp8", 128, "float32").decode(jnp.asarray(rows)))
+  assert back.dtype == np.float32 and back.shape == (2, 128)
+  np.testing.assert_allclose(back[0, :3], [4.0, -4.0, 1.0], rtol=1e-6)
+  assert not back[0, 3:].any() and not back[1].any()
+  # The bf16 layout stores the values themselves.
+  np.testing.assert_array_equal(np.asarray(KeyLayout("bf16", 128, "float32").encode(
+      jnp.asarray(key))), key)
+
+
+def test_fp8_keys_round_trip_within_the_rounding_bound(rng):
+  """Random keys of magnitudes 1e-3 .. 1e3: each value comes back within half an e4m3
+  step of the key's scale; the bytes are the e4m3 rounding of key / scale."""
+  mag = 10.0 ** rng.uniform(-3, 3, size=(6, 9, 1))
+  x = (rng.standard_normal((6, 9, 128)) * mag).astype(np.float32)
+  rows = np.asarray(jax.jit(kv_layout.quantize_key)(x))
+  back = np.asarray(jax.jit(kv_layout.dequantize_key)(rows))
+  scale = np.abs(x).max(axis=-1, keepdims=True) * np.float32(1 / 448)
+  np.testing.assert_array_equal(rows[..., 128:].reshape(-1, 4).view("<f4").reshape(6, 9, 1),
+                                scale)
+  bound = np.abs(x) * (2.0**-4 + 1e-6) + scale * 2.0**-10 * 1.001
+  assert (np.abs(back - x) <= bound).all()
+  np.testing.assert_array_equal(rows[..., :128], (x / scale).astype(F8).view(np.uint8))
 
 
 @pytest.mark.parametrize("lead", [(0,), (5, 7)])
@@ -134,6 +174,19 @@ def test_errors_name_the_fields():
                          kv_layout="fp8")
   with pytest.raises(ValueError, match=r"rows: got float32\[3, 164\], expected uint8"):
     kv_layout.dequantize(jnp.zeros((3, 164)), 128)
+  with pytest.raises(ValueError, match=r"rows: got float32\[3, 132\], expected uint8 "
+                     r"\[\.\.\., K \+ 4\]"):
+    kv_layout.dequantize_key(jnp.zeros((3, 132)))
+  with pytest.raises(ValueError, match=r"index_dim=128, index_dtype='uint8': expected the "
+                     r"key layout's rows, 132 x uint8"):
+    KVGeometry(num_layers=1, group_size=1, entry_width=4, index_dim=128, top_k=2,
+               index_dtype="uint8", index_layout=KeyLayout("fp8", 128))
+  with pytest.raises(ValueError, match=r"indexer keys: got float32\[2, 16\], expected rows "
+                     r"of 20 x uint8 \(encode them with the model's key_layout\)"):
+    geo = ModelConfig(preset="tiny", **FP8_MODEL).kv_geometry()
+    s = build_memory_system(MemoryConfig(system="resident", device_pool=16), geo,
+                            MeshInfo(1, 1), max_batch=2, page_size=4, max_context=8)
+    s.write_index_keys(local_state(s), 0, jnp.zeros(2, jnp.int32), jnp.zeros((2, 16)))
   with pytest.raises(ValueError, match=r"entry_width=144, kv_dtype='float32': expected the "
                      r"layout's rows, 164 x uint8"):
     KVGeometry(num_layers=1, group_size=1, entry_width=144, index_dim=4, top_k=2,
@@ -172,7 +225,8 @@ def test_model_writes_quantised_entries(seed):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(kv_layout.quantize(want, 128)))
   ws = tfm.init_workspace(f8_cfg, 8)
   assert ws.kv.dtype == jnp.uint8 and ws.kv.shape == (4 * 8, 164)
-  assert ws.index_keys.dtype == jnp.float32  # indexer keys stay in model.kv_dtype
+  # Indexer keys: 16 fp8 values and a float32 scale.
+  assert ws.index_keys.dtype == jnp.uint8 and ws.index_keys.shape == (2, 8, 20)
 
 
 def test_synthetic_prefill_writes_fp8_rows():
@@ -186,7 +240,9 @@ def test_synthetic_prefill_writes_fp8_rows():
   assert e8.dtype == jnp.uint8 and e8.shape == (4, 6, 164)
   want = kv_layout.quantize(e32.astype(jnp.bfloat16), 128)
   np.testing.assert_array_equal(np.asarray(e8), np.asarray(want))
-  np.testing.assert_array_equal(np.asarray(k8), np.asarray(k32))
+  assert k8.dtype == jnp.uint8 and k8.shape == (2, 6, 20)
+  np.testing.assert_array_equal(np.asarray(k8), np.asarray(
+      kv_layout.quantize_key(k32.astype(jnp.bfloat16))))
   chunks = [sp.chunk_len(ModelConfig(preset="glm5", kv_layout=layout).kv_geometry(), 256,
                          1 << 17) for layout in ("bf16", "fp8")]
   assert chunks == [8192, 8192]

@@ -25,6 +25,14 @@ DeepSeek-V3.2. A memory system stores it as one opaque row; the model writes row
 
 Entries are encoded once, where the model produces them; every memory system then holds
 the same bytes, and prefill, decode and the dense reference attend over the same values.
+
+Indexer keys (``KeyLayout``) follow the same kind: with ``bf16`` a key is its K values in
+``model.kv_dtype``; with ``fp8`` DeepSeek-V3.2's indexer-cache row of ``K + 4`` bytes
+(132 B for K = 128): the key in float8_e4m3fn divided by one float32 scale
+(``amax(|key|) * (1 / 448)``), then the scale. Keys are decoded back into
+``model.kv_dtype`` values before the indexer scores them, where the model writes them
+(prefill's workspace, the dense reference) and where a memory system reads them (a
+decode step's selection), so every path scores the same values.
 """
 
 from __future__ import annotations
@@ -108,6 +116,27 @@ def dequantize(rows: jax.Array, latent_dim: int) -> jax.Array:
   return jnp.concatenate([lat, rope.astype(_F32)], axis=-1)
 
 
+def quantize_key(key: jax.Array) -> jax.Array:
+  """Indexer keys into fp8 rows: [..., K] any float dtype -> [..., K + 4] uint8 (the K
+  values in float8_e4m3fn over one float32 scale per key, then the scale's bytes)."""
+  k = key.astype(_F32)
+  scale = jnp.max(jnp.abs(k), axis=-1, keepdims=True) * _INV_FP8_MAX  # [..., 1]
+  q = jnp.clip(k / jnp.where(scale > 0, scale, 1.0), -FP8_MAX, FP8_MAX)
+  q_bytes = jax.lax.bitcast_convert_type(q.astype(jnp.float8_e4m3fn), _U8)
+  s_bytes = jax.lax.bitcast_convert_type(scale[..., 0], _U8)  # [..., 4]
+  return jnp.concatenate([q_bytes, s_bytes], axis=-1)
+
+
+def dequantize_key(rows: jax.Array) -> jax.Array:
+  """fp8 key rows [..., K + 4] uint8 back into keys [..., K] float32."""
+  if rows.dtype != _U8 or rows.shape[-1] < 5:
+    raise ValueError(f"rows: got {rows.dtype}{list(rows.shape)}, expected uint8 [..., K + 4] "
+                     f"(model.kv_layout='fp8' indexer keys)")
+  q = jax.lax.bitcast_convert_type(rows[..., :-4], jnp.float8_e4m3fn).astype(_F32)
+  scale = jax.lax.bitcast_convert_type(rows[..., -4:], _F32)  # [...]
+  return q * scale[..., None]
+
+
 def encode(entry: jax.Array, kind: str, latent_dim: int, dtype) -> jax.Array:
   """Entries [..., C + R] into stored rows: ``dtype`` values (bf16) or fp8 rows (uint8)."""
   check_kind(kind)
@@ -163,3 +192,45 @@ class EntryLayout:
   def decode(self, rows: jax.Array) -> jax.Array:
     """[..., row_width] -> [..., C + R] float32."""
     return decode(rows, self.kind, self.latent_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyLayout:
+  """The stored form of one indexer key of one token (static, hashable).
+
+  kind:  ``model.kv_layout``; dim: K (``index_head_dim``)
+  dtype: the keys' dtype, stored under ``bf16`` and decoded into under either kind
+         (``model.kv_dtype``)
+  """
+
+  kind: str
+  dim: int
+  dtype: str = "bfloat16"
+
+  def __post_init__(self):
+    check_kind(self.kind)
+    if self.dim < 1:
+      raise ValueError(f"model.index_head_dim={self.dim}: must be >= 1")
+
+  @property
+  def row_width(self) -> int:
+    """Elements of one stored key (of ``row_dtype``): K values, or K + 4 bytes (fp8)."""
+    return self.dim if self.kind == "bf16" else self.dim + 4
+
+  @property
+  def row_dtype(self) -> str:
+    return self.dtype if self.kind == "bf16" else "uint8"
+
+  @property
+  def row_bytes(self) -> int:
+    return self.row_width * jnp.dtype(self.row_dtype).itemsize
+
+  def encode(self, key: jax.Array) -> jax.Array:
+    """[..., K] float -> [..., row_width] row_dtype."""
+    return key.astype(self.dtype) if self.kind == "bf16" else quantize_key(key)
+
+  def decode(self, rows: jax.Array) -> jax.Array:
+    """[..., row_width] -> [..., K] in ``dtype`` (the values the indexer scores)."""
+    if self.kind == "bf16":
+      return rows.astype(self.dtype)
+    return dequantize_key(rows).astype(self.dtype)

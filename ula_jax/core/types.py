@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from ula_jax.core.kv_layout import EntryLayout
+from ula_jax.core.kv_layout import EntryLayout, KeyLayout
 
 INVALID = -1  # an unused address or slot
 
@@ -30,19 +30,33 @@ class KVGeometry:
   # bf16 layout, kv_lora_rank + qk_rope_head_dim values; with the fp8 layout, bytes
   # (uint8). Memory systems move rows without looking inside them.
   entry_width: int
-  index_dim: int  # width of one indexer key
+  # One stored indexer key: index_dim elements of index_dtype (with the fp8 layout, the
+  # bytes of ``index_layout``'s rows). Memory systems move them without looking inside.
+  index_dim: int
   top_k: int
   kv_dtype: str = "bfloat16"
   index_dtype: str = "bfloat16"
   # How a row encodes an entry (``model.kv_layout``); None: plain rows of entry_width
   # values in kv_dtype. Only what makes entries (synthetic prefill) needs it.
   layout: EntryLayout | None = None
+  # How a stored key decodes into the values the indexer scores (``decode_keys``); None:
+  # keys are stored as those values.
+  index_layout: KeyLayout | None = None
 
   def __post_init__(self):
     if self.layout is not None and (self.entry_width, jnp.dtype(self.kv_dtype)) != (
         self.layout.row_width, jnp.dtype(self.layout.row_dtype)):
       raise ValueError(f"entry_width={self.entry_width}, kv_dtype={self.kv_dtype!r}: expected "
                        f"the layout's rows, {self.layout.row_width} x {self.layout.row_dtype}")
+    if self.index_layout is not None and (self.index_dim, jnp.dtype(self.index_dtype)) != (
+        self.index_layout.row_width, jnp.dtype(self.index_layout.row_dtype)):
+      raise ValueError(f"index_dim={self.index_dim}, index_dtype={self.index_dtype!r}: "
+                       f"expected the key layout's rows, {self.index_layout.row_width} x "
+                       f"{self.index_layout.row_dtype}")
+
+  def decode_keys(self, rows: jax.Array) -> jax.Array:
+    """Stored indexer keys [..., index_dim] into the values the indexer scores."""
+    return rows if self.index_layout is None else self.index_layout.decode(rows)
 
   @property
   def num_groups(self) -> int:

@@ -56,13 +56,15 @@ _ENTRY_STREAM, _INDEX_STREAM = 0, 1
 
 def token_bytes(geo: KVGeometry) -> int:
   """Bytes one prompt position generates: its entry in every layer and key in every group.
-  An fp8 entry counts as the bfloat16 values it is encoded from (the chunk's largest
-  temporary), so a chunk has as many positions as with the bf16 layout."""
-  idx = jnp.dtype(geo.index_dtype).itemsize
+  An fp8 entry or key counts as the bfloat16 values it is encoded from (the chunk's
+  largest temporary), so a chunk has as many positions as with the bf16 layout."""
+  key = geo.index_dim * jnp.dtype(geo.index_dtype).itemsize
   entry = geo.row_bytes
   if geo.layout is not None and geo.layout.kind != "bf16":
     entry = max(entry, geo.layout.width * jnp.dtype(jnp.bfloat16).itemsize)
-  return geo.num_layers * entry + geo.num_groups * geo.index_dim * idx
+  if geo.index_layout is not None and geo.index_layout.kind != "bf16":
+    key = max(key, geo.index_layout.dim * jnp.dtype(jnp.bfloat16).itemsize)
+  return geo.num_layers * entry + geo.num_groups * key
 
 
 def chunk_len(geo: KVGeometry, prefill_chunk: int, max_context: int,
@@ -111,7 +113,8 @@ def synthetic_chunk(geo: KVGeometry, seed: int, request: jax.Array, start: jax.A
   size:    C, positions to generate (static)
   returns (entries [L, C, W]: stored rows (``geo.entry_width`` x ``geo.kv_dtype``, encoded
            by ``geo.layout``), layer-major as ``write_prefill`` takes them;
-           keys [G, C, K] in ``geo.index_dtype``)
+           keys [G, C, Kr]: stored keys (``geo.index_dim`` x ``geo.index_dtype``, encoded
+           by ``geo.index_layout``))
 
   Position ``t``'s values do not depend on ``start`` or ``size``: any split of a prompt
   into chunks gives the same bits.
@@ -123,6 +126,9 @@ def synthetic_chunk(geo: KVGeometry, seed: int, request: jax.Array, start: jax.A
   entries = _normal_grid(jax.random.fold_in(base, _ENTRY_STREAM), geo.num_layers, pos, width)
   if layout is not None and layout.kind != "bf16":
     entries = layout.encode(entries.astype(jnp.bfloat16))
+  klayout = geo.index_layout
   keys = _normal_grid(jax.random.fold_in(base, _INDEX_STREAM), geo.num_groups, pos,
-                      geo.index_dim)
+                      geo.index_dim if klayout is None else klayout.dim)
+  if klayout is not None and klayout.kind != "bf16":
+    keys = klayout.encode(keys.astype(jnp.bfloat16))
   return entries.astype(geo.kv_dtype), keys.astype(geo.index_dtype)

@@ -123,6 +123,15 @@ class CapacityReport:
 # ----------------------------------------------------------------------------------
 
 
+def check_key_rows(geo: KVGeometry, keys: jax.Array) -> None:
+  """Raises unless ``keys`` are stored key rows of ``geo`` (``index_dim`` wide): a key
+  not yet encoded by the model's key layout would otherwise be cast into the table."""
+  if keys.shape[-1] != geo.index_dim:
+    raise ValueError(f"indexer keys: got {keys.dtype}{list(keys.shape)}, expected rows of "
+                     f"{geo.index_dim} x {geo.index_dtype} (encode them with the model's "
+                     f"key_layout)")
+
+
 class MemorySystem(abc.ABC):
   """Owns pools, mapping tables and placement for one configuration.
 
@@ -314,7 +323,9 @@ class MemorySystem(abc.ABC):
 
   def write_index_keys(self, state: Any, group: int | jax.Array, addrs: jax.Array,
                        keys: jax.Array) -> Any:
-    """keys: [N, index_dim] at logical ``addrs`` [N] (INVALID addresses are dropped)."""
+    """keys: [N, index_dim] stored keys (``geo.index_layout``'s rows) at logical ``addrs``
+    [N] (INVALID addresses are dropped)."""
+    check_key_rows(self.geo, keys)
     table = state.index_keys  # [G, num_logical, index_dim]
     new = set_where(table, (group, addrs), keys.astype(table.dtype), addrs >= 0, unique=True)
     return state.replace(index_keys=new)
@@ -351,7 +362,7 @@ class MemorySystem(abc.ABC):
     # (the same shapes in every system) and the scores are where the system's own arrays
     # end, so no fusion reaching into a system's tables (whose sizes differ between
     # systems) can change how the scores are computed and rounded.
-    gather = lambda addrs: self.gather_index_keys(state, group, addrs)
+    gather = lambda addrs: self.geo.decode_keys(self.gather_index_keys(state, group, addrs))
     length = jnp.where(active, positions + 1, 0)  # a running row's pages cover its history
     if scores_by_length(self.decode_scores, T):
       scores = length_scores(q_I, w, cand_addr, length, gather)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ula_jax.core.kv_layout import EntryLayout, KVLayoutKind, check_fp8_latent
+from ula_jax.core.kv_layout import EntryLayout, KeyLayout, KVLayoutKind, check_fp8_latent
 from ula_jax.core.types import KVGeometry
 from ula_jax.models.presets import PRESETS
 
@@ -171,11 +171,17 @@ class ModelConfig(BaseModel):
   def softmax_scale(self) -> float:
     return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
 
+  @property
+  def key_layout(self) -> KeyLayout:
+    """How an indexer key is stored (``kv_layout``): rows of ``row_width`` x ``row_dtype``
+    (K values in kv_dtype, or K + 4 bytes with fp8), decoded into kv_dtype to score."""
+    return KeyLayout(self.kv_layout, self.index_head_dim, self.kv_dtype)
+
   def kv_geometry(self) -> KVGeometry:
     """What a memory system needs to know: pools hold ``entry_layout``'s rows (656 bytes
-    with the fp8 layout), indexer keys are stored in ``kv_dtype``."""
-    layout = self.entry_layout
+    with the fp8 layout), indexer key tables ``key_layout``'s rows (132 bytes with fp8)."""
+    layout, keys = self.entry_layout, self.key_layout
     return KVGeometry(num_layers=self.num_layers, group_size=self.index_share,
-                      entry_width=layout.row_width, index_dim=self.index_head_dim,
+                      entry_width=layout.row_width, index_dim=keys.row_width,
                       top_k=self.index_topk, kv_dtype=layout.row_dtype,
-                      index_dtype=self.kv_dtype, layout=layout)
+                      index_dtype=keys.row_dtype, layout=layout, index_layout=keys)

@@ -410,7 +410,7 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
       carry[f"digest_{name}"] = jnp.zeros((width, B), jnp.uint32)
 
   def select(g, layers, first: IndexerInput, indexer: Indexer, c):
-    key, (q_I, w) = fence((indexer.key(first.h, positions),
+    key, (q_I, w) = fence((cfg.key_layout.encode(indexer.key(first.h, positions)),
                            indexer.query(first.h, first.c_q, positions)))
     st = mem.write_index_keys(c["mem"], g, new_addr, key)
     l0, n = layers
@@ -529,7 +529,7 @@ def verify_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
   carry = {"mem": mem_state, "stats": {key: jnp.int32(0) for key in stat_keys}}
 
   def select(g, layers, first: IndexerInput, indexer: Indexer, c):
-    key, (q_I, w) = fence((indexer.key(first.h, pos_n),
+    key, (q_I, w) = fence((cfg.key_layout.encode(indexer.key(first.h, pos_n)),
                            indexer.query(first.h, first.c_q, pos_n)))
     st = mem.write_index_keys(c["mem"], g, new_n, key)
     l0, n = layers
@@ -566,7 +566,8 @@ class PrefillWorkspace:
 
   kv:         [L * T_cap, W] stored entry rows (``cfg.entry_layout``: kv_dtype values or
               fp8 bytes), layer l's position t at row l * T_cap + t
-  index_keys: [G, T_cap, K] indexer keys in kv_dtype, by position
+  index_keys: [G, T_cap, Kr] stored indexer keys (``cfg.key_layout``: K kv_dtype values or
+              K + 4 fp8 bytes), by position
   """
 
   kv: jax.Array
@@ -587,8 +588,8 @@ def init_workspace(cfg: ModelConfig, capacity: int, batch: int | None = None
   return PrefillWorkspace(
       kv=jnp.zeros((*lead, cfg.num_layers * capacity, cfg.entry_layout.row_width),
                    cfg.entry_layout.row_dtype),
-      index_keys=jnp.zeros((*lead, cfg.num_groups, capacity, cfg.index_head_dim),
-                           cfg.kv_dtype))
+      index_keys=jnp.zeros((*lead, cfg.num_groups, capacity, cfg.key_layout.row_width),
+                           cfg.key_layout.row_dtype))
 
 
 def prefill_chunk(model: Transformer, workspace: PrefillWorkspace, tokens: jax.Array,
@@ -607,7 +608,7 @@ def prefill_chunk(model: Transformer, workspace: PrefillWorkspace, tokens: jax.A
            chunk's rows run in blocks that fit
   interpret: Pallas interpret mode (None: everywhere but on GPU)
   returns (entries: [L, C, W] stored rows (``cfg.entry_layout``), layer-major,
-           index_keys: [G, C, K] in kv_dtype,
+           index_keys: [G, C, Kr] stored keys (``cfg.key_layout``),
            last_logits: [V] float32 at position start+length-1,
            workspace with the chunk's rows written)
 
@@ -634,18 +635,18 @@ def prefill_chunk(model: Transformer, workspace: PrefillWorkspace, tokens: jax.A
   window = min(k, T_cap)
   carry = {"kv": workspace.kv, "keys": workspace.index_keys,
            "entries": jnp.zeros((L, C, cfg.entry_layout.row_width), cfg.entry_layout.row_dtype),
-           "keys_out": jnp.zeros((G, C, cfg.index_head_dim), cfg.kv_dtype)}
+           "keys_out": jnp.zeros((G, C, cfg.key_layout.row_width), cfg.key_layout.row_dtype)}
   # The chunk's rows go to distinct positions (rows past ``length`` are dropped), so the
   # writes say unique_indices: on a GPU with deterministic ops a scatter whose indices
   # may collide becomes a loop over its rows.
 
   def select(g, layers, first: IndexerInput, module: Indexer, c):
     del layers
-    key = module.key(first.h, pos)
+    key = cfg.key_layout.encode(module.key(first.h, pos))
     keys = c["keys"].at[g, jnp.where(valid, pos, T_cap)].set(key, mode="drop",
                                                              unique_indices=True)
     q_I, w = module.query(first.h, first.c_q, pos)
-    sel = prefix_topk(q_I, w, keys[g], limit, k, impl=indexer,
+    sel = prefix_topk(q_I, w, cfg.key_layout.decode(keys[g]), limit, k, impl=indexer,
                       scratch_bytes=scratch_bytes, interpret=interpret)
     return sel, {**c, "keys": keys, "keys_out": c["keys_out"].at[g].set(key)}
 
@@ -707,9 +708,10 @@ def decode_dense_reference(model: Transformer, workspace: PrefillWorkspace,
   def select(g, layers, first: IndexerInput, indexer: Indexer, c):
     del layers
     keys = c["keys"].at[rows, g, jnp.where(ok, positions, T_cap)].set(
-        indexer.key(first.h, positions), mode="drop")
+        cfg.key_layout.encode(indexer.key(first.h, positions)), mode="drop")
     q_I, w = indexer.query(first.h, first.c_q, positions)
-    sel_pos, sel_valid = select_topk(index_scores(q_I, w, keys[:, g]), cand, cfg.index_topk)
+    sel_pos, sel_valid = select_topk(index_scores(q_I, w, cfg.key_layout.decode(keys[:, g])),
+                                     cand, cfg.index_topk)
     # The selection as a [B, T_cap] mask (invalid picks land in a dropped extra column).
     mask = jnp.zeros((B, T_cap + 1), bool).at[
         rows[:, None], jnp.where(sel_valid, sel_pos, T_cap)].set(True)[:, :T_cap]

@@ -203,7 +203,8 @@ def thin_twin(system: MemorySystem) -> MemorySystem:
   column wide (its state stores no entry bytes). Pool sizes given in bytes are turned
   into the system's tokens first, so both have the same slots (checked)."""
   geo = system.geo
-  thin = dataclasses.replace(geo, entry_width=1, index_dim=1, layout=None)
+  thin = dataclasses.replace(geo, entry_width=1, index_dim=1, layout=None,
+                             index_layout=None)
   cfg = rank_memory_config(system.cfg, geo)
   twin = type(system)(cfg, thin, system.mesh_info, max_batch=system.max_batch,
                       page_size=system.page_size, max_context=system.max_context)

@@ -79,8 +79,8 @@ from ula_jax.core.addressing import all_addrs
 from ula_jax.core.scatter import set_every_group, set_where, update_groups
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
-from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros,
-                                 group_slice, group_update, layer_rows, set_rows)
+from ula_jax.memory.base import (CapacityReport, MemorySystem, check_key_rows, count_last,
+                                 device_zeros, group_slice, group_update, layer_rows, set_rows)
 from ula_jax.memory.ula.layouts import LAYOUTS, Layout, make_layout
 from ula_jax.memory.ula.policies import make_policy, policy_fields
 from ula_jax.memory.ula.dp import Ula
@@ -586,6 +586,7 @@ class UlaTP(MemorySystem):
     # In decode the new tokens arrive one per row: a fresh page takes its row's owner.
     state = self._place(state, addrs, valid, self._decode_rows(addrs.shape[0]))
     local, _ = self._mine(state.shared.layout, addrs, valid)
+    check_key_rows(self.geo, keys)
     table = state.ranked.index_keys  # [G, C, DI]
     new = set_where(table, (group, local), keys.astype(table.dtype), local >= 0, unique=True)
     return state.replace(ranked=state.ranked.replace(index_keys=new))
@@ -629,9 +630,9 @@ class UlaTP(MemorySystem):
       ok_bt = pos_bt >= 0
     keys = state.ranked.index_keys  # [G, C, DI]: gather the group's rows, no slice
 
-    def gather(local_rc):  # this rank's keys; zeros where it owns none
-      out = keys[group, jnp.clip(local_rc, 0, self.rank_capacity - 1)]
-      return jnp.where((local_rc >= 0)[..., None], out, jnp.zeros((), keys.dtype))
+    def gather(local_rc):  # this rank's keys, decoded; zeros where it owns none
+      out = self.geo.decode_keys(keys[group, jnp.clip(local_rc, 0, self.rank_capacity - 1)])
+      return jnp.where((local_rc >= 0)[..., None], out, jnp.zeros((), out.dtype))
 
     owned = jnp.where(ok_bt, local_bt, INVALID)
     if self.index_scoring == "aligned" and scores_by_length(self.decode_scores, T):
