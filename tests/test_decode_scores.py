@@ -182,3 +182,88 @@ def test_systems_with_the_radix_topk_decode_residents_tokens(monkeypatch):
       r.id: r.output_tokens for r in ref.requests}
   assert got.summary.get("total_misses", 0) > 0
   assert (got.summary["decode_scores"], got.summary["decode_topk"]) == ("lengths", "radix")
+
+
+def _paged_case(seed, B, P, page, I, K, dtype, G=3):
+  """Rows of different lengths (some idle) over distinct pages of a [G, N, K] key
+  table, as an engine's page tables hold them."""
+  rng = np.random.default_rng(seed)
+  N = page * (B * P + 3)
+  keys = jnp.asarray(rng.standard_normal((G, N, K)), dtype)
+  q = jnp.asarray(rng.standard_normal((B, I, K)), dtype)
+  w = jnp.asarray(rng.standard_normal((B, I)), jnp.float32)
+  length = rng.integers(1, P * page + 1, B)
+  length[rng.random(B) < 0.3] = 0
+  length[0] = P * page  # one row fills its window
+  free = iter(rng.permutation(N // page))
+  table = np.full((B, P), INVALID, np.int32)
+  for b in range(B):
+    for p in range(-(-length[b] // page)):
+      table[b, p] = next(free)
+  return q, w, keys, jnp.asarray(table), jnp.asarray(length, jnp.int32)
+
+
+@pytest.mark.parametrize("B,P,page,I,dtype,pages_per", [
+    (5, 7, 16, 4, jnp.float32, 2),   # pages not a multiple of the program's
+    (4, 6, 32, 20, jnp.bfloat16, 1),  # heads padded to a power of 2
+    (3, 5, 16, 16, jnp.bfloat16, 4),
+])
+def test_page_scores_kernel_matches_the_gathered_reference(B, P, page, I, dtype, pages_per):
+  """kernels.decode_scores=pages: the Pallas kernel (interpret mode) against
+  ``index_scores`` of the row's gathered keys, -inf past each row's length, idle rows
+  all -inf; the top-k picks agree."""
+  from ula_jax.core.addressing import all_addrs
+  from ula_jax.kernels.indexer.pallas import page_scores_pallas
+  q, w, keys, table, length = _paged_case(B * P + I, B, P, page, I, 32, dtype)
+  g = 1
+  got = np.asarray(jax.jit(lambda *a: page_scores_pallas(
+      *a, page, pages_per=pages_per, interpret=True))(q, w, keys, jnp.int32(g), table,
+                                                       length))
+  addr = all_addrs(table, page)
+  want = np.asarray(index_scores(q, w, keys[g][jnp.clip(addr, 0, keys.shape[1] - 1)]))
+  n = np.asarray(length)
+  T = P * page
+  assert got.shape == (B, T)
+  scored = np.arange(T)[None, :] < n[:, None]
+  assert scored.any() and (~scored).any()
+  np.testing.assert_allclose(got[scored], want[scored], rtol=1e-5, atol=1e-5)
+  assert np.isneginf(got[~scored]).all()
+  active, positions = jnp.asarray(n > 0), jnp.asarray(n - 1)
+  cand = (addr >= 0) & (jnp.arange(T)[None, :] <= positions[:, None]) & active[:, None]
+  for k in (1, 9, T // 3):
+    np.testing.assert_array_equal(np.asarray(select_topk(jnp.asarray(got), cand, k)[0]),
+                                  np.asarray(select_topk(jnp.asarray(want), cand, k)[0]))
+
+
+def test_systems_scoring_by_pages_decode_residents_tokens():
+  """kernels.decode_scores=pages (the Pallas kernel, interpret mode): ula and hisparse,
+  missing and evicting, decode resident's tokens; the config refuses it where keys are
+  not values by logical address."""
+  from ula_jax.config import ConfigError, load_config
+  from tests.engine_util import BASE, DENSE, make_requests, run_engine
+  requests = make_requests(num=5, seed=3, prompt=(20, 90), output=(4, 9))
+  base = DENSE + ["mesh.dp=1", "engine.max_batch=3", "engine.page_size=16",
+                  "kernels.decode_scores=pages"]
+  systems = {
+      "resident": [],
+      "ula": ["memory.system=ula", "memory.device_pool=64", "memory.host_pool=1024"],
+      "hisparse": ["memory.system=hisparse", "memory.hisparse.device_buffer_size=8",
+                   "memory.hisparse.host_to_device_ratio=32"],
+  }
+  tokens = {}
+  for name, over in systems.items():
+    result = run_engine(base + over, requests)
+    assert all(r.status == "finished" for r in result.requests), name
+    tokens[name] = {r.id: r.output_tokens for r in result.requests}
+    assert result.summary["decode_scores"] == "pages", name
+    if name != "resident":
+      assert result.summary.get("total_misses", 0) > 0, name
+  assert len({tuple(v) for v in tokens["resident"].values()}) > 1
+  assert tokens["ula"] == tokens["resident"]
+  assert tokens["hisparse"] == tokens["resident"]
+  with pytest.raises(ConfigError, match=r"decode_scores='pages' needs engine.page_size "
+                     r"and model.index_head_dim powers of 2 >= 16; got 8 and 16"):
+    load_config(BASE, ["kernels.decode_scores=pages", "engine.page_size=8"])
+  with pytest.raises(ConfigError, match=r"ula with mesh.tp=2 shards them over ranks"):
+    load_config(BASE, ["kernels.decode_scores=pages", "memory.system=ula", "mesh.dp=1",
+                       "mesh.tp=2"])

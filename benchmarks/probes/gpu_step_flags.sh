@@ -16,9 +16,8 @@ cd "$(dirname "$0")/../.."
 source benchmarks/probes/gpu_steps.sh
 gpu_setup gpu_step_flags "${TIME_LIMIT_S:-570}" outside
 config_wheels
-DEFAULT_VARIANTS="base|| window||kernels.decode_scores=window sort||kernels.decode_topk=sort \
-dsfusion|--xla_gpu_enable_dynamic_slice_fusion=true| \
-cmdbuf|--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL|"
+DEFAULT_VARIANTS="base|| pages||kernels.decode_scores=pages sort||kernels.decode_topk=sort \
+window||kernels.decode_scores=window"
 BASE_FLAGS=${XLA_FLAGS:-}
 for v in ${VARIANTS:-$DEFAULT_VARIANTS}; do
   IFS='|' read -r name flags over <<< "$v"

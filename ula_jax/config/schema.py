@@ -370,14 +370,16 @@ class KernelsConfig(Section):
       "auto", description="the resolve stages (dedupe, hits, victims): 'pallas' as four "
       "Pallas launches per layer group, 'pallas_fused' PB-LRU's in one launch (exact LRU "
       "stays four); 'auto' jnp off a GPU, on a GPU the fastest measured for the policy")
-  decode_scores: Literal["auto", "lengths", "window"] = Field(
+  decode_scores: Literal["auto", "lengths", "window", "pages"] = Field(
       "auto", description="a decode step's indexer scores: 'lengths' scores each row over "
       "its own history only (rows with a request, longest first, in blocks of 8 rows and "
       "32,768 positions, loops on the device), 'window' every row of engine.max_batch over "
       "the whole max_context window; 'auto' lengths where the window is longer than one "
       "block (32,768 positions), window otherwise. The same selections up to the rounding "
       "of the GEMMs' other shapes; every system (ula TP's aligned scoring too) scores "
-      "alike, so systems agree bit for bit")
+      "alike, so systems agree bit for bit. 'pages' a Pallas kernel, one program per row "
+      "and two pages of keys, exiting past the row's length (no loop trip counts for the "
+      "host to wait on); bf16 keys, not ula with mesh.tp > 1")
   decode_topk: Literal["auto", "sort", "radix"] = Field(
       "auto", description="a decode step's top-k: 'sort' lax.top_k over the scored window "
       "(a sort on a GPU), 'radix' the radix select of the prefill (counting passes by "
@@ -625,6 +627,21 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
           f"columns; got model.num_heads / mesh.tp = {heads}, model.kv_lora_rank="
           f"{model.kv_lora_rank}, model.qk_rope_head_dim={model.qk_rope_head_dim}, "
           f"model.kv_dtype={model.kv_dtype!r} (use kernels.attention='pallas' or 'xla')")
+
+  if cfg.kernels.decode_scores == "pages":
+    pow2 = lambda n: n >= 16 and not n & (n - 1)
+    if model.kv_layout != "bf16":
+      problems.append(
+          f"kernels.decode_scores='pages' reads indexer keys stored as values; with "
+          f"model.kv_layout={model.kv_layout!r} use 'lengths', 'window' or 'auto'")
+    if mem.system == "ula" and mesh.tp > 1:
+      problems.append(
+          f"kernels.decode_scores='pages' reads keys by logical address; ula with "
+          f"mesh.tp={mesh.tp} shards them over ranks: use 'lengths', 'window' or 'auto'")
+    if not (pow2(eng.page_size) and pow2(model.index_head_dim)):
+      problems.append(
+          f"kernels.decode_scores='pages' needs engine.page_size and model.index_head_dim "
+          f"powers of 2 >= 16; got {eng.page_size} and {model.index_head_dim}")
 
   # 'auto' takes an implementation that reads the layout (``kernels.auto``).
   layout = (layout_problem(cfg.kernels.attention, model.kv_layout)

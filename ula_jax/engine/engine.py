@@ -56,7 +56,7 @@ from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 from ula_jax.memory import (INVALID, MeshInfo, build_memory_system, local_devices,
                              memory_stats)
 from ula_jax.kernels.auto import concrete
-from ula_jax.kernels.indexer.decode import scores_by_length, topk_mode
+from ula_jax.kernels.indexer.decode import applied_mode, topk_mode
 from ula_jax.mesh import auto_kernels, interpret_kernels
 from ula_jax.core.addressing import PageAllocator, addrs_of_positions, all_addrs
 from ula_jax.models import mtp
@@ -1240,8 +1240,7 @@ class Engine:
         "kernels": concrete(self.kernels),
         # How decode steps scored and selected (``kernels.decode_scores`` as it applied
         # to this window, ``kernels.decode_topk``).
-        "decode_scores": ("lengths" if scores_by_length(self.cfg.kernels.decode_scores,
-                                                        self.max_context) else "window"),
+        "decode_scores": applied_mode(self.cfg.kernels.decode_scores, self.max_context),
         "decode_topk": self.decode_topk,
     }
     if self.synthetic:

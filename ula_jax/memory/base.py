@@ -330,6 +330,11 @@ class MemorySystem(abc.ABC):
     new = set_where(table, (group, addrs), keys.astype(table.dtype), addrs >= 0, unique=True)
     return state.replace(index_keys=new)
 
+  def index_key_table(self, state: Any) -> jax.Array:
+    """[G, N, index_dim] every group's stored keys by logical address (what
+    ``kernels.decode_scores='pages'`` reads page by page)."""
+    return state.index_keys
+
   def gather_index_keys(self, state: Any, group: int | jax.Array,
                         addrs: jax.Array) -> jax.Array:
     """The keys of ``group`` at logical ``addrs`` [...] (clipped into range): [..., index_dim]."""
@@ -364,7 +369,15 @@ class MemorySystem(abc.ABC):
     # systems) can change how the scores are computed and rounded.
     gather = lambda addrs: self.geo.decode_keys(self.gather_index_keys(state, group, addrs))
     length = jnp.where(active, positions + 1, 0)  # a running row's pages cover its history
-    if scores_by_length(self.decode_scores, T):
+    if self.decode_scores == "pages":
+      from ula_jax.kernels.indexer.pallas import page_scores_pallas
+      if self.geo.index_layout is not None and self.geo.index_layout.kind != "bf16":
+        raise ValueError("kernels.decode_scores='pages' reads keys stored as values; "
+                         "with model.kv_layout='fp8' use 'lengths' or 'window'")
+      scores = jax.lax.optimization_barrier(page_scores_pallas(
+          q_I, w, self.index_key_table(state), group, page_table, length, self.page_size,
+          interpret=self.indexer_interpret))
+    elif scores_by_length(self.decode_scores, T):
       scores = length_scores(q_I, w, cand_addr, length, gather)
     else:
       keys_btk = jax.lax.optimization_barrier(gather(cand_addr))

@@ -16,6 +16,13 @@ so a row's scores depend neither on the other rows nor on where the row sits in 
 batch, and every memory system (``MemorySystem.select``, ula TP's aligned scoring) scores
 with the same blocks and gets the same bits (``tests/test_decode_scores.py``).
 
+``kernels.decode_scores=pages`` scores with a Pallas kernel instead
+(``pallas.page_scores_pallas``): one program per row and two pages, reading the row's
+keys page by page from the key table and exiting at once past the row's length, so the
+work follows the lengths without the loops' trip counts (each a wait for the device on a
+GPU). Its head sums run in another order than ``index_scores``'s (a few ulp); every
+system without sharded keys scores with it alike.
+
 ``decode_topk`` takes the top-k of the scores by ``lax.top_k`` (a sort on a GPU) or by
 the prefill's radix select (``kernels.decode_topk``): the same positions (ties to the lower
 one), and both return them in ascending order, so attention sums them in the same order
@@ -38,7 +45,7 @@ from ula_jax.kernels.indexer.reference import index_scores, select_topk
 F32 = jnp.float32
 BLOCK_ROWS = 8
 BLOCK_T = 32768
-MODES = ("auto", "lengths", "window")
+MODES = ("auto", "lengths", "window", "pages")
 TOPK_MODES = ("auto", "sort", "radix")
 
 
@@ -49,6 +56,14 @@ def scores_by_length(mode: str, window: int) -> bool:
   if mode not in MODES:
     raise ValueError(f"kernels.decode_scores={mode!r}: expected one of {list(MODES)}")
   return mode == "lengths" or (mode == "auto" and window > BLOCK_T)
+
+
+def applied_mode(mode: str, window: int) -> str:
+  """How ``kernels.decode_scores=mode`` scores a ``window``-position decode window:
+  'pages', 'lengths' or 'window' (what a run's summary records)."""
+  if mode == "pages":
+    return mode
+  return "lengths" if scores_by_length(mode, window) else "window"
 
 
 def length_scores(q_nik: jax.Array, w_ni: jax.Array, cand_addr: jax.Array,
@@ -132,5 +147,5 @@ def decode_topk(scores_nt: jax.Array, cand_nt: jax.Array, length: jax.Array, k: 
   return select_prefix(scores_nt, length, k, impl=impl, interpret=interpret)
 
 
-__all__ = ["BLOCK_ROWS", "BLOCK_T", "MODES", "TOPK_MODES", "decode_topk", "length_scores",
-           "scores_by_length", "topk_mode"]
+__all__ = ["BLOCK_ROWS", "BLOCK_T", "MODES", "TOPK_MODES", "applied_mode", "decode_topk",
+           "length_scores", "scores_by_length", "topk_mode"]

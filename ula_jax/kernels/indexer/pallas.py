@@ -149,6 +149,108 @@ def index_scores_pallas(q_nik: jax.Array, w_ni: jax.Array, keys_tk: jax.Array,
   return out if (Np, Tp) == (N, T) else out[:N, :T]
 
 
+# --- A decode step's scores, page by page ----------------------------------------------
+
+
+def _page_scores_kernel(q_ref, w_ref, keys_ref, pt_ref, len_ref, grp_ref, o_ref, *,
+                        page: int, pages_per: int, num_logical: int, f32_keys: bool,
+                        precision):
+  # q_ref: [B, I, K] queries by row (I padded to >= 16 with zero weights); w_ref: [B, I]
+  # f32 head weights; keys_ref: [G * N, K] every group's keys by logical address;
+  # pt_ref: [B, P] int32 page ids; len_ref: [B] int32 positions to score; grp_ref: [1]
+  # int32 the layer group; o_ref: [B, P * page] f32
+  b, j = pl.program_id(0), pl.program_id(1)
+  block = pages_per * page
+  t0 = j * block
+  length = jnp.max(plgpu.load(len_ref.at[pl.ds(b, 1)]))
+  lanes = jnp.arange(page, dtype=jnp.int32)
+
+  @pl.when(t0 < length)
+  def _():
+    base = jnp.max(plgpu.load(grp_ref.at[pl.ds(0, 1)])) * num_logical
+    q = plgpu.load(q_ref.at[b, :, :])  # [I, K]
+    w = plgpu.load(w_ref.at[b, :])  # [I]
+    for m in range(pages_per):  # static: a few pages per program
+      page_id = jnp.max(plgpu.load(pt_ref.at[b, pl.ds(j * pages_per + m, 1)]))
+      row0 = base + jnp.maximum(page_id, 0) * page
+      keys = plgpu.load(keys_ref.at[pl.ds(row0, page), :])  # [page, K]
+      if f32_keys:
+        keys = keys.astype(F32)
+      s = plgpu.dot(q, keys, trans_b=True, precision=precision)  # [I, page] f32
+      scores = jnp.sum(w[:, None] * jnp.maximum(s, 0.0), axis=0)  # [page]
+      t = t0 + m * page + lanes
+      plgpu.store(o_ref.at[b, pl.ds(t0 + m * page, page)],
+                  jnp.where(t < length, scores, -jnp.inf))
+
+  @pl.when(t0 >= length)
+  def _():
+    plgpu.store(o_ref.at[b, pl.ds(t0, block)], jnp.full((block,), -jnp.inf, F32))
+
+
+PAGES_PER_PROGRAM = 2  # pages one decode-scores program reads (128 positions at 64 a page)
+
+
+def page_scores_pallas(q_bik: jax.Array, w_bi: jax.Array, keys_gnk: jax.Array,
+                       group: jax.Array | int, page_table: jax.Array, length: jax.Array,
+                       page_size: int, *, pages_per: int = PAGES_PER_PROGRAM,
+                       interpret: bool | None = None) -> jax.Array:
+  """A decode step's indexer scores, each row over its own pages (Pallas): one program
+  per (row, ``pages_per`` pages); a program past its row's length writes -inf and reads
+  nothing, so the work follows the rows' lengths with no loop on the host's side (no
+  trip count to read back) and no gathered copy of the keys.
+
+  q_bik: [B, I, K] index queries (K a power of 2 >= 16); w_bi: [B, I] float32 weights
+  keys_gnk: [G, N, K] every group's keys by logical address (``page * page_size + o``)
+  group: [] int32 the layer group; page_table: [B, P] int32 page ids (-1: none)
+  length: [B] int32 positions to score per row (0: idle); page_size a power of 2 >= 16
+  returns [B, P * page_size] float32: ``index_scores`` of the row's keys at positions
+          < length (products as ``score_operands``; the heads summed in another order, so
+          a few ulp from the jnp form), -inf elsewhere
+  """
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  B, I, K = q_bik.shape
+  G, N, _ = keys_gnk.shape
+  P = page_table.shape[1]
+  if not _pow2(K) or K < 16 or not _pow2(page_size) or page_size < 16:
+    raise ValueError(f"index keys of {K} values, engine.page_size={page_size}: the page "
+                     "scores kernel needs powers of 2 >= 16 (use "
+                     "kernels.decode_scores='lengths' otherwise)")
+  if keys_gnk.shape[-1] != K or w_bi.shape != (B, I) or page_table.shape[0] != B \
+      or length.shape != (B,):
+    raise ValueError(f"q_bik {tuple(q_bik.shape)}, w_bi {tuple(w_bi.shape)}, keys_gnk "
+                     f"{tuple(keys_gnk.shape)}, page_table {tuple(page_table.shape)}, "
+                     f"length {tuple(length.shape)}: expected [B, I, K], [B, I], "
+                     "[G, N, K], [B, P] and [B]")
+  low = low_precision(q_bik, keys_gnk)
+  scale = K ** -0.5
+  q, w = ((q_bik, w_bi.astype(F32) * scale) if low
+          else (q_bik.astype(F32) * scale, w_bi.astype(F32)))
+  Ip = max(16, 1 << (I - 1).bit_length())  # the matmul's M: a power of 2 >= 16
+  q = jnp.pad(q, ((0, 0), (0, Ip - I), (0, 0)))
+  w = jnp.pad(w, ((0, 0), (0, Ip - I)))  # padded heads weigh nothing
+  pages_per = max(1, min(pages_per, P))
+  Pp = -(-P // pages_per) * pages_per
+  pt = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, Pp - P)), constant_values=-1)
+  n = jnp.clip(length.astype(jnp.int32), 0, P * page_size)
+  grp = jnp.reshape(jnp.asarray(group, jnp.int32), (1,))
+  kernel = functools.partial(_page_scores_kernel, page=page_size, pages_per=pages_per,
+                             num_logical=N, f32_keys=not low,
+                             precision=None if low else jax.lax.Precision.HIGHEST)
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((B, Pp * page_size), F32),
+      grid=(B, Pp // pages_per),
+      in_specs=[any_spec] * 6,
+      out_specs=any_spec,
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      name="ula_indexer_page_scores",
+  )(q, w, keys_gnk.reshape(G * N, K), pt, n, grp)
+  return out[:, :P * page_size]
+
+
 # --- Radix select's counting passes -----------------------------------------------------
 
 COUNT_BLOCK_T = 256  # positions per step of a counting program
@@ -253,5 +355,5 @@ def prefix_kth_largest_pallas(scores_nt: jax.Array, limit_n: jax.Array, k: int, 
   return jax.lax.fori_loop(0, 32 // radix_bits, one_pass, jnp.zeros((N,), jnp.uint32))
 
 
-__all__ = ["COUNT_BLOCK_T", "IndexerConfig", "index_scores_pallas",
-           "prefix_kth_largest_pallas"]
+__all__ = ["COUNT_BLOCK_T", "PAGES_PER_PROGRAM", "IndexerConfig", "index_scores_pallas",
+           "page_scores_pallas", "prefix_kth_largest_pallas"]
