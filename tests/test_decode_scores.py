@@ -102,7 +102,9 @@ def test_bad_blocks_are_refused():
 def test_systems_scoring_by_length_decode_residents_tokens(monkeypatch):
   """Engines with kernels.decode_scores=lengths and blocks far smaller than the window
   (2 rows x 16 positions; rows of different lengths, idle rows, evicting pools): ula
-  and hisparse decode resident's tokens."""
+  and hisparse decode resident's tokens. ula takes its top-k by the radix select and
+  runs three decode steps per dispatch (the scoring loops inside the dispatch's device
+  loop), resident and hisparse by the sort: the same picks in the same order."""
   from ula_jax.kernels.indexer import decode
   from tests.engine_util import DENSE, make_requests, run_engine
   monkeypatch.setattr(decode, "BLOCK_ROWS", 2)
@@ -111,7 +113,8 @@ def test_systems_scoring_by_length_decode_residents_tokens(monkeypatch):
   base = DENSE + ["mesh.dp=1", "engine.max_batch=3", "kernels.decode_scores=lengths"]
   systems = {
       "resident": [],
-      "ula": ["memory.system=ula", "memory.device_pool=40", "memory.host_pool=1024"],
+      "ula": ["memory.system=ula", "memory.device_pool=40", "memory.host_pool=1024",
+              "kernels.decode_topk=radix", "engine.steps_per_dispatch=3"],
       "hisparse": ["memory.system=hisparse", "memory.hisparse.device_buffer_size=8",
                    "memory.hisparse.host_to_device_ratio=32"],
   }
@@ -120,7 +123,9 @@ def test_systems_scoring_by_length_decode_residents_tokens(monkeypatch):
     result = run_engine(base + over, requests)
     assert all(r.status == "finished" for r in result.requests), name
     tokens[name] = {r.id: r.output_tokens for r in result.requests}
-    assert result.summary["decode_scores"] == "lengths", name  # what the summary states
+    # What the summary states ('auto' is the sort on the CPU).
+    assert result.summary["decode_scores"] == "lengths", name
+    assert result.summary["decode_topk"] == ("radix" if name == "ula" else "sort"), name
     if name != "resident":
       assert result.summary.get("total_misses", 0) > 0, name
   assert tokens["ula"] == tokens["resident"]
@@ -162,26 +167,6 @@ def test_topk_mode_auto_is_radix_on_a_gpu_only():
   assert topk_mode("sort", "gpu") == "sort" and topk_mode("radix", "cpu") == "radix"
   with pytest.raises(ValueError, match="decode_topk='heap'"):
     topk_mode("heap", "gpu")
-
-
-def test_systems_with_the_radix_topk_decode_residents_tokens(monkeypatch):
-  """kernels.decode_topk=radix with scores by length in small blocks; ula runs three
-  decode steps per dispatch (the scoring loops inside the dispatch's device loop)."""
-  from ula_jax.kernels.indexer import decode
-  from tests.engine_util import DENSE, make_requests, run_engine
-  monkeypatch.setattr(decode, "BLOCK_ROWS", 2)
-  monkeypatch.setattr(decode, "BLOCK_T", 16)
-  requests = make_requests(num=5, seed=9, prompt=(9, 70), output=(4, 10))
-  base = DENSE + ["mesh.dp=1", "engine.max_batch=3", "kernels.decode_topk=radix",
-                  "kernels.decode_scores=lengths"]
-  ref = run_engine(base, requests)
-  got = run_engine(base + ["memory.system=ula", "memory.device_pool=40",
-                           "memory.host_pool=1024", "engine.steps_per_dispatch=3"], requests)
-  assert [r.status for r in got.requests] == ["finished"] * len(requests)
-  assert {r.id: r.output_tokens for r in got.requests} == {
-      r.id: r.output_tokens for r in ref.requests}
-  assert got.summary.get("total_misses", 0) > 0
-  assert (got.summary["decode_scores"], got.summary["decode_topk"]) == ("lengths", "radix")
 
 
 def _paged_case(seed, B, P, page, I, K, dtype, G=3):

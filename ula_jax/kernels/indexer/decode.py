@@ -6,8 +6,8 @@ without a request. Scoring every row over the engine's whole window (``index_sco
 layer group whatever the batch holds: at GLM-5 geometry (32 rows, 160K-position window)
 more than the rest of the step. ``length_scores`` scores only what some row needs: the
 rows sorted longest first, in blocks of ``block_rows``, each block over column blocks of
-``block_t`` up to its longest row (two loops on the device whose trip counts are the
-number of rows with a history and their lengths). Positions it does not score are
+``block_t`` up to its longest row (one loop on the device over those blocks, whose trip
+count follows the number of rows with a history and their lengths). Positions it does not score are
 ``-inf``; the caller's candidate mask excludes them anyway.
 
 Each score is the same products as ``index_scores`` over the whole window; a GEMM of
@@ -92,26 +92,27 @@ def length_scores(q_nik: jax.Array, w_ni: jax.Array, cand_addr: jax.Array,
   n = jnp.pad(jnp.clip(length, 0, T).astype(jnp.int32), (0, Bp - B))
   order = jnp.argsort(-n, stable=True)  # longest first; idle (and padding) rows last
   n_sorted = n[order]
-  row_blocks = -(-jnp.sum(n > 0, dtype=jnp.int32) // R)
+  # Column blocks of each row block (its longest row comes first), 0 for blocks of idle
+  # rows; one loop over every (row block, column block) pair: a single trip count per
+  # group for the host to wait on, not one per row block.
+  cols = -(-n_sorted[::R] // C)  # [Bp / R]
+  ends = jnp.cumsum(cols)
+  total = ends[-1]
 
-  def row_block(rb, out):
+  def block(i, out):
+    rb = jnp.sum(ends <= i, dtype=jnp.int32)  # the row block of pair i
+    cb = i - (ends[rb] - cols[rb])
     rows = jax.lax.dynamic_slice(order, (rb * R,), (R,))
-    cols = -(-n_sorted[rb * R] // C)  # the block's longest row comes first
-    q_r, w_r, addr_r = q[rows], w[rows], addr[rows]
-
-    def col_block(cb, out):
-      a = jax.lax.dynamic_slice(addr_r, (0, cb * C), (R, C))
-      keys = jax.lax.optimization_barrier(gather(a))
-      s = jax.lax.optimization_barrier(index_scores(q_r, w_r, keys))
-      return jax.lax.dynamic_update_slice(out, s, (rb * R, cb * C))
-
-    return jax.lax.fori_loop(0, cols, col_block, out)
+    a = addr[rows[:, None], cb * C + jnp.arange(C, dtype=jnp.int32)[None, :]]  # [R, C]
+    keys = jax.lax.optimization_barrier(gather(a))
+    s = jax.lax.optimization_barrier(index_scores(q[rows], w[rows], keys))
+    return jax.lax.dynamic_update_slice(out, s, (rb * R, cb * C))
 
   # The scores take the keys' sharding type (a mesh with explicit axes, where the keys
   # come from one): the buffer starts as -inf plus a zero of that type (only the type is
   # read: the gather is dead code).
   zero = jnp.zeros_like(gather(jnp.full((1, 1), INVALID, jnp.int32))[0, 0, 0], F32)
-  out = jax.lax.fori_loop(0, row_blocks, row_block, jnp.full((Bp, Tp), -jnp.inf, F32) + zero)
+  out = jax.lax.fori_loop(0, total, block, jnp.full((Bp, Tp), -jnp.inf, F32) + zero)
   return out[jnp.argsort(order)][:B, :T]
 
 
