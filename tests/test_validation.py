@@ -232,6 +232,9 @@ def test_host_pools_larger_than_the_machine_exit_2(capsys):
                           "memory.host_pool=1TiB", "--no-progress"])
   assert re.search(r"memory.device_pool=1024, memory.host_pool='1TiB': memory.system='ula' "
                    r"would allocate", err), err
+  # Most of it are the host tier's indexer keys, which live on the device: said so.
+  assert re.search(r"of pools per device \([0-9.]+ GiB of them indexer keys, one per "
+                   r"logical address of every layer group, host tier included\)", err), err
 
 
 def test_pools_beyond_int32_addresses_are_a_config_error(capsys):

@@ -94,10 +94,16 @@ def _gib(n: int) -> str:
   return f"{n / 2**30:.1f} GiB"
 
 
+KEYS = "index_keys"
+"""``pool_bytes_per_device``'s entry for the indexer-key tables (a part of 'device')."""
+
+
 def pool_bytes_per_device(system: MemorySystem, mesh: Any) -> dict[str, int] | None:
   """Bytes of the pools ``system.init_state(mesh)`` would place on one device, by memory
-  kind (``'device'``, ``'pinned_host'``), from their shapes alone: nothing is allocated.
-  None when the state cannot be traced abstractly.
+  kind (``'device'``, ``'pinned_host'``), from their shapes alone: nothing is allocated;
+  ``KEYS``: how much of 'device' are indexer-key tables (one key per logical address of
+  every layer group, device and host tiers alike). None when the state cannot be traced
+  abstractly.
 
   Pools are made by ``base.device_zeros``; under ``jax.eval_shape`` the arrays lose their
   shardings and memory kinds, so each call's sharding is recorded as it is made."""
@@ -109,11 +115,16 @@ def pool_bytes_per_device(system: MemorySystem, mesh: Any) -> dict[str, int] | N
 
   out: dict[str, int] = {}
   filler = base._filler
+  geo = system.geo
 
   def recording(mesh_, shape, dtype, memory_kind, fill, spec):
     per_device = NamedSharding(mesh_, spec).shard_shape(tuple(shape))
     nbytes = int(np.prod(per_device, dtype=object)) * np.dtype(dtype).itemsize
     out[memory_kind] = out.get(memory_kind, 0) + nbytes
+    if (memory_kind == "device" and len(shape) >= 3 and shape[-1] == geo.index_dim
+        and np.dtype(dtype) == np.dtype(geo.index_dtype)):
+      # An indexer-key table (rows of index_dim keys), counted in 'device' as well.
+      out[KEYS] = out.get(KEYS, 0) + nbytes
     return filler(mesh_, shape, dtype, memory_kind, fill, spec)
 
   base._filler = recording
@@ -153,7 +164,12 @@ def check_fits_machine(cfg: ExperimentConfig, mesh: Any, params_bytes: int = 0) 
   if per_device is None:
     return
   device_bytes = per_device.get("device", 0)
-  host_bytes = sum(v for k, v in per_device.items() if k != "device")
+  host_bytes = sum(v for k, v in per_device.items() if k not in ("device", KEYS))
+  keys = per_device.get(KEYS, 0)
+  # The key tables grow with every tier's tokens: name them where they are a good part.
+  key_note = (f" ({_gib(keys)} of them indexer keys, one per logical address of every "
+              f"layer group{', host tier included' if host_bytes else ''})"
+              if keys >= 2**30 and keys * 8 >= device_bytes else "")
   mine = local_devices(mesh)  # the other processes' memory is theirs to check
   if not mine:
     return
@@ -168,15 +184,17 @@ def check_fits_machine(cfg: ExperimentConfig, mesh: Any, params_bytes: int = 0) 
   else:
     host_field, host_value = "memory.host_pool", cfg.memory.host_pool
   host = f"{host_field}={host_value!r}"
+  key_fix = (f" or {host_field} (its tokens' indexer keys live on the device)"
+             if key_note and host_bytes else "")
   params = (f" beside the model's {_gib(params_bytes)} of parameters" if params_bytes
             else "")
   if limit:
     if device_bytes + params_bytes > limit:
       raise ConfigError([
           f"{pool}: memory.system={cfg.memory.system!r} would allocate "
-          f"{_gib(device_bytes)} of pools per device{params}, more than the "
+          f"{_gib(device_bytes)} of pools per device{key_note}{params}, more than the "
           f"{_gib(limit)} of {dev.platform} device {dev.id} (mesh.gpu_memory_fraction="
-          f"{cfg.mesh.gpu_memory_fraction}); lower memory.device_pool (or "
+          f"{cfg.mesh.gpu_memory_fraction}); lower memory.device_pool{key_fix} (or "
           f"engine.max_batch / engine.max_context when it is null)"])
     # Host pools are pinned by the backend's allocator, capped below the RAM
     # (core.host_memory): past the cap an allocation fails, at the RAM the process dies.
@@ -196,7 +214,7 @@ def check_fits_machine(cfg: ExperimentConfig, mesh: Any, params_bytes: int = 0) 
     lower = f"memory.device_pool or {host_field}" if host_bytes else "memory.device_pool"
     raise ConfigError([
         f"{', '.join(fields)}: memory.system={cfg.memory.system!r} would allocate "
-        f"{_gib(device_bytes + host_bytes)} of pools per device{params}, "
+        f"{_gib(device_bytes + host_bytes)} of pools per device{key_note}{params}, "
         f"{_gib((device_bytes + host_bytes + params_bytes) * local)} for the {local} "
         f"{dev.platform} devices of this host, more than its {_gib(ram)} of RAM; lower "
         f"{lower} (or engine.max_batch / engine.max_context where a pool is null)"])
