@@ -220,32 +220,64 @@ def test_page_scores_kernel_matches_the_gathered_reference(B, P, page, I, dtype,
                                   np.asarray(select_topk(jnp.asarray(want), cand, k)[0]))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_page_scores_kernel_reads_fp8_keys(dtype):
+  """fp8 key rows (``kv_layout.quantize_key``) decoded in the kernel as
+  ``KeyLayout.decode`` decodes them: the scores of the decoded keys."""
+  from ula_jax.core.addressing import all_addrs
+  from ula_jax.core.kv_layout import KeyLayout, quantize_key
+  from ula_jax.kernels.indexer.pallas import page_scores_pallas
+  page, K = 16, 32
+  q, w, keys, table, length = _paged_case(21, 4, 5, page, 8, K, jnp.float32)
+  # Keys of very different magnitudes, so the scale bytes matter.
+  mag = jnp.asarray(np.random.default_rng(2).uniform(-3, 3, keys.shape[:2] + (1,)))
+  rows = quantize_key(keys * 10.0 ** mag)
+  assert rows.dtype == jnp.uint8 and rows.shape[-1] == K + 4
+  layout = KeyLayout("fp8", K, jnp.dtype(dtype).name)
+  q = q.astype(dtype)
+  got = np.asarray(jax.jit(lambda *a: page_scores_pallas(
+      *a, page, fp8_keys=True, key_dtype=dtype, interpret=True))(
+          q, w, rows, jnp.int32(2), table, length))
+  addr = all_addrs(table, page)
+  want = np.asarray(index_scores(q, w, layout.decode(rows[2][jnp.clip(addr, 0,
+                                                                       rows.shape[1] - 1)])))
+  n = np.asarray(length)
+  scored = np.arange(got.shape[1])[None, :] < n[:, None]
+  np.testing.assert_allclose(got[scored], want[scored], rtol=1e-5, atol=1e-5)
+  assert np.isneginf(got[~scored]).all()
+  with pytest.raises(ValueError, match="expected uint8 fp8 key rows"):
+    page_scores_pallas(q, w, keys, 0, table, length, page, fp8_keys=True, interpret=True)
+
+
 def test_systems_scoring_by_pages_decode_residents_tokens():
-  """kernels.decode_scores=pages (the Pallas kernel, interpret mode): ula and hisparse,
-  missing and evicting, decode resident's tokens; the config refuses it where keys are
-  not values by logical address."""
+  """kernels.decode_scores=pages (the Pallas kernel, interpret mode): ula with keys
+  stored as values, and hisparse with fp8 keys decoded in the kernel, missing and
+  evicting, decode resident's tokens; the config refuses it where keys are not by
+  logical address or the sizes do not fit the kernel."""
   from ula_jax.config import ConfigError, load_config
   from tests.engine_util import BASE, DENSE, make_requests, run_engine
   requests = make_requests(num=5, seed=3, prompt=(20, 90), output=(4, 9))
   base = DENSE + ["mesh.dp=1", "engine.max_batch=3", "engine.page_size=16",
                   "kernels.decode_scores=pages"]
-  systems = {
+  fp8 = ["model.kv_layout=fp8", "model.kv_lora_rank=128"]
+  runs = {
       "resident": [],
       "ula": ["memory.system=ula", "memory.device_pool=64", "memory.host_pool=1024"],
-      "hisparse": ["memory.system=hisparse", "memory.hisparse.device_buffer_size=8",
-                   "memory.hisparse.host_to_device_ratio=32"],
+      "resident_fp8": fp8,
+      "hisparse_fp8": fp8 + ["memory.system=hisparse", "memory.hisparse.device_buffer_size=8",
+                             "memory.hisparse.host_to_device_ratio=32"],
   }
   tokens = {}
-  for name, over in systems.items():
+  for name, over in runs.items():
     result = run_engine(base + over, requests)
     assert all(r.status == "finished" for r in result.requests), name
     tokens[name] = {r.id: r.output_tokens for r in result.requests}
     assert result.summary["decode_scores"] == "pages", name
-    if name != "resident":
+    if not name.startswith("resident"):
       assert result.summary.get("total_misses", 0) > 0, name
   assert len({tuple(v) for v in tokens["resident"].values()}) > 1
   assert tokens["ula"] == tokens["resident"]
-  assert tokens["hisparse"] == tokens["resident"]
+  assert tokens["hisparse_fp8"] == tokens["resident_fp8"]
   with pytest.raises(ConfigError, match=r"decode_scores='pages' needs engine.page_size "
                      r"and model.index_head_dim powers of 2 >= 16; got 8 and 16"):
     load_config(BASE, ["kernels.decode_scores=pages", "engine.page_size=8"])

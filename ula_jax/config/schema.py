@@ -379,7 +379,7 @@ class KernelsConfig(Section):
       "of the GEMMs' other shapes; every system (ula TP's aligned scoring too) scores "
       "alike, so systems agree bit for bit. 'pages' a Pallas kernel, one program per row "
       "and two pages of keys, exiting past the row's length (no loop trip counts for the "
-      "host to wait on); bf16 keys, not ula with mesh.tp > 1")
+      "host to wait on; fp8 keys decoded in the kernel); not ula with mesh.tp > 1")
   decode_topk: Literal["auto", "sort", "radix"] = Field(
       "auto", description="a decode step's top-k: 'sort' lax.top_k over the scored window "
       "(a sort on a GPU), 'radix' the radix select of the prefill (counting passes by "
@@ -630,10 +630,6 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
 
   if cfg.kernels.decode_scores == "pages":
     pow2 = lambda n: n >= 16 and not n & (n - 1)
-    if model.kv_layout != "bf16":
-      problems.append(
-          f"kernels.decode_scores='pages' reads indexer keys stored as values; with "
-          f"model.kv_layout={model.kv_layout!r} use 'lengths', 'window' or 'auto'")
     if mem.system == "ula" and mesh.tp > 1:
       problems.append(
           f"kernels.decode_scores='pages' reads keys by logical address; ula with "

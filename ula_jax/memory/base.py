@@ -371,11 +371,11 @@ class MemorySystem(abc.ABC):
     length = jnp.where(active, positions + 1, 0)  # a running row's pages cover its history
     if self.decode_scores == "pages":
       from ula_jax.kernels.indexer.pallas import page_scores_pallas
-      if self.geo.index_layout is not None and self.geo.index_layout.kind != "bf16":
-        raise ValueError("kernels.decode_scores='pages' reads keys stored as values; "
-                         "with model.kv_layout='fp8' use 'lengths' or 'window'")
+      layout = self.geo.index_layout
+      fp8 = layout is not None and layout.kind != "bf16"
       scores = jax.lax.optimization_barrier(page_scores_pallas(
           q_I, w, self.index_key_table(state), group, page_table, length, self.page_size,
+          fp8_keys=fp8, key_dtype=layout.dtype if fp8 else None,
           interpret=self.indexer_interpret))
     elif scores_by_length(self.decode_scores, T):
       scores = length_scores(q_I, w, cand_addr, length, gather)

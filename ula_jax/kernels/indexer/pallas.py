@@ -152,11 +152,26 @@ def index_scores_pallas(q_nik: jax.Array, w_ni: jax.Array, keys_tk: jax.Array,
 # --- A decode step's scores, page by page ----------------------------------------------
 
 
+def _fp8_keys(keys_ref, row0, page: int, K: int, dtype):
+  """Rows ``row0 .. row0 + page`` of an fp8 key table (``kv_layout.quantize_key``'s K
+  e4m3 bytes, then a little-endian float32 scale) decoded as ``KeyLayout.decode`` does:
+  [page, K] in ``dtype``."""
+  codes = plgpu.load(keys_ref.at[pl.ds(row0, page), pl.ds(0, K)])  # [page, K] uint8
+  word = jnp.zeros((page, 1), jnp.int32)
+  for i in range(4):  # the scale's bytes, one column each
+    byte = plgpu.load(keys_ref.at[pl.ds(row0, page), pl.ds(K + i, 1)]).astype(jnp.int32)
+    word = word | jax.lax.shift_left(byte, jnp.int32(8 * i))
+  scale = jax.lax.bitcast_convert_type(word, F32)  # [page, 1]
+  values = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(F32)
+  return (values * scale).astype(dtype)
+
+
 def _page_scores_kernel(q_ref, w_ref, keys_ref, pt_ref, len_ref, grp_ref, o_ref, *,
                         page: int, pages_per: int, num_logical: int, f32_keys: bool,
-                        precision):
+                        precision, fp8_dim: int | None, key_dtype):
   # q_ref: [B, I, K] queries by row (I padded to >= 16 with zero weights); w_ref: [B, I]
-  # f32 head weights; keys_ref: [G * N, K] every group's keys by logical address;
+  # f32 head weights; keys_ref: [G * N, K] every group's keys by logical address (fp8:
+  # [G * N, K + 4] bytes, ``fp8_dim`` = K, decoded into ``key_dtype``);
   # pt_ref: [B, P] int32 page ids; len_ref: [B] int32 positions to score; grp_ref: [1]
   # int32 the layer group; o_ref: [B, P * page] f32
   b, j = pl.program_id(0), pl.program_id(1)
@@ -173,7 +188,10 @@ def _page_scores_kernel(q_ref, w_ref, keys_ref, pt_ref, len_ref, grp_ref, o_ref,
     for m in range(pages_per):  # static: a few pages per program
       page_id = jnp.max(plgpu.load(pt_ref.at[b, pl.ds(j * pages_per + m, 1)]))
       row0 = base + jnp.maximum(page_id, 0) * page
-      keys = plgpu.load(keys_ref.at[pl.ds(row0, page), :])  # [page, K]
+      if fp8_dim is not None:
+        keys = _fp8_keys(keys_ref, row0, page, fp8_dim, key_dtype)
+      else:
+        keys = plgpu.load(keys_ref.at[pl.ds(row0, page), :])  # [page, K]
       if f32_keys:
         keys = keys.astype(F32)
       s = plgpu.dot(q, keys, trans_b=True, precision=precision)  # [I, page] f32
@@ -193,6 +211,7 @@ PAGES_PER_PROGRAM = 2  # pages one decode-scores program reads (128 positions at
 def page_scores_pallas(q_bik: jax.Array, w_bi: jax.Array, keys_gnk: jax.Array,
                        group: jax.Array | int, page_table: jax.Array, length: jax.Array,
                        page_size: int, *, pages_per: int = PAGES_PER_PROGRAM,
+                       fp8_keys: bool = False, key_dtype=None,
                        interpret: bool | None = None) -> jax.Array:
   """A decode step's indexer scores, each row over its own pages (Pallas): one program
   per (row, ``pages_per`` pages); a program past its row's length writes -inf and reads
@@ -200,7 +219,10 @@ def page_scores_pallas(q_bik: jax.Array, w_bi: jax.Array, keys_gnk: jax.Array,
   trip count to read back) and no gathered copy of the keys.
 
   q_bik: [B, I, K] index queries (K a power of 2 >= 16); w_bi: [B, I] float32 weights
-  keys_gnk: [G, N, K] every group's keys by logical address (``page * page_size + o``)
+  keys_gnk: [G, N, K] every group's keys by logical address (``page * page_size + o``);
+            with ``fp8_keys`` [G, N, K + 4] uint8 rows of ``kv_layout.quantize_key``,
+            decoded in the kernel into ``key_dtype`` (None: the queries') as
+            ``KeyLayout.decode`` does
   group: [] int32 the layer group; page_table: [B, P] int32 page ids (-1: none)
   length: [B] int32 positions to score per row (0: idle); page_size a power of 2 >= 16
   returns [B, P * page_size] float32: ``index_scores`` of the row's keys at positions
@@ -216,13 +238,17 @@ def page_scores_pallas(q_bik: jax.Array, w_bi: jax.Array, keys_gnk: jax.Array,
     raise ValueError(f"index keys of {K} values, engine.page_size={page_size}: the page "
                      "scores kernel needs powers of 2 >= 16 (use "
                      "kernels.decode_scores='lengths' otherwise)")
-  if keys_gnk.shape[-1] != K or w_bi.shape != (B, I) or page_table.shape[0] != B \
-      or length.shape != (B,):
+  if fp8_keys and keys_gnk.dtype != jnp.uint8:
+    raise ValueError(f"keys_gnk: got {keys_gnk.dtype}, expected uint8 fp8 key rows")
+  if keys_gnk.shape[-1] != K + (4 if fp8_keys else 0) or w_bi.shape != (B, I) \
+      or page_table.shape[0] != B or length.shape != (B,):
     raise ValueError(f"q_bik {tuple(q_bik.shape)}, w_bi {tuple(w_bi.shape)}, keys_gnk "
                      f"{tuple(keys_gnk.shape)}, page_table {tuple(page_table.shape)}, "
                      f"length {tuple(length.shape)}: expected [B, I, K], [B, I], "
                      "[G, N, K], [B, P] and [B]")
-  low = low_precision(q_bik, keys_gnk)
+  # What the products read: the stored keys, or the fp8 keys decoded.
+  key_dtype = (jnp.dtype(key_dtype or q_bik.dtype) if fp8_keys else keys_gnk.dtype)
+  low = low_precision(q_bik, jnp.zeros((), key_dtype))
   scale = K ** -0.5
   q, w = ((q_bik, w_bi.astype(F32) * scale) if low
           else (q_bik.astype(F32) * scale, w_bi.astype(F32)))
@@ -236,7 +262,8 @@ def page_scores_pallas(q_bik: jax.Array, w_bi: jax.Array, keys_gnk: jax.Array,
   grp = jnp.reshape(jnp.asarray(group, jnp.int32), (1,))
   kernel = functools.partial(_page_scores_kernel, page=page_size, pages_per=pages_per,
                              num_logical=N, f32_keys=not low,
-                             precision=None if low else jax.lax.Precision.HIGHEST)
+                             precision=None if low else jax.lax.Precision.HIGHEST,
+                             fp8_dim=K if fp8_keys else None, key_dtype=key_dtype)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   out = pl.pallas_call(
       kernel,
@@ -247,7 +274,7 @@ def page_scores_pallas(q_bik: jax.Array, w_bi: jax.Array, keys_gnk: jax.Array,
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       name="ula_indexer_page_scores",
-  )(q, w, keys_gnk.reshape(G * N, K), pt, n, grp)
+  )(q, w, keys_gnk.reshape(G * N, keys_gnk.shape[-1]), pt, n, grp)
   return out[:, :P * page_size]
 
 
