@@ -16,8 +16,12 @@ cd "$(dirname "$0")/../.."
 source benchmarks/probes/gpu_steps.sh
 gpu_setup gpu_step_flags "${TIME_LIMIT_S:-570}" outside
 config_wheels
+# base / pages / sort: decode scoring and top-k; dsnolt / tritongemm: whether the layers'
+# weight slices (dynamic-slice copies, about 7 ms a GLM-5 step) fold into their products
+# when the GEMMs are cuBLAS without cuBLASLt, or Triton's.
 DEFAULT_VARIANTS="base|| pages||kernels.decode_scores=pages sort||kernels.decode_topk=sort \
-window||kernels.decode_scores=window"
+dsnolt|--xla_gpu_enable_dynamic_slice_fusion=true+--xla_gpu_enable_cublaslt=false| \
+tritongemm|--xla_gpu_triton_gemm_any=true|"
 BASE_FLAGS=${XLA_FLAGS:-}
 for v in ${VARIANTS:-$DEFAULT_VARIANTS}; do
   IFS='|' read -r name flags over <<< "$v"
