@@ -284,3 +284,28 @@ def test_systems_scoring_by_pages_decode_residents_tokens():
   with pytest.raises(ConfigError, match=r"ula with mesh.tp=2 shards them over ranks"):
     load_config(BASE, ["kernels.decode_scores=pages", "memory.system=ula", "mesh.dp=1",
                        "mesh.tp=2"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16_keys", "fp8_keys"])
+def test_gpu_page_scores_kernel_matches_the_gathered_reference(fp8):
+  """The page-scores kernel compiled by Triton at a decode step's sizes (32 rows, 64
+  indexer heads of 128, pages of 64, rows up to 16K positions): the scores of the
+  gathered (decoded) keys, -inf past each row's length."""
+  from ula_jax.core.addressing import all_addrs
+  from ula_jax.core.kv_layout import KeyLayout, quantize_key
+  from ula_jax.kernels.indexer.pallas import page_scores_pallas
+  page = 64
+  q, w, keys, table, length = _paged_case(5, 32, 256, page, 64, 128, jnp.bfloat16, G=2)
+  rows = quantize_key(keys) if fp8 else keys
+  got = np.asarray(jax.jit(lambda *a: page_scores_pallas(*a, page, fp8_keys=fp8))(
+      q, w, rows, jnp.int32(1), table, length))
+  addr = all_addrs(table, page)
+  gathered = rows[1][jnp.clip(addr, 0, rows.shape[1] - 1)]
+  if fp8:
+    gathered = KeyLayout("fp8", 128, "bfloat16").decode(gathered)
+  want = np.asarray(jax.jit(index_scores)(q, w, gathered))
+  n = np.asarray(length)
+  scored = np.arange(got.shape[1])[None, :] < n[:, None]
+  np.testing.assert_allclose(got[scored], want[scored], rtol=1e-3, atol=1e-3)
+  assert np.isneginf(got[~scored]).all()

@@ -52,7 +52,7 @@ if ! "$PY" -c "import pytest" 2>/dev/null && [ -d "$ROOT/.whl" ]; then
   step wheels 120 "$PY" -m pip install --no-index --find-links "$ROOT/.whl" pytest rich
 fi
 
-KERNEL_TESTS="tests/test_fetch.py tests/test_ffi.py tests/test_sparse_attention_pallas.py"
+KERNEL_TESTS="tests/test_fetch.py tests/test_ffi.py tests/test_sparse_attention_pallas.py tests/test_decode_scores.py"
 step tests_gpu 180 "$PY" -m pytest -m gpu $KERNEL_TESTS -v -rA -p no:cacheprovider \
   --junitxml="$OUT/junit_gpu.xml"
 
