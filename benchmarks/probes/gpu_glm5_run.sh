@@ -48,6 +48,15 @@ if [ -n "${SWEEP:-}" ]; then
   sweep_items=(${SYSTEMS:-ula_pb_lru hisparse resident})
   presets=$(printf '%s,' "${sweep_items[@]%%@*}")
   tag=${sweep_items[0]}
+  # One config for all: a later item with a tag of its own would be served with the
+  # first item's overrides, so it is refused.
+  for item in "${sweep_items[@]}"; do
+    if [ "${item#*@}" != "${tag#*@}" ] && [[ "$item" == *@* || "$tag" == *@* ]]; then
+      echo "error: SWEEP=1 serves every system with the first item's tag ('$tag'); '$item'" \
+        "has another: give them the same tag, or leave SWEEP unset" >&2
+      exit 2
+    fi
+  done
   # shellcheck disable=SC2046,SC2086
   STEP_TAIL=40 step sweep "${RUN_LIMIT_S:-480}" $CLI sweep "$(tagged CONFIG "$tag" "$CONFIG")" \
     "memory=${presets%,}" ${EXTRA:-} $(tagged EXTRA "$tag") --no-progress --out "$RUNS/sweep"
