@@ -220,8 +220,7 @@ def test_page_scores_kernel_matches_the_gathered_reference(B, P, page, I, dtype,
                                   np.asarray(select_topk(jnp.asarray(want), cand, k)[0]))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_page_scores_kernel_reads_fp8_keys(dtype):
+def test_page_scores_kernel_reads_fp8_keys(dtype=jnp.bfloat16):
   """fp8 key rows (``kv_layout.quantize_key``) decoded in the kernel as
   ``KeyLayout.decode`` decodes them: the scores of the decoded keys."""
   from ula_jax.core.addressing import all_addrs
@@ -250,10 +249,10 @@ def test_page_scores_kernel_reads_fp8_keys(dtype):
 
 
 def test_systems_scoring_by_pages_decode_residents_tokens():
-  """kernels.decode_scores=pages (the Pallas kernel, interpret mode): ula with keys
-  stored as values, and hisparse with fp8 keys decoded in the kernel, missing and
-  evicting, decode resident's tokens; the config refuses it where keys are not by
-  logical address or the sizes do not fit the kernel."""
+  """kernels.decode_scores=pages (the Pallas kernel, interpret mode) with fp8 keys
+  decoded in the kernel: ula and hisparse, missing and evicting, decode resident's
+  tokens (keys stored as values: the kernel tests above); the config refuses it where
+  keys are not by logical address or the sizes do not fit the kernel."""
   from ula_jax.config import ConfigError, load_config
   from tests.engine_util import BASE, DENSE, make_requests, run_engine
   requests = make_requests(num=5, seed=3, prompt=(20, 90), output=(4, 9))
@@ -261,11 +260,10 @@ def test_systems_scoring_by_pages_decode_residents_tokens():
                   "kernels.decode_scores=pages"]
   fp8 = ["model.kv_layout=fp8", "model.kv_lora_rank=128"]
   runs = {
-      "resident": [],
-      "ula": ["memory.system=ula", "memory.device_pool=64", "memory.host_pool=1024"],
-      "resident_fp8": fp8,
-      "hisparse_fp8": fp8 + ["memory.system=hisparse", "memory.hisparse.device_buffer_size=8",
-                             "memory.hisparse.host_to_device_ratio=32"],
+      "resident": fp8,
+      "ula": fp8 + ["memory.system=ula", "memory.device_pool=64", "memory.host_pool=1024"],
+      "hisparse": fp8 + ["memory.system=hisparse", "memory.hisparse.device_buffer_size=8",
+                         "memory.hisparse.host_to_device_ratio=32"],
   }
   tokens = {}
   for name, over in runs.items():
@@ -273,11 +271,11 @@ def test_systems_scoring_by_pages_decode_residents_tokens():
     assert all(r.status == "finished" for r in result.requests), name
     tokens[name] = {r.id: r.output_tokens for r in result.requests}
     assert result.summary["decode_scores"] == "pages", name
-    if not name.startswith("resident"):
+    if name != "resident":
       assert result.summary.get("total_misses", 0) > 0, name
   assert len({tuple(v) for v in tokens["resident"].values()}) > 1
   assert tokens["ula"] == tokens["resident"]
-  assert tokens["hisparse_fp8"] == tokens["resident_fp8"]
+  assert tokens["hisparse"] == tokens["resident"]
   with pytest.raises(ConfigError, match=r"decode_scores='pages' needs engine.page_size "
                      r"and model.index_head_dim powers of 2 >= 16; got 8 and 16"):
     load_config(BASE, ["kernels.decode_scores=pages", "engine.page_size=8"])
