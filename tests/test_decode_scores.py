@@ -99,6 +99,23 @@ def test_bad_blocks_are_refused():
     length_scores(q, w, addr, length, lambda a: keys[a], block_rows=0)
 
 
+def _serve_each(base, systems, requests, *, decode_scores):
+  """Each of ``systems`` (name -> overrides after ``base``) serves ``requests``: every
+  request finishes, the summary states ``decode_scores``, every system but resident
+  misses. Returns ({name: {request id: tokens}}, {name: summary})."""
+  from tests.engine_util import run_engine
+  tokens, summaries = {}, {}
+  for name, over in systems.items():
+    result = run_engine(base + over, requests)
+    assert all(r.status == "finished" for r in result.requests), name
+    tokens[name] = {r.id: r.output_tokens for r in result.requests}
+    summaries[name] = result.summary
+    assert result.summary["decode_scores"] == decode_scores, name
+    if name != "resident":
+      assert result.summary.get("total_misses", 0) > 0, name
+  return tokens, summaries
+
+
 def test_systems_scoring_by_length_decode_residents_tokens(monkeypatch):
   """Engines with kernels.decode_scores=lengths and blocks far smaller than the window
   (2 rows x 16 positions; rows of different lengths, idle rows, evicting pools): ula
@@ -106,7 +123,7 @@ def test_systems_scoring_by_length_decode_residents_tokens(monkeypatch):
   runs three decode steps per dispatch (the scoring loops inside the dispatch's device
   loop), resident and hisparse by the sort: the same picks in the same order."""
   from ula_jax.kernels.indexer import decode
-  from tests.engine_util import DENSE, make_requests, run_engine
+  from tests.engine_util import DENSE, make_requests
   monkeypatch.setattr(decode, "BLOCK_ROWS", 2)
   monkeypatch.setattr(decode, "BLOCK_T", 16)
   requests = make_requests(num=6, seed=7, prompt=(9, 70), output=(4, 10))
@@ -118,16 +135,9 @@ def test_systems_scoring_by_length_decode_residents_tokens(monkeypatch):
       "hisparse": ["memory.system=hisparse", "memory.hisparse.device_buffer_size=8",
                    "memory.hisparse.host_to_device_ratio=32"],
   }
-  tokens = {}
-  for name, over in systems.items():
-    result = run_engine(base + over, requests)
-    assert all(r.status == "finished" for r in result.requests), name
-    tokens[name] = {r.id: r.output_tokens for r in result.requests}
-    # What the summary states ('auto' is the sort on the CPU).
-    assert result.summary["decode_scores"] == "lengths", name
-    assert result.summary["decode_topk"] == ("radix" if name == "ula" else "sort"), name
-    if name != "resident":
-      assert result.summary.get("total_misses", 0) > 0, name
+  tokens, summaries = _serve_each(base, systems, requests, decode_scores="lengths")
+  for name, summary in summaries.items():  # what the summary states ('auto': sort on a CPU)
+    assert summary["decode_topk"] == ("radix" if name == "ula" else "sort"), name
   assert tokens["ula"] == tokens["resident"]
   assert tokens["hisparse"] == tokens["resident"]
 
@@ -254,7 +264,7 @@ def test_systems_scoring_by_pages_decode_residents_tokens():
   tokens (keys stored as values: the kernel tests above); the config refuses it where
   keys are not by logical address or the sizes do not fit the kernel."""
   from ula_jax.config import ConfigError, load_config
-  from tests.engine_util import BASE, DENSE, make_requests, run_engine
+  from tests.engine_util import BASE, DENSE, make_requests
   requests = make_requests(num=5, seed=3, prompt=(20, 90), output=(4, 9))
   base = DENSE + ["mesh.dp=1", "engine.max_batch=3", "engine.page_size=16",
                   "kernels.decode_scores=pages"]
@@ -265,14 +275,7 @@ def test_systems_scoring_by_pages_decode_residents_tokens():
       "hisparse": fp8 + ["memory.system=hisparse", "memory.hisparse.device_buffer_size=8",
                          "memory.hisparse.host_to_device_ratio=32"],
   }
-  tokens = {}
-  for name, over in runs.items():
-    result = run_engine(base + over, requests)
-    assert all(r.status == "finished" for r in result.requests), name
-    tokens[name] = {r.id: r.output_tokens for r in result.requests}
-    assert result.summary["decode_scores"] == "pages", name
-    if name != "resident":
-      assert result.summary.get("total_misses", 0) > 0, name
+  tokens, _ = _serve_each(base, runs, requests, decode_scores="pages")
   assert len({tuple(v) for v in tokens["resident"].values()}) > 1
   assert tokens["ula"] == tokens["resident"]
   assert tokens["hisparse"] == tokens["resident"]

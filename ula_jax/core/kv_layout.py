@@ -75,6 +75,23 @@ def row_width(kind: str, latent_dim: int, rope_dim: int) -> int:
   return latent_dim + 4 * (latent_dim // FP8_BLOCK) + 2 * rope_dim
 
 
+def _quantize_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Blocks [..., nb, B] (float32) into their float8_e4m3fn bytes [..., nb, B] over one
+  scale per block, ``amax * (1 / 448)``, and the scales' bytes [..., nb, 4]."""
+  scale = jnp.max(jnp.abs(x), axis=-1) * _INV_FP8_MAX  # [..., nb]
+  # amax / (amax / 448) may round just above 448: clip so it never overflows to NaN.
+  q = jnp.clip(x / jnp.where(scale > 0, scale, 1.0)[..., None], -FP8_MAX, FP8_MAX)
+  return (jax.lax.bitcast_convert_type(q.astype(jnp.float8_e4m3fn), _U8),
+          jax.lax.bitcast_convert_type(scale, _U8))
+
+
+def _dequantize_blocks(q_bytes: jax.Array, s_bytes: jax.Array) -> jax.Array:
+  """``_quantize_blocks``'s bytes back: [..., nb, B] and [..., nb, 4] -> [..., nb, B]
+  float32, one rounding (``fp8 * scale``)."""
+  q = jax.lax.bitcast_convert_type(q_bytes, jnp.float8_e4m3fn).astype(_F32)
+  return q * jax.lax.bitcast_convert_type(s_bytes, _F32)[..., None]
+
+
 def quantize(entry: jax.Array, latent_dim: int) -> jax.Array:
   """Entries into fp8 rows.
 
@@ -85,11 +102,7 @@ def quantize(entry: jax.Array, latent_dim: int) -> jax.Array:
   lead, C = entry.shape[:-1], latent_dim
   nb = C // FP8_BLOCK
   lat = entry[..., :C].astype(_F32).reshape(*lead, nb, FP8_BLOCK)
-  scale = jnp.max(jnp.abs(lat), axis=-1) * _INV_FP8_MAX  # [..., nb]
-  # amax / (amax / 448) may round just above 448: clip so it never overflows to NaN.
-  q = jnp.clip(lat / jnp.where(scale > 0, scale, 1.0)[..., None], -FP8_MAX, FP8_MAX)
-  q_bytes = jax.lax.bitcast_convert_type(q.astype(jnp.float8_e4m3fn), _U8)
-  s_bytes = jax.lax.bitcast_convert_type(scale, _U8)  # [..., nb, 4]
+  q_bytes, s_bytes = _quantize_blocks(lat)  # [..., nb, 128], [..., nb, 4]
   r_bytes = jax.lax.bitcast_convert_type(entry[..., C:].astype(jnp.bfloat16), _U8)
   return jnp.concatenate([q_bytes.reshape(*lead, C), s_bytes.reshape(*lead, 4 * nb),
                           r_bytes.reshape(*lead, 2 * (entry.shape[-1] - C))], axis=-1)
@@ -108,9 +121,8 @@ def dequantize(rows: jax.Array, latent_dim: int) -> jax.Array:
   if rows.dtype != _U8 or R2 < 0 or R2 % 2:
     raise ValueError(f"rows: got {rows.dtype}{list(rows.shape)}, expected uint8 "
                      f"[..., {C} + {4 * nb} + 2 R] (model.kv_layout='fp8')")
-  q = jax.lax.bitcast_convert_type(rows[..., :C], jnp.float8_e4m3fn).astype(_F32)
-  scale = jax.lax.bitcast_convert_type(rows[..., C:C + 4 * nb].reshape(*lead, nb, 4), _F32)
-  lat = (q.reshape(*lead, nb, FP8_BLOCK) * scale[..., None]).reshape(*lead, C)
+  lat = _dequantize_blocks(rows[..., :C].reshape(*lead, nb, FP8_BLOCK),
+                          rows[..., C:C + 4 * nb].reshape(*lead, nb, 4)).reshape(*lead, C)
   rope = jax.lax.bitcast_convert_type(rows[..., C + 4 * nb:].reshape(*lead, R2 // 2, 2),
                                       jnp.bfloat16)
   return jnp.concatenate([lat, rope.astype(_F32)], axis=-1)
@@ -119,12 +131,8 @@ def dequantize(rows: jax.Array, latent_dim: int) -> jax.Array:
 def quantize_key(key: jax.Array) -> jax.Array:
   """Indexer keys into fp8 rows: [..., K] any float dtype -> [..., K + 4] uint8 (the K
   values in float8_e4m3fn over one float32 scale per key, then the scale's bytes)."""
-  k = key.astype(_F32)
-  scale = jnp.max(jnp.abs(k), axis=-1, keepdims=True) * _INV_FP8_MAX  # [..., 1]
-  q = jnp.clip(k / jnp.where(scale > 0, scale, 1.0), -FP8_MAX, FP8_MAX)
-  q_bytes = jax.lax.bitcast_convert_type(q.astype(jnp.float8_e4m3fn), _U8)
-  s_bytes = jax.lax.bitcast_convert_type(scale[..., 0], _U8)  # [..., 4]
-  return jnp.concatenate([q_bytes, s_bytes], axis=-1)
+  q_bytes, s_bytes = _quantize_blocks(key.astype(_F32)[..., None, :])  # the key: one block
+  return jnp.concatenate([q_bytes[..., 0, :], s_bytes[..., 0, :]], axis=-1)
 
 
 def dequantize_key(rows: jax.Array) -> jax.Array:
@@ -132,9 +140,7 @@ def dequantize_key(rows: jax.Array) -> jax.Array:
   if rows.dtype != _U8 or rows.shape[-1] < 5:
     raise ValueError(f"rows: got {rows.dtype}{list(rows.shape)}, expected uint8 [..., K + 4] "
                      f"(model.kv_layout='fp8' indexer keys)")
-  q = jax.lax.bitcast_convert_type(rows[..., :-4], jnp.float8_e4m3fn).astype(_F32)
-  scale = jax.lax.bitcast_convert_type(rows[..., -4:], _F32)  # [...]
-  return q * scale[..., None]
+  return _dequantize_blocks(rows[..., None, :-4], rows[..., None, -4:])[..., 0, :]
 
 
 def encode(entry: jax.Array, kind: str, latent_dim: int, dtype) -> jax.Array:

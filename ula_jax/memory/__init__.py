@@ -29,9 +29,9 @@ def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: Mesh
   that move nothing take the all-hit fast path); decode_scores: ``kernels.decode_scores``
   (how ``select`` scores a decode step's rows); decode_topk, indexer_impl:
   ``kernels.decode_topk`` ('sort' or 'radix', resolved by ``decode.topk_mode``) and the
-  resolved ``kernels.indexer`` (its top-k); interpret:
-  run Pallas kernels in interpret mode; step_rows: query rows per request in one decode step
-  (``1 + speculative.num_draft``).
+  resolved ``kernels.indexer`` (its top-k); interpret: run Pallas kernels in interpret
+  mode; step_rows: query rows per request in one decode step (``1 +
+  speculative.num_draft``).
   """
   cls = system_class(cfg.system, mesh_info.tp)
   system = cls(cfg, geometry, mesh_info, max_batch=max_batch, page_size=page_size,

@@ -157,11 +157,12 @@ class MemorySystem(abc.ABC):
   resolve_fast_path: bool = True
   # How a decode step's indexer scores are computed (``kernels.decode_scores``):
   # 'lengths' each row over its own history, 'window' every row over the whole window,
-  # 'auto' lengths for windows longer than one block (``kernels.indexer.decode``).
+  # 'auto' lengths for windows longer than one block (``kernels.indexer.decode``),
+  # 'pages' the Pallas page-scores kernel over ``index_key_table``.
   decode_scores: str = "auto"
   # How a decode step's top-k is taken (``kernels.decode_topk`` resolved: 'sort' or
-  # 'radix', the same ascending picks), and
-  # the ``kernels.indexer`` implementation of the radix select's counting passes.
+  # 'radix', the same ascending picks), and the ``kernels.indexer`` implementation of
+  # the radix select's counting passes.
   decode_topk: str = "sort"
   indexer_impl: str = "xla"
   indexer_interpret: bool | None = None

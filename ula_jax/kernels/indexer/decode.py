@@ -7,8 +7,8 @@ layer group whatever the batch holds: at GLM-5 geometry (32 rows, 160K-position 
 more than the rest of the step. ``length_scores`` scores only what some row needs: the
 rows sorted longest first, in blocks of ``block_rows``, each block over column blocks of
 ``block_t`` up to its longest row (one loop on the device over those blocks, whose trip
-count follows the number of rows with a history and their lengths). Positions it does not score are
-``-inf``; the caller's candidate mask excludes them anyway.
+count follows the number of rows with a history and their lengths). Positions it does
+not score are ``-inf``; the caller's candidate mask excludes them anyway.
 
 Each score is the same products as ``index_scores`` over the whole window; a GEMM of
 another shape may round them differently (a few ulp), but every block has the same shape,

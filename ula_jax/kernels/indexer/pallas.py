@@ -248,7 +248,7 @@ def page_scores_pallas(q_bik: jax.Array, w_bi: jax.Array, keys_gnk: jax.Array,
                      "[G, N, K], [B, P] and [B]")
   # What the products read: the stored keys, or the fp8 keys decoded.
   key_dtype = (jnp.dtype(key_dtype or q_bik.dtype) if fp8_keys else keys_gnk.dtype)
-  low = low_precision(q_bik, jnp.zeros((), key_dtype))
+  low = low_precision(q_bik, jax.ShapeDtypeStruct((), key_dtype))
   scale = K ** -0.5
   q, w = ((q_bik, w_bi.astype(F32) * scale) if low
           else (q_bik.astype(F32) * scale, w_bi.astype(F32)))
