@@ -179,6 +179,25 @@ def test_topk_mode_auto_is_radix_on_a_gpu_only():
     topk_mode("heap", "gpu")
 
 
+def test_scores_mode_auto_is_pages_on_one_gpu_rank_with_power_of_2_sizes():
+  """kernels.decode_scores=auto: pages on a GPU with mesh.tp = 1 and pages and keys the
+  kernel takes; elsewhere lengths past one column block, window within it (whatever the
+  memory system: the mesh and model decide). Explicit modes stay as given."""
+  from ula_jax.kernels.indexer.decode import BLOCK_T, scores_mode
+  long, short = 4 * BLOCK_T, BLOCK_T // 2
+  mode = lambda m, window=long, platform="gpu", tp=1, page=64, dim=128: scores_mode(
+      m, window, platform=platform, tp=tp, page_size=page, index_dim=dim)
+  assert mode("auto") == "pages" and mode("auto", window=short) == "pages"
+  assert mode("auto", platform="cpu") == "lengths"
+  assert mode("auto", platform="cpu", window=short) == "window"
+  assert mode("auto", tp=2) == "lengths" and mode("auto", tp=2, window=short) == "window"
+  assert mode("auto", page=48) == "lengths" and mode("auto", dim=96) == "lengths"
+  assert mode("lengths") == "lengths" and mode("window") == "window"
+  assert mode("pages", platform="cpu") == "pages"
+  with pytest.raises(ValueError, match="decode_scores='rows'"):
+    mode("rows")
+
+
 def _paged_case(seed, B, P, page, I, K, dtype, G=3):
   """Rows of different lengths (some idle) over distinct pages of a [G, N, K] key
   table, as an engine's page tables hold them."""

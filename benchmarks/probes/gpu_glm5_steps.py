@@ -9,6 +9,7 @@ the hit and miss counts per step, the device operations that take the most time 
 step (``bench/profile.py``), and the device's peak memory in use.
 
     python benchmarks/probes/gpu_glm5_steps.py --json OUT.json [--systems ...] [a.b=v ...]
+        [--decode-counts pallas]
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ def main(argv: list[str]) -> int:
   p.add_argument("--trace-dir", default="/tmp/glm5_steps_trace")
   p.add_argument("--top", type=int, default=14)
   p.add_argument("--json", default="glm5_steps.json")
+  p.add_argument("--decode-counts", choices=("xla", "pallas"), default=None,
+                 help="the decode radix select's counting passes (decode.DECODE_COUNTS; "
+                      "pallas: the Pallas counting kernel, not reachable from a config)")
   args = p.parse_intermixed_args(argv)
 
   import jax
@@ -43,6 +47,9 @@ def main(argv: list[str]) -> int:
   from ula_jax.engine import Engine, resolve_max_context
   from ula_jax.memory import memory_stats
   from ula_jax.mesh import build_mesh, configure_platform
+  if args.decode_counts:
+    from ula_jax.kernels.indexer import decode
+    decode.DECODE_COUNTS = args.decode_counts
 
   rows = {}
   for system in args.systems.split(","):
@@ -112,6 +119,7 @@ def main(argv: list[str]) -> int:
       r["tokens_sha256"] = hashlib.sha256(
           json.dumps(r.pop("tokens"), sort_keys=True).encode()).hexdigest()
   out = {"environment": environment(), "config": CONFIG, "overrides": args.overrides,
+         "decode_counts": args.decode_counts,
          "requests": args.requests, "prompt": args.prompt, "output": args.output,
          "systems": rows}
   with open(args.json, "w") as f:

@@ -16,12 +16,9 @@ cd "$(dirname "$0")/../.."
 source benchmarks/probes/gpu_steps.sh
 gpu_setup gpu_step_flags "${TIME_LIMIT_S:-570}" outside
 config_wheels
-# base / pages / sort: decode scoring and top-k; dsnolt / tritongemm: whether the layers'
-# weight slices (dynamic-slice copies, about 7 ms a GLM-5 step) fold into their products
-# when the GEMMs are cuBLAS without cuBLASLt, or Triton's.
-DEFAULT_VARIANTS="base|| pages||kernels.decode_scores=pages sort||kernels.decode_topk=sort \
-dsnolt|--xla_gpu_enable_dynamic_slice_fusion=true+--xla_gpu_enable_cublaslt=false| \
-tritongemm|--xla_gpu_triton_gemm_any=true|"
+# base: the defaults (on one GPU: page scores, radix top-k counted in XLA); lengths:
+# scores by length; sort: the top-k by lax.top_k. Each must decode base's tokens.
+DEFAULT_VARIANTS="base|| lengths||kernels.decode_scores=lengths sort||kernels.decode_topk=sort"
 BASE_FLAGS=${XLA_FLAGS:-}
 for v in ${VARIANTS:-$DEFAULT_VARIANTS}; do
   IFS='|' read -r name flags over <<< "$v"

@@ -17,6 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_valida
 
 from ula_jax.config.request_file import file_lengths
 from ula_jax.core.sizes import parse_size
+from ula_jax.kernels.indexer.decode import pages_fit
 from ula_jax.kernels.sparse_attention import layout_problem
 from ula_jax.models.config import ModelConfig
 
@@ -374,16 +375,18 @@ class KernelsConfig(Section):
       "auto", description="a decode step's indexer scores: 'lengths' scores each row over "
       "its own history only (rows with a request, longest first, in blocks of 8 rows and "
       "32,768 positions, loops on the device), 'window' every row of engine.max_batch over "
-      "the whole max_context window; 'auto' lengths where the window is longer than one "
-      "block (32,768 positions), window otherwise. The same selections up to the rounding "
-      "of the GEMMs' other shapes; every system (ula TP's aligned scoring too) scores "
-      "alike, so systems agree bit for bit. 'pages' a Pallas kernel, one program per row "
-      "and two pages of keys, exiting past the row's length (no loop trip counts for the "
-      "host to wait on; fp8 keys decoded in the kernel); not ula with mesh.tp > 1")
+      "the whole max_context window, 'pages' a Pallas kernel, one program per row and two "
+      "pages of keys, exiting past the row's length (no loop trip counts for the host to "
+      "wait on; fp8 keys decoded in the kernel; not ula with mesh.tp > 1; pages and keys "
+      "of powers of 2 >= 16). 'auto' pages on a GPU with mesh.tp = 1 (the fastest "
+      "measured), else lengths where the window is longer than one block (32,768 "
+      "positions), window otherwise; it follows the mesh and model, not the memory system. "
+      "The same selections up to the rounding of the sums; every system of a run scores "
+      "alike, so systems agree bit for bit")
   decode_topk: Literal["auto", "sort", "radix"] = Field(
       "auto", description="a decode step's top-k: 'sort' lax.top_k over the scored window "
-      "(a sort on a GPU), 'radix' the radix select of the prefill (counting passes by "
-      "kernels.indexer), 'auto' radix on a GPU and sort elsewhere. Both return the same "
+      "(a sort on a GPU), 'radix' the radix select of the prefill (its counting passes in "
+      "XLA), 'auto' radix on a GPU and sort elsewhere. Both return the same "
       "positions in ascending order, so they decode the same tokens bit for bit; only "
       "the time differs")
   resolve_fast_path: bool = Field(
@@ -629,12 +632,11 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
           f"model.kv_dtype={model.kv_dtype!r} (use kernels.attention='pallas' or 'xla')")
 
   if cfg.kernels.decode_scores == "pages":
-    pow2 = lambda n: n >= 16 and not n & (n - 1)
     if mem.system == "ula" and mesh.tp > 1:
       problems.append(
           f"kernels.decode_scores='pages' reads keys by logical address; ula with "
           f"mesh.tp={mesh.tp} shards them over ranks: use 'lengths', 'window' or 'auto'")
-    if not (pow2(eng.page_size) and pow2(model.index_head_dim)):
+    if not pages_fit(eng.page_size, model.index_head_dim):
       problems.append(
           f"kernels.decode_scores='pages' needs engine.page_size and model.index_head_dim "
           f"powers of 2 >= 16; got {eng.page_size} and {model.index_head_dim}")

@@ -56,7 +56,7 @@ from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 from ula_jax.memory import (INVALID, MeshInfo, build_memory_system, local_devices,
                              memory_stats)
 from ula_jax.kernels.auto import concrete
-from ula_jax.kernels.indexer.decode import applied_mode, topk_mode
+from ula_jax.kernels.indexer.decode import scores_mode, topk_mode
 from ula_jax.mesh import auto_kernels, interpret_kernels
 from ula_jax.core.addressing import PageAllocator, addrs_of_positions, all_addrs
 from ula_jax.models import mtp
@@ -313,16 +313,20 @@ class Engine:
     # kernels.*=auto decided for this device and these shapes (``kernels.auto``); everything
     # below sees concrete implementations. The run's summary records them.
     self.kernels = kernels = auto_kernels(cfg, mesh.devices.flat[0], tp=self.tp)
-    self.decode_topk = topk_mode(cfg.kernels.decode_topk, mesh.devices.flat[0].platform)
+    platform = mesh.devices.flat[0].platform
+    self.decode_topk = topk_mode(cfg.kernels.decode_topk, platform)
+    self.decode_scores = scores_mode(cfg.kernels.decode_scores, self.max_context,
+                                     platform=platform, tp=self.tp,
+                                     page_size=self.page_size,
+                                     index_dim=cfg.model.index_head_dim)
     self.mem = build_memory_system(cfg.memory, self.geo, MeshInfo(self.dp, self.tp),
                                    max_batch=self.max_batch, page_size=self.page_size,
                                    max_context=self.max_context,
                                    fetch_impl=kernels.fetch,
                                    resolve_impl=kernels.resolve,
                                    resolve_fast_path=cfg.kernels.resolve_fast_path,
-                                   decode_scores=cfg.kernels.decode_scores,
+                                   decode_scores=self.decode_scores,
                                    decode_topk=self.decode_topk,
-                                   indexer_impl=kernels.indexer,
                                    interpret=interpret,
                                    step_rows=self.rows)
     self.attention_impl = kernels.attention
@@ -1240,7 +1244,7 @@ class Engine:
         "kernels": concrete(self.kernels),
         # How decode steps scored and selected (``kernels.decode_scores`` as it applied
         # to this window, ``kernels.decode_topk``).
-        "decode_scores": applied_mode(self.cfg.kernels.decode_scores, self.max_context),
+        "decode_scores": self.decode_scores,
         "decode_topk": self.decode_topk,
     }
     if self.synthetic:

@@ -17,8 +17,7 @@ def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: Mesh
                         max_batch: int, page_size: int, max_context: int,
                         fetch_impl: str = "xla", resolve_impl: str = "jnp",
                         resolve_fast_path: bool = True, decode_scores: str = "auto",
-                        decode_topk: str = "sort", indexer_impl: str = "xla",
-                        interpret: bool | None = None, step_rows: int = 1) -> MemorySystem:
+                        decode_topk: str = "sort", interpret: bool | None = None, step_rows: int = 1) -> MemorySystem:
   """Instantiates ``cfg.system`` and validates its sizes (before any compute).
 
   The class comes from ``registry.REGISTRY`` by ``cfg.system`` and the mesh's mode
@@ -27,10 +26,9 @@ def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: Mesh
   fetch_impl / resolve_impl: the ``kernels.fetch`` / ``kernels.resolve`` implementations
   its row copies and resolve use; resolve_fast_path: ``kernels.resolve_fast_path`` (steps
   that move nothing take the all-hit fast path); decode_scores: ``kernels.decode_scores``
-  (how ``select`` scores a decode step's rows); decode_topk, indexer_impl:
-  ``kernels.decode_topk`` ('sort' or 'radix', resolved by ``decode.topk_mode``) and the
-  resolved ``kernels.indexer`` (its top-k); interpret: run Pallas kernels in interpret
-  mode; step_rows: query rows per request in one decode step (``1 +
+  (how ``select`` scores a decode step's rows, resolved by ``decode.scores_mode``);
+  decode_topk: ``kernels.decode_topk`` ('sort' or 'radix', resolved by
+  ``decode.topk_mode``); interpret: run Pallas kernels in interpret mode; step_rows: query rows per request in one decode step (``1 +
   speculative.num_draft``).
   """
   cls = system_class(cfg.system, mesh_info.tp)
@@ -40,7 +38,7 @@ def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: Mesh
   system.resolve_impl, system.resolve_interpret = resolve_impl, interpret
   system.resolve_fast_path = resolve_fast_path
   system.decode_scores = decode_scores
-  system.decode_topk, system.indexer_impl = decode_topk, indexer_impl
+  system.decode_topk = decode_topk
   system.indexer_interpret = interpret
   system.validate()
   return system

@@ -155,16 +155,14 @@ class MemorySystem(abc.ABC):
   # Steps that move nothing take the resolve's all-hit fast path (same results;
   # ``kernels.resolve_fast_path``).
   resolve_fast_path: bool = True
-  # How a decode step's indexer scores are computed (``kernels.decode_scores``):
-  # 'lengths' each row over its own history, 'window' every row over the whole window,
-  # 'auto' lengths for windows longer than one block (``kernels.indexer.decode``),
-  # 'pages' the Pallas page-scores kernel over ``index_key_table``.
+  # How a decode step's indexer scores are computed (``kernels.decode_scores``, resolved
+  # by the engine: ``decode.scores_mode``): 'lengths' each row over its own history,
+  # 'window' every row over the whole window, 'pages' the Pallas page-scores kernel over
+  # ``index_key_table``; 'auto' (unresolved) lengths for windows longer than one block.
   decode_scores: str = "auto"
   # How a decode step's top-k is taken (``kernels.decode_topk`` resolved: 'sort' or
-  # 'radix', the same ascending picks), and the ``kernels.indexer`` implementation of
-  # the radix select's counting passes.
+  # 'radix', the same ascending picks).
   decode_topk: str = "sort"
-  indexer_impl: str = "xla"
   indexer_interpret: bool | None = None
   # A speculative copy (``speculative()``) resolves every group by the all-hit path with
   # no conditional and reports ``stats['spec_fail']``.
@@ -358,7 +356,8 @@ class MemorySystem(abc.ABC):
     over ranks overrides it: score local keys, gather, merge to the same top-k.
     """
     from ula_jax.kernels.indexer import index_scores
-    from ula_jax.kernels.indexer.decode import decode_topk, length_scores, scores_by_length
+    from ula_jax.kernels.indexer.decode import (DECODE_COUNTS, decode_topk, length_scores,
+                                                scores_by_length)
     from ula_jax.core.addressing import all_addrs
     cand_addr = all_addrs(page_table, self.page_size)  # [B, T]
     T = cand_addr.shape[1]
@@ -384,7 +383,7 @@ class MemorySystem(abc.ABC):
       keys_btk = jax.lax.optimization_barrier(gather(cand_addr))
       scores = jax.lax.optimization_barrier(index_scores(q_I, w, keys_btk))
     return decode_topk(scores, cand, length, self.geo.top_k, mode=self.decode_topk,
-                       impl=self.indexer_impl, interpret=self.indexer_interpret)
+                       impl=DECODE_COUNTS, interpret=self.indexer_interpret)
 
   # -- accounting (host side) -------------------------------------------------------
 

@@ -21,14 +21,15 @@ with the same blocks and gets the same bits (``tests/test_decode_scores.py``).
 keys page by page from the key table and exiting at once past the row's length, so the
 work follows the lengths without the loops' trip counts (each a wait for the device on a
 GPU). Its head sums run in another order than ``index_scores``'s (a few ulp); every
-system without sharded keys scores with it alike.
+system without sharded keys scores with it alike. ``kernels.decode_scores=auto`` takes it
+on a GPU with one tensor-parallel rank (``scores_mode``).
 
 ``decode_topk`` takes the top-k of the scores by ``lax.top_k`` (a sort on a GPU) or by
 the prefill's radix select (``kernels.decode_topk``): the same positions (ties to the lower
 one), and both return them in ascending order, so attention sums them in the same order
 and the two decode the same tokens bit for bit; only the time differs. ``auto`` takes the
 radix select on a GPU (a fifth of a GLM-5-geometry decode step less than the sort) and the
-sort elsewhere.
+sort elsewhere; a decode step's radix select counts in XLA (``DECODE_COUNTS``).
 """
 
 from __future__ import annotations
@@ -58,9 +59,30 @@ def scores_by_length(mode: str, window: int) -> bool:
   return mode == "lengths" or (mode == "auto" and window > BLOCK_T)
 
 
-def applied_mode(mode: str, window: int) -> str:
-  """How ``kernels.decode_scores=mode`` scores a ``window``-position decode window:
-  'pages', 'lengths' or 'window' (what a run's summary records)."""
+def pages_fit(page_size: int, index_dim: int) -> bool:
+  """Whether ``kernels.decode_scores='pages'`` takes pages of ``page_size`` positions
+  and keys of ``index_dim`` values: both powers of 2 >= 16."""
+  pow2 = lambda n: n >= 16 and not n & (n - 1)
+  return pow2(page_size) and pow2(index_dim)
+
+
+def scores_mode(mode: str, window: int, *, platform: str, tp: int, page_size: int,
+                index_dim: int) -> str:
+  """``kernels.decode_scores=mode`` resolved for a run: 'pages', 'lengths' or 'window'
+  (what every system of the run scores with, and what its summary records).
+
+  'auto' is 'pages' on a GPU with one tensor-parallel rank and pages and keys the kernel
+  takes (``pages_fit``): the fastest form measured there, and no loop trip counts for
+  the host to wait on. Elsewhere, and under tensor parallelism (where ula shards keys
+  over ranks and scores by length to keep the unsharded blocks), 'lengths' for a window
+  longer than one column block (``BLOCK_T``), 'window' otherwise. The choice follows the
+  mesh and the model, never the memory system, so every system of a comparison scores
+  alike.
+  """
+  if mode not in MODES:
+    raise ValueError(f"kernels.decode_scores={mode!r}: expected one of {list(MODES)}")
+  if mode == "auto" and platform == "gpu" and tp == 1 and pages_fit(page_size, index_dim):
+    return "pages"
   if mode == "pages":
     return mode
   return "lengths" if scores_by_length(mode, window) else "window"
@@ -148,5 +170,12 @@ def decode_topk(scores_nt: jax.Array, cand_nt: jax.Array, length: jax.Array, k: 
   return select_prefix(scores_nt, length, k, impl=impl, interpret=interpret)
 
 
-__all__ = ["BLOCK_ROWS", "BLOCK_T", "MODES", "TOPK_MODES", "applied_mode", "decode_topk",
-           "length_scores", "scores_by_length", "topk_mode"]
+# The counting passes of a decode step's radix select (``decode_topk``'s impl): XLA's.
+# With the Pallas counting kernel (``kernels.indexer=pallas``) after scoring by length, a
+# GLM-5-geometry decode step on one H200 stopped with an unspecified launch failure in 3
+# of 4 freshly compiled runs; XLA's counts (about 1.7 ms a step more there) ran clean.
+DECODE_COUNTS = "xla"
+
+
+__all__ = ["BLOCK_ROWS", "BLOCK_T", "DECODE_COUNTS", "MODES", "TOPK_MODES", "decode_topk",
+           "length_scores", "pages_fit", "scores_by_length", "scores_mode", "topk_mode"]
