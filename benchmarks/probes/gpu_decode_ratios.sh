@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The decode-speed ratios of issue "Decode at the device's speed" that one device call can
+# measure (run from anywhere; config wheels in .whl/ when the machine lacks them):
+#
+#     OUT=/some/dir bash benchmarks/probes/gpu_decode_ratios.sh
+#
+# PARTS (default "small glm5 resolve fetch"), each a step within the budget:
+#   small    ula-jax bench step_cost: an all-hit decode step, ula / resident, batch 32,
+#            model small, top-k 256
+#   glm5     the same at GLM-5 geometry (experiments/glm5_summarization, synthetic
+#            prefill), batch GLM5_BATCH (default 64), GLM5_PROMPT-token prompts (8192)
+#   batch1   the same at batch 1 with hisparse too (its all-hit step, not its misses)
+#   resolve  ula-jax bench resolve: one layer group, batch 32 and 64, top-k 2048, 1M
+#            slots, PB-LRU and exact LRU, Pallas
+#   fetch    ula-jax bench fetch: 656-byte FP8 rows, 4K-64K rows, fetch and evict,
+#            against a memcpy of the same bytes
+# Results under $OUT: one JSON per part and logs.tgz; a short table last.
+set -u
+cd "$(dirname "$0")/../.."
+# shellcheck source=benchmarks/probes/gpu_steps.sh
+source benchmarks/probes/gpu_steps.sh
+gpu_setup gpu_decode_ratios "${TIME_LIMIT_S:-570}" outside
+config_wheels
+CLI="$PY -m ula_jax.cli.main"
+wants() { [[ " ${PARTS:-small glm5 resolve fetch} " == *" $1 "* ]]; }
+if wants small; then
+  STEP_TAIL=8 step small 150 $CLI bench step_cost --config experiments/quickstart/config.yaml \
+    --systems resident,ula --batch 32 --prompt 1024 --output 64 --json "$OUT/step_small.json" \
+    mesh=dp1 mesh.platform=gpu model=small model.index_topk=256
+fi
+if wants glm5; then
+  b=${GLM5_BATCH:-64}
+  STEP_TAIL=8 step glm5 300 $CLI bench step_cost \
+    --config experiments/glm5_summarization/config.yaml --systems resident,ula \
+    --batch "$b" --prompt "${GLM5_PROMPT:-8192}" --output $((b + 24)) \
+    --json "$OUT/step_glm5.json" workload.prefill=synthetic
+fi
+if wants batch1; then
+  STEP_TAIL=8 step batch1 240 $CLI bench step_cost \
+    --config experiments/glm5_summarization/config.yaml --systems resident,ula,hisparse \
+    --batch 1 --prompt "${GLM5_PROMPT:-8192}" --output 48 --json "$OUT/step_batch1.json" \
+    workload.prefill=synthetic
+fi
+if wants resolve; then
+  STEP_TAIL=14 step resolve 120 $CLI bench resolve --batch 32,64 --k 2048 --pools 1M \
+    --policies pb_lru,lru --impls pallas --out "$OUT/resolve.json"
+fi
+if wants fetch; then
+  STEP_TAIL=14 step fetch 120 $CLI bench fetch --layouts fp8x656 --entries 4K,16K,64K \
+    --impls pallas --directions fetch,evict --ceilings memcpy --out "$OUT/fetch.json"
+fi
+print_steps | tee "$WORK/steps.txt"
+tar czf "$OUT/logs.tgz" -C "$WORK" .
