@@ -279,8 +279,8 @@ def test_page_scores_kernel_reads_fp8_keys(dtype=jnp.bfloat16):
 
 def test_systems_scoring_by_pages_decode_residents_tokens():
   """kernels.decode_scores=pages (the Pallas kernel, interpret mode) with fp8 keys
-  decoded in the kernel: ula and hisparse, missing and evicting, decode resident's
-  tokens (keys stored as values: the kernel tests above); the config refuses it where
+  decoded in the kernel: ula (also three decode steps per dispatch) and hisparse,
+  missing and evicting, decode resident's tokens (keys stored as values: the kernel tests above); the config refuses it where
   keys are not by logical address or the sizes do not fit the kernel."""
   from ula_jax.config import ConfigError, load_config
   from tests.engine_util import BASE, DENSE, make_requests
@@ -294,10 +294,12 @@ def test_systems_scoring_by_pages_decode_residents_tokens():
       "hisparse": fp8 + ["memory.system=hisparse", "memory.hisparse.device_buffer_size=8",
                          "memory.hisparse.host_to_device_ratio=32"],
   }
+  # The kernel inside a dispatch's device loop of three decode steps too.
+  runs["ula_dispatch3"] = runs["ula"] + ["engine.steps_per_dispatch=3"]
   tokens, _ = _serve_each(base, runs, requests, decode_scores="pages")
   assert len({tuple(v) for v in tokens["resident"].values()}) > 1
-  assert tokens["ula"] == tokens["resident"]
-  assert tokens["hisparse"] == tokens["resident"]
+  for name in ("ula", "ula_dispatch3", "hisparse"):
+    assert tokens[name] == tokens["resident"], name
   with pytest.raises(ConfigError, match=r"decode_scores='pages' needs engine.page_size "
                      r"and model.index_head_dim powers of 2 >= 16; got 8 and 16"):
     load_config(BASE, ["kernels.decode_scores=pages", "engine.page_size=8"])
