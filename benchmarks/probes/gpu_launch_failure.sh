@@ -25,6 +25,11 @@ if step sanitizer_probe 90 compute-sanitizer --tool memcheck "$PY" -c \
     --print-limit 30 "$PY" benchmarks/probes/gpu_glm5_steps.py --systems resident \
     --requests "$n" --prompt "$p" --output "$o" --json "$OUT/memcheck.json" \
     "engine.max_batch=${MC_ROWS:-8}" ${mc_args//+/ }
+  # A sanitizer that dies can leave its program running, holding device memory (the
+  # runs below then ran out of it): list what holds the GPU, stop what memcheck started.
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv | tee "$WORK/gpu_apps.txt"
+  pkill -9 -f "gpu_glm5_steps.py --systems resident --requests $n " || true
+  sleep 3
 fi
 for v in ${VARIANTS:-lengths_pallas|kernels.decode_scores=lengths+--decode-counts+pallas}; do
   IFS='|' read -r name over <<< "$v"
