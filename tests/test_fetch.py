@@ -182,6 +182,24 @@ def test_pallas_copy_refuses_more_units_than_int32_can_index():
     jax.eval_shape(copy_rows_pallas, pool, big, pool, big)
 
 
+def test_pallas_copy_refuses_byte_pools_of_2_to_4_gib_on_a_gpu():
+  """656-byte FP8 rows: a 3 GiB pool (traced, not made) is refused where the kernel
+  compiles for a GPU (32-bit element offsets below 4 GiB); 1 and 5 GiB pools are not."""
+  idx = jax.ShapeDtypeStruct((8,), jnp.int32)
+  rows = lambda gib: jax.ShapeDtypeStruct((gib * 2**30 // 656, 656), jnp.uint8)
+  small = rows(1)
+  copy = lambda src, dst: jax.eval_shape(functools.partial(copy_rows_pallas, interpret=False),
+                                         src, idx, dst, idx)
+  with pytest.raises(ValueError, match=r"src: a pool of \d+ one-byte elements \(3.00 GiB\)"
+                     r".*kernels.fetch='xla'"):
+    copy(rows(3), small)
+  with pytest.raises(ValueError, match=r"dst: a pool of"):
+    copy(small, rows(3))
+  assert copy(rows(5), small).shape == small.shape
+  # Interpret mode (CPU) indexes any size.
+  assert jax.eval_shape(copy_rows_pallas, rows(3), idx, small, idx).shape == small.shape
+
+
 def test_unit_elements_spans_16_bytes_when_the_row_allows():
   assert unit_elements(576, jnp.bfloat16) == 8  # 72 units of 16 B per 1152-B row
   assert unit_elements(656, jnp.uint8) == 16  # 41 units of 16 B per 656-B row

@@ -318,7 +318,8 @@ class Engine:
     self.decode_scores = scores_mode(cfg.kernels.decode_scores, self.max_context,
                                      platform=platform, tp=self.tp,
                                      page_size=self.page_size,
-                                     index_dim=cfg.model.index_head_dim)
+                                     index_dim=cfg.model.index_head_dim,
+                                     kv_layout=cfg.model.kv_layout)
     self.mem = build_memory_system(cfg.memory, self.geo, MeshInfo(self.dp, self.tp),
                                    max_batch=self.max_batch, page_size=self.page_size,
                                    max_context=self.max_context,

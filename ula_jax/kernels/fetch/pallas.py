@@ -98,6 +98,16 @@ def copy_rows_pallas(src: jax.Array, src_idx: jax.Array, dst: jax.Array, dst_idx
   W = src.shape[1]
   if N == 0 or W == 0 or src.shape[0] == 0 or dst.shape[0] == 0:
     return dst
+  if not interpret:
+    for what, pool in (("src", src), ("dst", dst)):
+      if pool.dtype.itemsize == 1 and 2**31 <= pool.size <= 2**32:
+        # Pallas's Triton lowering takes 64-bit element offsets only for arrays over
+        # 4 GiB: a byte array of 2-4 GiB would be indexed past int32 (wrong rows read).
+        raise ValueError(
+            f"{what}: a pool of {pool.size} one-byte elements ({pool.size / 2**30:.2f} "
+            "GiB): the Pallas row copy cannot index byte pools of 2-4 GiB (32-bit element "
+            "offsets); size memory.device_pool / memory.host_pool outside that range or "
+            "use kernels.fetch='xla'")
   vec = unit_elements(W, src.dtype)
   units_per_row = W // vec
   num_units = N * units_per_row

@@ -59,15 +59,17 @@ def scores_by_length(mode: str, window: int) -> bool:
   return mode == "lengths" or (mode == "auto" and window > BLOCK_T)
 
 
-def pages_fit(page_size: int, index_dim: int) -> bool:
+def pages_fit(page_size: int, index_dim: int, kv_layout: str = "bf16") -> bool:
   """Whether ``kernels.decode_scores='pages'`` takes pages of ``page_size`` positions
-  and keys of ``index_dim`` values: both powers of 2 >= 16."""
+  and keys of ``index_dim`` values: both powers of 2 >= 16, and keys of at least 64
+  values under ``model.kv_layout='fp8'`` (the kernel multiplies them in four slices of
+  at least 16)."""
   pow2 = lambda n: n >= 16 and not n & (n - 1)
-  return pow2(page_size) and pow2(index_dim)
+  return pow2(page_size) and pow2(index_dim) and (kv_layout == "bf16" or index_dim >= 64)
 
 
 def scores_mode(mode: str, window: int, *, platform: str, tp: int, page_size: int,
-                index_dim: int) -> str:
+                index_dim: int, kv_layout: str = "bf16") -> str:
   """``kernels.decode_scores=mode`` resolved for a run: 'pages', 'lengths' or 'window'
   (what every system of the run scores with, and what its summary records).
 
@@ -81,7 +83,8 @@ def scores_mode(mode: str, window: int, *, platform: str, tp: int, page_size: in
   """
   if mode not in MODES:
     raise ValueError(f"kernels.decode_scores={mode!r}: expected one of {list(MODES)}")
-  if mode == "auto" and platform == "gpu" and tp == 1 and pages_fit(page_size, index_dim):
+  if (mode == "auto" and platform == "gpu" and tp == 1
+      and pages_fit(page_size, index_dim, kv_layout)):
     return "pages"
   if mode == "pages":
     return mode
