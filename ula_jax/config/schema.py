@@ -377,9 +377,9 @@ class KernelsConfig(Section):
       "32,768 positions, loops on the device), 'window' every row of engine.max_batch over "
       "the whole max_context window, 'pages' a Pallas kernel, one program per row and two "
       "pages of keys, exiting past the row's length (no loop trip counts for the host to "
-      "wait on; fp8 keys decoded in the kernel; not ula with mesh.tp > 1; pages and keys "
-      "of powers of 2 >= 16, keys >= 64 with fp8). 'auto' pages on a GPU with mesh.tp = 1 (the fastest "
-      "measured), else lengths where the window is longer than one block (32,768 "
+      "wait on; fp8 keys decoded in the kernel, their table outside 2-4 GiB; not ula with "
+      "mesh.tp > 1; pages and keys of powers of 2 >= 16). 'auto' pages on a GPU with "
+      "mesh.tp = 1 and bf16 keys (the fastest measured), else lengths where the window is longer than one block (32,768 "
       "positions), window otherwise; it follows the mesh and model, not the memory system. "
       "The same selections up to the rounding of the sums; every system of a run scores "
       "alike, so systems agree bit for bit")
@@ -636,11 +636,10 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
       problems.append(
           f"kernels.decode_scores='pages' reads keys by logical address; ula with "
           f"mesh.tp={mesh.tp} shards them over ranks: use 'lengths', 'window' or 'auto'")
-    if not pages_fit(eng.page_size, model.index_head_dim, model.kv_layout):
+    if not pages_fit(eng.page_size, model.index_head_dim):
       problems.append(
           f"kernels.decode_scores='pages' needs engine.page_size and model.index_head_dim "
-          f"powers of 2 >= 16 (model.index_head_dim >= 64 with model.kv_layout='fp8'); "
-          f"got {eng.page_size} and {model.index_head_dim}")
+          f"powers of 2 >= 16; got {eng.page_size} and {model.index_head_dim}")
 
   # 'auto' takes an implementation that reads the layout (``kernels.auto``).
   layout = (layout_problem(cfg.kernels.attention, model.kv_layout)

@@ -22,7 +22,7 @@ keys page by page from the key table and exiting at once past the row's length, 
 work follows the lengths without the loops' trip counts (each a wait for the device on a
 GPU). Its head sums run in another order than ``index_scores``'s (a few ulp); every
 system without sharded keys scores with it alike. ``kernels.decode_scores=auto`` takes it
-on a GPU with one tensor-parallel rank (``scores_mode``).
+on a GPU with one tensor-parallel rank and bf16 keys (``scores_mode``).
 
 ``decode_topk`` takes the top-k of the scores by ``lax.top_k`` (a sort on a GPU) or by
 the prefill's radix select (``kernels.decode_topk``): the same positions (ties to the lower
@@ -59,13 +59,11 @@ def scores_by_length(mode: str, window: int) -> bool:
   return mode == "lengths" or (mode == "auto" and window > BLOCK_T)
 
 
-def pages_fit(page_size: int, index_dim: int, kv_layout: str = "bf16") -> bool:
+def pages_fit(page_size: int, index_dim: int) -> bool:
   """Whether ``kernels.decode_scores='pages'`` takes pages of ``page_size`` positions
-  and keys of ``index_dim`` values: both powers of 2 >= 16, and keys of at least 64
-  values under ``model.kv_layout='fp8'`` (the kernel multiplies them in four slices of
-  at least 16)."""
+  and keys of ``index_dim`` values: both powers of 2 >= 16."""
   pow2 = lambda n: n >= 16 and not n & (n - 1)
-  return pow2(page_size) and pow2(index_dim) and (kv_layout == "bf16" or index_dim >= 64)
+  return pow2(page_size) and pow2(index_dim)
 
 
 def scores_mode(mode: str, window: int, *, platform: str, tp: int, page_size: int,
@@ -73,9 +71,10 @@ def scores_mode(mode: str, window: int, *, platform: str, tp: int, page_size: in
   """``kernels.decode_scores=mode`` resolved for a run: 'pages', 'lengths' or 'window'
   (what every system of the run scores with, and what its summary records).
 
-  'auto' is 'pages' on a GPU with one tensor-parallel rank and pages and keys the kernel
-  takes (``pages_fit``): the fastest form measured there, and no loop trip counts for
-  the host to wait on. Elsewhere, and under tensor parallelism (where ula shards keys
+  'auto' is 'pages' on a GPU with one tensor-parallel rank, pages and keys the kernel
+  takes (``pages_fit``) and bf16 keys: the fastest form measured there, and no loop trip
+  counts for the host to wait on. (FP8 key tables of 2-4 GiB, which some pool sizes give
+  one system and not another, are beyond the kernel's 32-bit offsets.) Elsewhere, and under tensor parallelism (where ula shards keys
   over ranks and scores by length to keep the unsharded blocks), 'lengths' for a window
   longer than one column block (``BLOCK_T``), 'window' otherwise. The choice follows the
   mesh and the model, never the memory system, so every system of a comparison scores
@@ -83,8 +82,8 @@ def scores_mode(mode: str, window: int, *, platform: str, tp: int, page_size: in
   """
   if mode not in MODES:
     raise ValueError(f"kernels.decode_scores={mode!r}: expected one of {list(MODES)}")
-  if (mode == "auto" and platform == "gpu" and tp == 1
-      and pages_fit(page_size, index_dim, kv_layout)):
+  if (mode == "auto" and platform == "gpu" and tp == 1 and kv_layout == "bf16"
+      and pages_fit(page_size, index_dim)):
     return "pages"
   if mode == "pages":
     return mode

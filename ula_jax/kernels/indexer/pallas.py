@@ -152,41 +152,18 @@ def index_scores_pallas(q_nik: jax.Array, w_ni: jax.Array, keys_tk: jax.Array,
 # --- A decode step's scores, page by page ----------------------------------------------
 
 
-FP8_KEY_SLICES = 4  # fp8 codes per 32-bit word of a key row
-
-
-def _fp8_key_slices(keys_ref, row0, page: int, K: int, dtype) -> list[jax.Array]:
-  """Rows ``row0 .. row0 + page`` of an fp8 key table read as 32-bit words
-  (``kv_layout.quantize_key``'s K e4m3 bytes, four to a little-endian word, then the
-  float32 scale's word) and decoded as ``KeyLayout.decode`` does, one slice per byte
-  of the words: slice i is [page, K / 4] in ``dtype``, its column c the key's value
-  4c + i (``fp8_query_order`` puts the queries' columns in the same order)."""
-  words = plgpu.load(keys_ref.at[pl.ds(row0, page), pl.ds(0, K // FP8_KEY_SLICES)])
-  scale = jax.lax.bitcast_convert_type(
-      plgpu.load(keys_ref.at[pl.ds(row0, page), pl.ds(K // FP8_KEY_SLICES, 1)]), F32)
-  out = []
-  for i in range(FP8_KEY_SLICES):
-    code = (jax.lax.shift_right_logical(words, jnp.uint32(8 * i)) & 0xFF).astype(jnp.uint8)
-    values = jax.lax.bitcast_convert_type(code, jnp.float8_e4m3fn).astype(F32)
-    out.append((values * scale).astype(dtype))  # [page, K / 4]
-  return out
-
-
-def fp8_query_order(q: jax.Array) -> jax.Array:
-  """[..., K] -> [..., K]: column i * K / 4 + c holds column 4c + i, the order of
-  ``_fp8_key_slices``'s slices laid side by side."""
-  *lead, K = q.shape
-  q = q.reshape(*lead, K // FP8_KEY_SLICES, FP8_KEY_SLICES)
-  return jnp.swapaxes(q, -1, -2).reshape(*lead, K)
-
-
-def key_words(rows: jax.Array) -> jax.Array:
-  """fp8 key rows [..., K + 4] uint8 as little-endian 32-bit words [..., K / 4 + 1]: the
-  kernel indexes 4-byte elements, so a table of up to 4 GiB stays within the 32-bit
-  element offsets Pallas's Triton lowering uses for arrays that size (byte elements
-  past 2**31 would not)."""
-  *lead, W = rows.shape
-  return jax.lax.bitcast_convert_type(rows.reshape(*lead, W // 4, 4), jnp.uint32)
+def _fp8_keys(keys_ref, row0, page: int, K: int, dtype):
+  """Rows ``row0 .. row0 + page`` of an fp8 key table (``kv_layout.quantize_key``'s K
+  e4m3 bytes, then a little-endian float32 scale) decoded as ``KeyLayout.decode`` does:
+  [page, K] in ``dtype``."""
+  codes = plgpu.load(keys_ref.at[pl.ds(row0, page), pl.ds(0, K)])  # [page, K] uint8
+  word = jnp.zeros((page, 1), jnp.int32)
+  for i in range(4):  # the scale's bytes, one column each
+    byte = plgpu.load(keys_ref.at[pl.ds(row0, page), pl.ds(K + i, 1)]).astype(jnp.int32)
+    word = word | jax.lax.shift_left(byte, jnp.int32(8 * i))
+  scale = jax.lax.bitcast_convert_type(word, F32)  # [page, 1]
+  values = jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(F32)
+  return (values * scale).astype(dtype)
 
 
 def _page_scores_kernel(q_ref, w_ref, keys_ref, pt_ref, len_ref, grp_ref, o_ref, *,
@@ -194,8 +171,7 @@ def _page_scores_kernel(q_ref, w_ref, keys_ref, pt_ref, len_ref, grp_ref, o_ref,
                         precision, fp8_dim: int | None, key_dtype):
   # q_ref: [B, I, K] queries by row (I padded to >= 16 with zero weights); w_ref: [B, I]
   # f32 head weights; keys_ref: [G * N, K] every group's keys by logical address (fp8:
-  # [G * N, K / 4 + 1] uint32 words of the rows' bytes, ``fp8_dim`` = K, decoded into
-  # ``key_dtype``; q_ref's columns then in ``fp8_query_order``);
+  # [G * N, K + 4] bytes, ``fp8_dim`` = K, decoded into ``key_dtype``);
   # pt_ref: [B, P] int32 page ids; len_ref: [B] int32 positions to score; grp_ref: [1]
   # int32 the layer group; o_ref: [B, P * page] f32
   b, j = pl.program_id(0), pl.program_id(1)
@@ -212,21 +188,13 @@ def _page_scores_kernel(q_ref, w_ref, keys_ref, pt_ref, len_ref, grp_ref, o_ref,
     for m in range(pages_per):  # static: a few pages per program
       page_id = jnp.max(plgpu.load(pt_ref.at[b, pl.ds(j * pages_per + m, 1)]))
       row0 = base + jnp.maximum(page_id, 0) * page
-      if fp8_dim is not None:  # the product in four slices of K / 4 (queries reordered)
-        part = fp8_dim // FP8_KEY_SLICES
-        s = None
-        for i, keys in enumerate(_fp8_key_slices(keys_ref, row0, page, fp8_dim,
-                                                 key_dtype)):
-          qi = plgpu.load(q_ref.at[b, :, pl.ds(i * part, part)])  # [I, K / 4]
-          if f32_keys:
-            qi, keys = qi.astype(F32), keys.astype(F32)
-          si = plgpu.dot(qi, keys, trans_b=True, precision=precision)
-          s = si if s is None else s + si  # [I, page] f32
+      if fp8_dim is not None:
+        keys = _fp8_keys(keys_ref, row0, page, fp8_dim, key_dtype)
       else:
         keys = plgpu.load(keys_ref.at[pl.ds(row0, page), :])  # [page, K]
-        if f32_keys:
-          keys = keys.astype(F32)
-        s = plgpu.dot(q, keys, trans_b=True, precision=precision)  # [I, page] f32
+      if f32_keys:
+        keys = keys.astype(F32)
+      s = plgpu.dot(q, keys, trans_b=True, precision=precision)  # [I, page] f32
       scores = jnp.sum(w[:, None] * jnp.maximum(s, 0.0), axis=0)  # [page]
       t = t0 + m * page + lanes
       plgpu.store(o_ref.at[b, pl.ds(t0 + m * page, page)],
@@ -272,10 +240,13 @@ def page_scores_pallas(q_bik: jax.Array, w_bi: jax.Array, keys_gnk: jax.Array,
                      "kernels.decode_scores='lengths' otherwise)")
   if fp8_keys and keys_gnk.dtype != jnp.uint8:
     raise ValueError(f"keys_gnk: got {keys_gnk.dtype}, expected uint8 fp8 key rows")
-  if fp8_keys and K < 4 * 16:
-    raise ValueError(f"fp8 index keys of {K} values: the page scores kernel multiplies "
-                     "them in four slices of at least 16 (model.index_head_dim >= 64; use "
-                     "kernels.decode_scores='lengths' otherwise)")
+  if fp8_keys and not interpret and 2**31 <= keys_gnk.size <= 2**32:
+    # Pallas's Triton lowering takes 64-bit element offsets only for arrays over 4 GiB:
+    # a byte table of 2-4 GiB would be indexed past int32 (wrong keys read).
+    raise ValueError(
+        f"fp8 key table of {keys_gnk.size} bytes ({keys_gnk.size / 2**30:.2f} GiB): the "
+        "page scores kernel cannot index byte tables of 2-4 GiB (32-bit element offsets); "
+        "use kernels.decode_scores='lengths' or pools that put the table outside that range")
   if keys_gnk.shape[-1] != K + (4 if fp8_keys else 0) or w_bi.shape != (B, I) \
       or page_table.shape[0] != B or length.shape != (B,):
     raise ValueError(f"q_bik {tuple(q_bik.shape)}, w_bi {tuple(w_bi.shape)}, keys_gnk "
@@ -290,9 +261,6 @@ def page_scores_pallas(q_bik: jax.Array, w_bi: jax.Array, keys_gnk: jax.Array,
           else (q_bik.astype(F32) * scale, w_bi.astype(F32)))
   Ip = max(16, 1 << (I - 1).bit_length())  # the matmul's M: a power of 2 >= 16
   q = jnp.pad(q, ((0, 0), (0, Ip - I), (0, 0)))
-  table = keys_gnk.reshape(G * N, keys_gnk.shape[-1])
-  if fp8_keys:  # 32-bit words, the queries' columns in the order the kernel reads keys
-    q, table = fp8_query_order(q), key_words(table)
   w = jnp.pad(w, ((0, 0), (0, Ip - I)))  # padded heads weigh nothing
   pages_per = max(1, min(pages_per, P))
   Pp = -(-P // pages_per) * pages_per
@@ -313,7 +281,7 @@ def page_scores_pallas(q_bik: jax.Array, w_bi: jax.Array, keys_gnk: jax.Array,
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       name="ula_indexer_page_scores",
-  )(q, w, table, pt, n, grp)
+  )(q, w, keys_gnk.reshape(G * N, keys_gnk.shape[-1]), pt, n, grp)
   return out[:, :P * page_size]
 
 
