@@ -307,8 +307,9 @@ def test_page_scores_kernel_refuses_fp8_key_tables_of_2_to_4_gib_on_a_gpu():
 def test_systems_scoring_by_pages_decode_residents_tokens():
   """kernels.decode_scores=pages (the Pallas kernel, interpret mode) with fp8 keys
   decoded in the kernel: ula (also three decode steps per dispatch) and hisparse,
-  missing and evicting, decode resident's tokens (keys stored as values: the kernel tests above); the config refuses it where
-  keys are not by logical address or the sizes do not fit the kernel."""
+  missing and evicting, decode resident's tokens (keys stored as values: the kernel tests
+  above); the config refuses it where keys are not by logical address or the sizes do
+  not fit the kernel."""
   from ula_jax.config import ConfigError, load_config
   from tests.engine_util import BASE, DENSE, make_requests
   requests = make_requests(num=5, seed=3, prompt=(20, 90), output=(4, 9))

@@ -17,7 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_valida
 
 from ula_jax.config.request_file import file_lengths
 from ula_jax.core.sizes import parse_size
-from ula_jax.kernels.indexer.decode import pages_fit
+from ula_jax.kernels.indexer.pallas import pages_fit
 from ula_jax.kernels.sparse_attention import layout_problem
 from ula_jax.models.config import ModelConfig
 
@@ -379,10 +379,10 @@ class KernelsConfig(Section):
       "pages of keys, exiting past the row's length (no loop trip counts for the host to "
       "wait on; fp8 keys decoded in the kernel, their table outside 2-4 GiB; not ula with "
       "mesh.tp > 1; pages and keys of powers of 2 >= 16). 'auto' pages on a GPU with "
-      "mesh.tp = 1 and bf16 keys (the fastest measured), else lengths where the window is longer than one block (32,768 "
-      "positions), window otherwise; it follows the mesh and model, not the memory system. "
-      "The same selections up to the rounding of the sums; every system of a run scores "
-      "alike, so systems agree bit for bit")
+      "mesh.tp = 1 and bf16 keys (the fastest measured), else lengths where the window is "
+      "longer than one block (32,768 positions), window otherwise; it follows the mesh and "
+      "model, not the memory system. The same selections up to the rounding of the sums; "
+      "every system of a run scores alike, so systems agree bit for bit")
   decode_topk: Literal["auto", "sort", "radix"] = Field(
       "auto", description="a decode step's top-k: 'sort' lax.top_k over the scored window "
       "(a sort on a GPU), 'radix' the radix select of the prefill (its counting passes in "

@@ -17,7 +17,8 @@ def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: Mesh
                         max_batch: int, page_size: int, max_context: int,
                         fetch_impl: str = "xla", resolve_impl: str = "jnp",
                         resolve_fast_path: bool = True, decode_scores: str = "auto",
-                        decode_topk: str = "sort", interpret: bool | None = None, step_rows: int = 1) -> MemorySystem:
+                        decode_topk: str = "sort", interpret: bool | None = None,
+                        step_rows: int = 1) -> MemorySystem:
   """Instantiates ``cfg.system`` and validates its sizes (before any compute).
 
   The class comes from ``registry.REGISTRY`` by ``cfg.system`` and the mesh's mode
@@ -28,8 +29,8 @@ def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: Mesh
   that move nothing take the all-hit fast path); decode_scores: ``kernels.decode_scores``
   (how ``select`` scores a decode step's rows, resolved by ``decode.scores_mode``);
   decode_topk: ``kernels.decode_topk`` ('sort' or 'radix', resolved by
-  ``decode.topk_mode``); interpret: run Pallas kernels in interpret mode; step_rows: query rows per request in one decode step (``1 +
-  speculative.num_draft``).
+  ``decode.topk_mode``); interpret: run Pallas kernels in interpret mode; step_rows:
+  query rows per request in one decode step (``1 + speculative.num_draft``).
   """
   cls = system_class(cfg.system, mesh_info.tp)
   system = cls(cfg, geometry, mesh_info, max_batch=max_batch, page_size=page_size,

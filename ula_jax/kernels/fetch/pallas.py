@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ula_jax.core import compat
+from ula_jax.kernels import byte_offsets_overflow
 from ula_jax.kernels.fetch.reference import is_host
 
 
@@ -100,9 +101,7 @@ def copy_rows_pallas(src: jax.Array, src_idx: jax.Array, dst: jax.Array, dst_idx
     return dst
   if not interpret:
     for what, pool in (("src", src), ("dst", dst)):
-      if pool.dtype.itemsize == 1 and 2**31 <= pool.size <= 2**32:
-        # Pallas's Triton lowering takes 64-bit element offsets only for arrays over
-        # 4 GiB: a byte array of 2-4 GiB would be indexed past int32 (wrong rows read).
+      if byte_offsets_overflow(pool):  # wrong rows would be read
         raise ValueError(
             f"{what}: a pool of {pool.size} one-byte elements ({pool.size / 2**30:.2f} "
             "GiB): the Pallas row copy cannot index byte pools of 2-4 GiB (32-bit element "

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from ula_jax.core.types import INVALID
+from ula_jax.kernels.indexer.pallas import pages_fit
 from ula_jax.kernels.indexer.prefill import ascending, select_prefix
 from ula_jax.kernels.indexer.reference import index_scores, select_topk
 
@@ -59,13 +60,6 @@ def scores_by_length(mode: str, window: int) -> bool:
   return mode == "lengths" or (mode == "auto" and window > BLOCK_T)
 
 
-def pages_fit(page_size: int, index_dim: int) -> bool:
-  """Whether ``kernels.decode_scores='pages'`` takes pages of ``page_size`` positions
-  and keys of ``index_dim`` values: both powers of 2 >= 16."""
-  pow2 = lambda n: n >= 16 and not n & (n - 1)
-  return pow2(page_size) and pow2(index_dim)
-
-
 def scores_mode(mode: str, window: int, *, platform: str, tp: int, page_size: int,
                 index_dim: int, kv_layout: str = "bf16") -> str:
   """``kernels.decode_scores=mode`` resolved for a run: 'pages', 'lengths' or 'window'
@@ -74,9 +68,10 @@ def scores_mode(mode: str, window: int, *, platform: str, tp: int, page_size: in
   'auto' is 'pages' on a GPU with one tensor-parallel rank, pages and keys the kernel
   takes (``pages_fit``) and bf16 keys: the fastest form measured there, and no loop trip
   counts for the host to wait on. (FP8 key tables of 2-4 GiB, which some pool sizes give
-  one system and not another, are beyond the kernel's 32-bit offsets.) Elsewhere, and under tensor parallelism (where ula shards keys
-  over ranks and scores by length to keep the unsharded blocks), 'lengths' for a window
-  longer than one column block (``BLOCK_T``), 'window' otherwise. The choice follows the
+  one system and not another, are beyond the kernel's 32-bit offsets.) Elsewhere, and
+  under tensor parallelism (where ula shards keys over ranks and scores by length to
+  keep the unsharded blocks), 'lengths' for a window longer than one column block
+  (``BLOCK_T``), 'window' otherwise. The choice follows the
   mesh and the model, never the memory system, so every system of a comparison scores
   alike.
   """
@@ -180,4 +175,4 @@ DECODE_COUNTS = "xla"
 
 
 __all__ = ["BLOCK_ROWS", "BLOCK_T", "DECODE_COUNTS", "MODES", "TOPK_MODES", "decode_topk",
-           "length_scores", "pages_fit", "scores_by_length", "scores_mode", "topk_mode"]
+           "length_scores", "scores_by_length", "scores_mode", "topk_mode"]

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ula_jax.kernels import byte_offsets_overflow
 from ula_jax.kernels.indexer.reference import low_precision, score_operands
 from ula_jax.kernels.indexer.topk import ordered_key
 
@@ -205,6 +206,12 @@ def _page_scores_kernel(q_ref, w_ref, keys_ref, pt_ref, len_ref, grp_ref, o_ref,
     plgpu.store(o_ref.at[b, pl.ds(t0, block)], jnp.full((block,), -jnp.inf, F32))
 
 
+def pages_fit(page_size: int, index_dim: int) -> bool:
+  """Whether ``page_scores_pallas`` (``kernels.decode_scores='pages'``) takes pages of
+  ``page_size`` positions and keys of ``index_dim`` values: both powers of 2 >= 16."""
+  return all(_pow2(n) and n >= 16 for n in (page_size, index_dim))
+
+
 PAGES_PER_PROGRAM = 2  # pages one decode-scores program reads (128 positions at 64 a page)
 
 
@@ -234,15 +241,13 @@ def page_scores_pallas(q_bik: jax.Array, w_bi: jax.Array, keys_gnk: jax.Array,
   B, I, K = q_bik.shape
   G, N, _ = keys_gnk.shape
   P = page_table.shape[1]
-  if not _pow2(K) or K < 16 or not _pow2(page_size) or page_size < 16:
+  if not pages_fit(page_size, K):
     raise ValueError(f"index keys of {K} values, engine.page_size={page_size}: the page "
                      "scores kernel needs powers of 2 >= 16 (use "
                      "kernels.decode_scores='lengths' otherwise)")
   if fp8_keys and keys_gnk.dtype != jnp.uint8:
     raise ValueError(f"keys_gnk: got {keys_gnk.dtype}, expected uint8 fp8 key rows")
-  if fp8_keys and not interpret and 2**31 <= keys_gnk.size <= 2**32:
-    # Pallas's Triton lowering takes 64-bit element offsets only for arrays over 4 GiB:
-    # a byte table of 2-4 GiB would be indexed past int32 (wrong keys read).
+  if fp8_keys and not interpret and byte_offsets_overflow(keys_gnk):  # wrong keys read
     raise ValueError(
         f"fp8 key table of {keys_gnk.size} bytes ({keys_gnk.size / 2**30:.2f} GiB): the "
         "page scores kernel cannot index byte tables of 2-4 GiB (32-bit element offsets); "
@@ -390,4 +395,4 @@ def prefix_kth_largest_pallas(scores_nt: jax.Array, limit_n: jax.Array, k: int, 
 
 
 __all__ = ["COUNT_BLOCK_T", "PAGES_PER_PROGRAM", "IndexerConfig", "index_scores_pallas",
-           "page_scores_pallas", "prefix_kth_largest_pallas"]
+           "page_scores_pallas", "pages_fit", "prefix_kth_largest_pallas"]
