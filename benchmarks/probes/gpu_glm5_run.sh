@@ -16,7 +16,8 @@
 # Results under $OUT (8 files at most come back): SYSTEM.json (the run's summary),
 # SYSTEM_digests.npz (with engine.record_digests=true), compare_FIRST_SYSTEM.txt (tokens,
 # and digests where both runs have them, against the first system), logs.tgz (each
-# run's output and plots, gpu.txt, steps.txt).
+# run's output and plots, gpu.txt, steps.txt; left_behind.txt names digests that did
+# not fit in the eight files).
 set -u
 cd "$(dirname "$0")/../.."
 # shellcheck source=benchmarks/probes/gpu_steps.sh
@@ -83,6 +84,15 @@ first=$1; shift
 for sys in "$@"; do
   [ -d "$RUNS/$first" ] && [ -d "$RUNS/$sys" ] && $CLI compare "$RUNS/$first" "$RUNS/$sys" \
     > "$OUT/compare_${first}_${sys}.txt" 2>&1; tail -n 1 "$OUT/compare_${first}_${sys}.txt" 2>/dev/null
+done
+# At most 8 files come back, logs.tgz one of them: the digests of later systems, already
+# compared above against the first system's, stay on the machine when they would not fit
+# (the compare files hold what they showed); the first system's always come back.
+while [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 7 ]; do
+  extra=$(find "$OUT" -maxdepth 1 -name '*_digests.npz' ! -name "${first}_digests.npz" | sort | tail -n 1)
+  [ -n "$extra" ] || break
+  echo "not brought back (compared here): $(basename "$extra")" | tee -a "$WORK/left_behind.txt"
+  rm -f "$extra"
 done
 print_steps | tee "$WORK/steps.txt"
 tar czf "$OUT/logs.tgz" -C "$WORK" .
