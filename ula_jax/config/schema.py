@@ -224,6 +224,24 @@ class WorkloadConfig(Section):
       "generator seeded by workload.seed, the request id and the position (no model "
       "compute; every memory system gets the same bits), and the first decode step takes "
       "the prompt's last token. Selections over synthetic keys are not a trained model's")
+  selections: Literal["model", "synthetic"] = Field(
+      "model", description="how a decode step ranks the positions its top-k selects: "
+      "'model' by the indexer's scores; 'synthetic' by seeded scores of stated locality "
+      "(workload.selection_period, selection_salience, selection_window; the indexer still "
+      "runs, the ranking is the seeded one, from workload.seed): step-to-step locality like "
+      "a trained model's with random weights or synthetic prompt keys. Not a trained "
+      "model's selections")
+  selection_period: int = Field(
+      4, ge=1, description="selections='synthetic': positions of history between redraws "
+      "of a position's per-group score (about 1/period of a step's selection changes)")
+  selection_salience: float = Field(
+      0.9, ge=0.0, le=1.0, description="selections='synthetic': weight of each position's "
+      "fixed score (shared by the groups) against its redrawn one; higher brings dropped "
+      "entries back sooner")
+  selection_window: int | None = Field(
+      None, ge=1, description="selections='synthetic': the newest positions (the new "
+      "token's own among them) always selected, below the top-k; None: top-k / 32 (64 at "
+      "top-k 2048), at least 1")
   trace: str | None = Field(
       None, description="for kind='trace': a selection trace (.npz or trace directory, "
       "ula-jax trace generate / import) or a run directory recorded with "
@@ -252,6 +270,10 @@ class WorkloadConfig(Section):
       raise ValueError("workload.kind='trace' needs workload.trace (a trace .npz or "
                        "directory, or a run directory recorded with engine.record_trace)")
     return self
+
+  def selection_window_for(self, top_k: int) -> int:
+    """``selection_window`` for a top-k of ``top_k`` (its default: top-k / 32, >= 1)."""
+    return self.selection_window or max(1, top_k // 32)
 
   @property
   def prompt_range(self) -> tuple[int, int]:
@@ -660,6 +682,15 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
         f"memory.hisparse.device_buffer_size={mem.hisparse.device_buffer_size} is smaller "
         f"than top-k={top_k} (memory.hisparse.top_k or model.index_topk): a request's "
         f"buffer must hold its whole selection")
+
+  if wl.selections == "synthetic":
+    if wl.kind == "trace":
+      problems.append("workload.selections='synthetic' ranks a live decode step's positions; "
+                      "workload.kind='trace' replays recorded selections without the model "
+                      "(use workload.selections='model')")
+    if wl.selection_window is not None and wl.selection_window >= top_k:
+      problems.append(f"workload.selection_window={wl.selection_window} must be below the "
+                      f"top-k ({top_k}): the window is always selected, the rest is drawn")
 
   spec = cfg.speculative
   rows = spec.rows  # query rows per request in one decode step

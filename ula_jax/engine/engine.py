@@ -57,6 +57,7 @@ from ula_jax.memory import (INVALID, MeshInfo, build_memory_system, local_device
                              memory_stats)
 from ula_jax.kernels.auto import concrete
 from ula_jax.kernels.indexer.decode import scores_mode, topk_mode
+from ula_jax.kernels.indexer.synthetic import NOTE as SELECTIONS_NOTE, SyntheticSelection
 from ula_jax.mesh import auto_kernels, interpret_kernels
 from ula_jax.core.addressing import PageAllocator, addrs_of_positions, all_addrs
 from ula_jax.models import mtp
@@ -320,6 +321,16 @@ class Engine:
                                      page_size=self.page_size,
                                      index_dim=cfg.model.index_head_dim,
                                      kv_layout=cfg.model.kv_layout)
+    # workload.selections='synthetic': decode steps rank by seeded scores of stated
+    # locality (``kernels.indexer.synthetic``).
+    wl = cfg.workload
+    self.selections = (SyntheticSelection(period=wl.selection_period,
+                                          salience=wl.selection_salience,
+                                          window=wl.selection_window_for(cfg.top_k),
+                                          seed=wl.seed)
+                       if wl.selections == "synthetic" else None)
+    if self.selections is not None and jax.process_index() == 0:
+      logging.getLogger(__name__).warning("warning: %s", SELECTIONS_NOTE)
     self.mem = build_memory_system(cfg.memory, self.geo, MeshInfo(self.dp, self.tp),
                                    max_batch=self.max_batch, page_size=self.page_size,
                                    max_context=self.max_context,
@@ -329,7 +340,8 @@ class Engine:
                                    decode_scores=self.decode_scores,
                                    decode_topk=self.decode_topk,
                                    interpret=interpret,
-                                   step_rows=self.rows)
+                                   step_rows=self.rows,
+                                   synthetic_selection=self.selections)
     self.attention_impl = kernels.attention
     # Prefill chunks: the same attention kernel, the configured indexer, row blocks within
     # engine.prefill_scratch.
@@ -1250,6 +1262,11 @@ class Engine:
     }
     if self.synthetic:
       out["prefill_note"] = synthetic_prefill.NOTE
+    # How decode steps ranked positions (``workload.selections``).
+    out["selections"] = (self.selections.describe() if self.selections is not None
+                         else {"kind": "model"})
+    if self.selections is not None:
+      out["selections_note"] = SELECTIONS_NOTE
     memory = _device_memory(self.mesh)
     if memory:
       out["device_memory"] = memory

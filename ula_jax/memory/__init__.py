@@ -18,7 +18,8 @@ def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: Mesh
                         fetch_impl: str = "xla", resolve_impl: str = "jnp",
                         resolve_fast_path: bool = True, decode_scores: str = "auto",
                         decode_topk: str = "sort", interpret: bool | None = None,
-                        step_rows: int = 1) -> MemorySystem:
+                        step_rows: int = 1, synthetic_selection: Any = None
+                        ) -> MemorySystem:
   """Instantiates ``cfg.system`` and validates its sizes (before any compute).
 
   The class comes from ``registry.REGISTRY`` by ``cfg.system`` and the mesh's mode
@@ -30,7 +31,9 @@ def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: Mesh
   (how ``select`` scores a decode step's rows, resolved by ``decode.scores_mode``);
   decode_topk: ``kernels.decode_topk`` ('sort' or 'radix', resolved by
   ``decode.topk_mode``); interpret: run Pallas kernels in interpret mode; step_rows:
-  query rows per request in one decode step (``1 + speculative.num_draft``).
+  query rows per request in one decode step (``1 + speculative.num_draft``);
+  synthetic_selection: ``workload.selections: synthetic``'s
+  ``kernels.indexer.synthetic.SyntheticSelection`` (None: the indexer ranks).
   """
   cls = system_class(cfg.system, mesh_info.tp)
   system = cls(cfg, geometry, mesh_info, max_batch=max_batch, page_size=page_size,
@@ -40,6 +43,7 @@ def build_memory_system(cfg: MemoryConfig, geometry: KVGeometry, mesh_info: Mesh
   system.resolve_fast_path = resolve_fast_path
   system.decode_scores = decode_scores
   system.decode_topk = decode_topk
+  system.synthetic_selection = synthetic_selection
   system.indexer_interpret = interpret
   system.validate()
   return system

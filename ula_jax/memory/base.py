@@ -164,6 +164,10 @@ class MemorySystem(abc.ABC):
   # 'radix', the same ascending picks).
   decode_topk: str = "sort"
   indexer_interpret: bool | None = None
+  # ``workload.selections: synthetic``: decode steps rank positions by seeded scores of
+  # stated locality instead of the indexer's (``kernels.indexer.synthetic``); None: the
+  # indexer's.
+  synthetic_selection: Any = None
   # A speculative copy (``speculative()``) resolves every group by the all-hit path with
   # no conditional and reports ``stats['spec_fail']``.
   speculate: bool = False
@@ -352,10 +356,11 @@ class MemorySystem(abc.ABC):
     The default scores the keys of a row on this device: by length, each row's own
     history in blocks (``kernels.indexer.decode``), or every row over the whole window,
     as ``decode_scores`` says (``scores_by_length``), then the top-k as ``decode_topk``
-    says (the same positions in ascending order either way). A layout that shards keys
+    says (the same positions in ascending order either way), ranked by
+    ``synthetic_selection`` where one is set. A layout that shards keys
     over ranks overrides it: score local keys, gather, merge to the same top-k.
     """
-    from ula_jax.kernels.indexer import index_scores
+    from ula_jax.kernels.indexer import index_scores, synthetic
     from ula_jax.kernels.indexer.decode import (DECODE_COUNTS, decode_topk, length_scores,
                                                 scores_by_length)
     from ula_jax.core.addressing import all_addrs
@@ -382,6 +387,8 @@ class MemorySystem(abc.ABC):
     else:
       keys_btk = jax.lax.optimization_barrier(gather(cand_addr))
       scores = jax.lax.optimization_barrier(index_scores(q_I, w, keys_btk))
+    scores = synthetic.override(self.synthetic_selection, scores, group,
+                                jnp.arange(T, dtype=jnp.int32)[None, :], positions)
     return decode_topk(scores, cand, length, self.geo.top_k, mode=self.decode_topk,
                        impl=DECODE_COUNTS, interpret=self.indexer_interpret)
 

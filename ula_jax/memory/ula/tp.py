@@ -608,7 +608,7 @@ class UlaTP(MemorySystem):
     Same arguments and result as ``MemorySystem.select``; the same on every rank. With
     ``index_scoring='aligned'`` identical to the unsharded selection.
     """
-    from ula_jax.kernels.indexer import index_scores
+    from ula_jax.kernels.indexer import index_scores, synthetic
     from ula_jax.kernels.indexer.decode import length_scores, scores_by_length
     from ula_jax.kernels.indexer.prefill import ascending
     k = self.geo.top_k
@@ -641,6 +641,7 @@ class UlaTP(MemorySystem):
       scores = length_scores(q_I, w, owned, length, gather)
     else:
       scores = index_scores(q_I, w, gather(owned))
+    scores = synthetic.override(self.synthetic_selection, scores, group, pos_bt, positions)
     val, col = local_topk(scores, ok_bt, k)  # [B, k]
     pos = jnp.where(col >= 0, jnp.take_along_axis(pos_bt, jnp.clip(col, 0, None), axis=1),
                     INVALID)
