@@ -188,3 +188,21 @@ def test_bad_values_name_the_field():
     load_config(BASE, ["workload.selections=synthetic", "workload.selection_period=0"])
   with pytest.raises(ConfigError, match="selections"):
     load_config(BASE, ["workload.selections=learned"])
+
+
+def test_the_indexers_products_stay_in_the_compiled_step():
+  """The indexer's scores are added at 2**-60, so the step still computes them: the
+  compiled decode step has as many matrix products as with the indexer's ranking."""
+  import re
+
+  from ula_jax.engine import Engine
+  from ula_jax.mesh import build_mesh
+
+  def dots(selections: str) -> int:
+    cfg = load_config(BASE, ["model.preset=tiny", "engine.progress=false", "mesh.dp=1",
+                             f"engine.max_batch={ROWS}", f"workload.selections={selections}",
+                             "workload.selection_window=2"] + DENSE)
+    return len(re.findall(r"= \S+ dot\(", Engine(cfg, build_mesh(cfg)).decode_hlo()))
+
+  model = dots("model")
+  assert model > 0 and dots("synthetic") == model
