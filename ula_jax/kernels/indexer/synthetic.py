@@ -29,8 +29,8 @@ dropped entries come back at a rate the salience sets. At GLM-5 geometry (top-k 
 consecutive-step overlap 0.874 and exact-LRU miss rates of 0.126 / 0.050 / 0.042 for
 per-request buffers of k / 2k / 4k entries, against the trained small model's 0.874 and
 0.126 / 0.055 / 0.009 (``tests/test_synthetic_selection.py`` checks them;
-``engine.record_trace`` and ``ula-jax trace stats`` measure any setting). Two rows of the same length select
-the same positions of their own histories.
+``engine.record_trace`` and ``ula-jax trace stats`` measure any setting). Two rows of
+the same length select the same positions of their own histories.
 
 ``override`` adds the indexer's scores scaled by 2**-60 to the synthetic ones: the
 indexer's work stays in the compiled step (its cost is part of a step's time), while
