@@ -4,11 +4,15 @@
 once, without runpy's warning about a module already imported by its package.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+
 __all__ = ["main"]
 
 
-def main(argv=None):
-    """Run the ``ula-jax`` command line (the console script's entry point)."""
-    from ula_jax.cli.main import main as _main
+def main(argv: Sequence[str] | None = None) -> int:
+  """Run the ``ula-jax`` command line (the console script's entry point)."""
+  from ula_jax.cli.main import main as _main
 
-    return _main(argv)
+  return _main(argv)

@@ -1263,9 +1263,10 @@ class Engine:
     if self.synthetic:
       out["prefill_note"] = synthetic_prefill.NOTE
     # How decode steps ranked positions (``workload.selections``).
-    out["selections"] = (self.selections.describe() if self.selections is not None
-                         else {"kind": "model"})
-    if self.selections is not None:
+    if self.selections is None:
+      out["selections"] = {"kind": "model"}
+    else:
+      out["selections"] = self.selections.describe()
       out["selections_note"] = SELECTIONS_NOTE
     memory = _device_memory(self.mesh)
     if memory:
