@@ -94,7 +94,7 @@ def test_defaults_of_every_section():
   cfg = validate({"experiment": {"name": "d"}, "workload": {"length_scale": 0.01}})
   assert cfg.memory.system == "resident" and cfg.memory.device_pool is None
   assert cfg.memory.host_pool == 0 and cfg.memory.policy == "pb_lru"
-  assert cfg.memory.pb_lru_buckets == 4 and cfg.memory.layout == "mod"
+  assert cfg.memory.pb_lru_buckets == 32 and cfg.memory.layout == "mod"
   assert cfg.memory.hisparse.device_buffer_size == 4096
   assert cfg.memory.hisparse.host_to_device_ratio == 2.0
   assert cfg.memory.far_tier.mode == "on_demand" and cfg.memory.far_tier.link == "cxl"

@@ -94,6 +94,16 @@ def test_policies(out):
     assert abs(h["pb_lru"]["hit_rate"] - h["lru"]["hit_rate"]) < 0.02
     assert h["lru"]["evictions"] > 0
   assert all(h[pol]["replay_s"] > 0 for h in hits.values() for pol in ("pb_lru", "lru"))
+  # Ring sizes at the largest batch: a ring longer than the rounds replayed never makes
+  # a slot cold, so PB-LRU's victims (oldest round first, lowest slot within it) are
+  # exact LRU's (oldest stamp first, lowest slot among equals), miss for miss.
+  ring, steps = res["data"]["ring_hit_rates"], res["params"]["steps"]
+  lru = hits[str(max(res["params"]["batches"]))]["lru"]
+  assert sorted(map(int, ring)) == sorted(res["params"]["bucket_sweep"])
+  long = [h for r, h in ring.items() if int(r) > steps]
+  assert long and all((h["misses"], h["evictions"]) == (lru["misses"], lru["evictions"])
+                      for h in long)
+  assert ring["1"]["misses"] > lru["misses"]  # one bucket: everything untouched is cold
 
 
 def test_buffer_sizing(out):

@@ -127,8 +127,10 @@ CASES = {
     # 40000 slots: 2 programs per bitmap pass, 4 summary levels (the top one assembled
     # across programs)
     "pb_lru": Case("pb_lru", device=40000, host=3000, B=3, k=37, buckets=3, fill=0.95),
-    # the same in one launch (kernels.resolve=pallas_fused)
-    "pb_lru_fused": Case("pb_lru", device=40000, host=3000, B=3, k=37, buckets=3,
+    # the same in one launch (kernels.resolve=pallas_fused), with a longer ring: 9 victim
+    # lists (free, cold, the 7 older buckets), padded to 16 in the place launch (3
+    # buckets make 4, no padding); the default ring of 32 runs at full size on the GPU
+    "pb_lru_fused": Case("pb_lru", device=40000, host=3000, B=3, k=37, buckets=8,
                          fill=0.95, config=ResolveConfig(block_elems=32, block_place=16,
                                                          fuse=True)),
     "lru": Case("lru", device=150, host=250, B=3, k=37),
@@ -196,8 +198,9 @@ class TestResolvePallasGpu(ResolvePallasCases):
       ("lru", ResolveConfig())], ids=["fused", "fused_default_blocks", "pb_lru", "lru"])
   def test_full_size(self, policy, config, rng):
     """Batch 64, k = 2048, a 256K-slot device pool, the launches ``kernels.resolve``
-    runs (the one launch also with the four launches' blocks)."""
-    case = Case(policy, device=1 << 18, host=1 << 18, B=64, k=2048, buckets=4, fill=0.9,
+    runs (the one launch also with the four launches' blocks), PB-LRU with the default
+    ring of 32 buckets."""
+    case = Case(policy, device=1 << 18, host=1 << 18, B=64, k=2048, buckets=32, fill=0.9,
                 config=config)
     assert self.check_steps(case, rng, steps=2) > 0
 

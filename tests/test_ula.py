@@ -108,7 +108,7 @@ def test_defaults():
   cfg = MemoryConfig(system="ula")  # the schema's defaults: no device_pool, host_pool, ...
   s = build(cfg, max_batch=2, max_context=8)
   assert (s.device_slots, s.host_slots) == (16, 0)
-  assert (s.policy_name, s.buckets) == ("pb_lru", 4)
+  assert (s.policy_name, s.buckets) == ("pb_lru", 32)
 
 
 def test_registry_builds_and_validates():

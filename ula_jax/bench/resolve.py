@@ -107,7 +107,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="device pool slots, comma list (K = 1024, M = 1024 * 1024)")
   p.add_argument("--policies", default=",".join(POLICIES), help=f"of {list(POLICIES)}")
   p.add_argument("--impls", default=",".join(IMPLS), help=f"of {list(IMPLS)}")
-  p.add_argument("--buckets", type=int, default=4, help="PB-LRU recent buckets")
+  p.add_argument("--buckets", type=int, default=MemoryConfig.model_fields["pb_lru_buckets"].default,
+                 help="PB-LRU recent buckets (default: memory.pb_lru_buckets's)")
   p.add_argument("--churn", type=float, default=0.1,
                  help="fraction of each request's selection redrawn per step")
   p.add_argument("--steps", type=int, default=32, help="resolves per timed segment")

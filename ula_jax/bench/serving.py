@@ -161,9 +161,12 @@ def run_point(args: argparse.Namespace, s: Setup, batch: int) -> dict:
   # The first decode step compiles the decode program: it is never counted.
   first = next(i for i, m in enumerate(res.steps) if m.decode_tokens)
   full = [m for m in res.steps[first + 1:] if m.running == batch and m.decode_tokens == batch]
-  bad = [r.id for r in res.requests if r.status != "finished"]
+  bad = [r for r in res.requests if r.status != "finished"]
   if bad:
-    raise RuntimeError(f"{s.name} at batch {batch}: requests {bad[:4]} did not finish")
+    why = "; ".join(sorted({f"{r.status}: {r.reason}" if r.reason else r.status
+                            for r in bad}))
+    raise RuntimeError(f"{s.name} at batch {batch}: {len(bad)} of {len(res.requests)} "
+                       f"requests not finished ({why}; first {[r.id for r in bad[:4]]})")
   if not full:
     raise RuntimeError(f"{s.name} at batch {batch}: no step decoded the whole batch")
   median = statistics.median(m.decode_time_s for m in full)

@@ -80,6 +80,7 @@ class Outcome:
   anchor:  the anchor's numbers beside ours
   draw:    ``draw(fig)`` fills a matplotlib Figure
   notes:   lines printed under the table (and kept in the JSON)
+  figsize: the figure's (width, height) in inches
   """
 
   title: str
@@ -90,6 +91,7 @@ class Outcome:
   anchor: list[AnchorPoint]
   draw: Callable[[Any], None]
   notes: list[str] = dataclasses.field(default_factory=list)
+  figsize: tuple[float, float] = (13, 4.8)
 
   @property
   def ok(self) -> bool:
@@ -324,7 +326,7 @@ def save_figure(outcome: Outcome, path: Path) -> Path:
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
-  fig = Figure(figsize=(13, 4.8))
+  fig = Figure(figsize=outcome.figsize)
   FigureCanvasAgg(fig)
   outcome.draw(fig)
   fig.tight_layout()

@@ -12,6 +12,13 @@ batch of ``resolve_batches`` under both policies, on its own stream (every reque
 selection kept from step to step but for ``resolve_churn`` of it, redrawn; the device
 pool full, half the entries on the host).
 
+Ring size: PB-LRU keeps exact LRU order only among slots touched at most ``R`` rounds
+apart (``memory.pb_lru_buckets``); older slots are equally cold and leave in slot order.
+``bucket_sweep`` replays the largest batch under PB-LRU with each ``R`` listed (the hit
+rate's gap to exact LRU against ``R``), and ``resolve_bucket_sweep`` times ``bench
+resolve``'s PB-LRU at the largest of ``resolve_batches`` with each ``R`` listed (what a
+longer ring costs the resolve).
+
 UlaCache's claim: PB-LRU's hit rate is within 0.1 percentage points of exact LRU's, and
 its scheduling 1.5-2.3x faster at large batch (slower when there are few evictions).
 """
@@ -55,7 +62,13 @@ def build_trace(p: TraceParams, sel, tmp: str | Path, *, requests: int, batch: i
   return SelectionTrace.load(path)
 
 
-def replay_ula(trace, *, device_pool: int, policy: str, buckets: int = 4):
+def default_buckets() -> int:
+  """``memory.pb_lru_buckets``'s default."""
+  from ula_jax.config.schema import MemoryConfig
+  return MemoryConfig.model_fields["pb_lru_buckets"].default
+
+
+def replay_ula(trace, *, device_pool: int, policy: str, buckets: int | None = None):
   """One ula DP rank of ``device_pool`` device slots and a host pool for the rest,
   replayed (NumPy model): hits, misses, evictions and seconds."""
   from ula_jax.config.schema import MemoryConfig
@@ -64,7 +77,7 @@ def replay_ula(trace, *, device_pool: int, policy: str, buckets: int = 4):
   B = trace.max_batch
   cfg = MemoryConfig(system="ula", device_pool=device_pool,
                      host_pool=max(trace.num_logical, trace.page_size), policy=policy,
-                     pb_lru_buckets=buckets)
+                     pb_lru_buckets=buckets or default_buckets())
   system = build_rank_system(cfg, trace.geometry(), max_batch=B, page_size=trace.page_size,
                              max_context=max(trace.num_logical // B, 1))
   r = replay(trace, system, engine="fast", report_every=1 << 30, validate=False)
@@ -79,7 +92,14 @@ class PoliciesParams(TraceParams):
                              description="decode rows the selections are served on")
   pool_factor: float = Field(
       1.5, gt=0, description="ula device pool per decode row, in selections (k + 1 slots)")
-  buckets: int = Field(4, ge=1, description="memory.pb_lru_buckets")
+  buckets: int | None = Field(None, ge=1, description="memory.pb_lru_buckets; None = its "
+                              "default")
+  bucket_sweep: list[int] = Field(
+      default_factory=lambda: [1, 2, 4, 8, 16, 32, 64],
+      description="PB-LRU ring sizes replayed at the largest batch (none: skip)")
+  resolve_bucket_sweep: list[int] = Field(
+      default_factory=list, description="ring sizes bench resolve times PB-LRU with, at the "
+      "largest of resolve_batches (none: skip)")
   resolve_batches: list[int] = Field(default_factory=lambda: [1, 4],
                                      description="bench resolve's batches (none: skip it)")
   resolve_k: int | None = Field(None, ge=1, description="bench resolve's top-k; None = the "
@@ -95,14 +115,17 @@ class PoliciesParams(TraceParams):
   platform: Literal["cpu", "gpu"] = "cpu"
 
 
-def resolve_times(p: PoliciesParams, k: int) -> dict:
+def resolve_times(p: PoliciesParams, k: int, *, batches: list[int] | None = None,
+                  policies: str = "pb_lru,lru", buckets: int | None = None) -> dict:
   """``bench resolve`` at the parameters' sizes (its parser, its run)."""
   from ula_jax.bench import resolve
 
-  argv = ["--batch", ",".join(map(str, p.resolve_batches)), "--k", str(p.resolve_k or k),
-          "--pools", str(p.resolve_pool), "--policies", "pb_lru,lru",
-          "--impls", ",".join(p.resolve_impls), "--pallas-fuse", ",".join(p.resolve_fuse),
-          "--buckets", str(p.buckets), "--churn", str(p.resolve_churn),
+  argv = ["--batch", ",".join(map(str, batches or p.resolve_batches)),
+          "--k", str(p.resolve_k or k), "--pools", str(p.resolve_pool),
+          "--policies", policies, "--impls", ",".join(p.resolve_impls),
+          "--pallas-fuse", ",".join(p.resolve_fuse),
+          "--buckets", str(buckets or p.buckets or default_buckets()),
+          "--churn", str(p.resolve_churn),
           "--steps", str(p.resolve_steps), "--segments", str(p.resolve_segments),
           "--warmup", "1"]
   return resolve.run(resolve._parser().parse_args(argv))
@@ -111,37 +134,71 @@ def resolve_times(p: PoliciesParams, k: int) -> dict:
 def run(p: PoliciesParams, ctx: Context) -> Outcome:
   sel = p.load()
   k = sel.top_k
-  hits = {}
+  R = p.buckets or default_buckets()
+  hits, ring = {}, {}
+  pool = lambda b: max(int(p.pool_factor * b * (k + 1)), b * (k + 1))
   with tempfile.TemporaryDirectory(prefix="ula-jax-policies-") as tmp:
     for b in p.batches:
       trace = build_trace(p, sel, tmp, requests=max(b, sel.num_requests), batch=b)
-      pool = max(int(p.pool_factor * b * (k + 1)), b * (k + 1))
-      hits[b] = {pol: replay_ula(trace, device_pool=pool, policy=pol, buckets=p.buckets)
+      hits[b] = {pol: replay_ula(trace, device_pool=pool(b), policy=pol, buckets=R)
                  for pol in ("pb_lru", "lru")}
       ctx.log(f"  batch {b}: hit rate pb_lru {hits[b]['pb_lru']['hit_rate']:.4f}, "
               f"lru {hits[b]['lru']['hit_rate']:.4f}")
+      if b == max(p.batches):
+        for r in p.bucket_sweep:  # the largest batch's trace, every ring size
+          ring[r] = (hits[b]["pb_lru"] if r == R else
+                     replay_ula(trace, device_pool=pool(b), policy="pb_lru", buckets=r))
+          ctx.log(f"  batch {b}, {r} buckets: hit rate pb_lru {ring[r]['hit_rate']:.4f}")
   res = resolve_times(p, k) if p.resolve_batches else {"rows": []}
   us = {}
   for r in res["rows"]:
     if r["us"] is not None:
       us.setdefault((r["batch"], r["impl"]), {})[r["policy"]] = r["us"]
+  ring_us: dict[int, dict[str, float]] = {}  # buckets -> impl -> us (PB-LRU)
+  ring_errors: list[str] = []
+  if p.resolve_batches and p.resolve_bucket_sweep:
+    big = max(p.resolve_batches)
+    for r in p.resolve_bucket_sweep:
+      rr = res if r == R else resolve_times(p, k, batches=[big], policies="pb_lru",
+                                            buckets=r)
+      for row in rr["rows"]:
+        if row["batch"] == big and row["policy"] == "pb_lru":
+          if row["us"] is not None:
+            ring_us.setdefault(r, {})[row["impl"]] = row["us"]
+          elif row["error"] and not row["error"].startswith("skipped"):
+            ring_errors.append(f"{r} buckets {row['impl']}: {row['error']}")
   rows = []
   for b, h in hits.items():
     pb, lru = h["pb_lru"], h["lru"]
-    rows.append({"what": "hit rate", "batch": b, "device slots": pb["device_slots"],
+    rows.append({"what": "hit rate", "batch": b, "buckets": R,
+                 "device slots": pb["device_slots"],
                  "pb_lru": pb["hit_rate"], "lru": lru["hit_rate"],
                  "pb_lru - lru (pp)": 100 * (pb["hit_rate"] - lru["hit_rate"]),
                  "evictions pb_lru": pb["evictions"], "evictions lru": lru["evictions"]})
-    rows.append({"what": "host model ms / step", "batch": b,
+    rows.append({"what": "host model ms / step", "batch": b, "buckets": R,
                  "device slots": pb["device_slots"],
                  "pb_lru": 1e3 * pb["replay_s"] / pb["steps"],
                  "lru": 1e3 * lru["replay_s"] / lru["steps"],
                  "lru / pb_lru": lru["replay_s"] / pb["replay_s"] if pb["replay_s"] else None})
   for (b, impl), t in sorted(us.items()):
-    rows.append({"what": f"resolve us ({impl})", "batch": b, "device slots": p.resolve_pool,
+    rows.append({"what": f"resolve us ({impl})", "batch": b, "buckets": R,
+                 "device slots": p.resolve_pool,
                  "pb_lru": t.get("pb_lru"), "lru": t.get("lru"),
                  "lru / pb_lru": (t["lru"] / t["pb_lru"] if "lru" in t and "pb_lru" in t
                                   else None)})
+  big_b = max(p.batches)
+  lru_big = hits[big_b]["lru"]["hit_rate"]
+  for r, h in sorted(ring.items()):
+    rows.append({"what": "hit rate, ring size", "batch": big_b, "buckets": r,
+                 "device slots": h["device_slots"], "pb_lru": h["hit_rate"], "lru": lru_big,
+                 "pb_lru - lru (pp)": 100 * (h["hit_rate"] - lru_big),
+                 "evictions pb_lru": h["evictions"],
+                 "evictions lru": hits[big_b]["lru"]["evictions"]})
+  for r, t in sorted(ring_us.items()):
+    for impl, v in sorted(t.items()):
+      rows.append({"what": f"resolve us ({impl}), ring size", "batch": max(p.resolve_batches),
+                   "buckets": r, "device slots": p.resolve_pool, "pb_lru": v,
+                   "lru": us.get((max(p.resolve_batches), impl), {}).get("lru")})
   gaps = [abs(r["pb_lru - lru (pp)"]) for r in rows if r["what"] == "hit rate"]
   speed = [r["lru / pb_lru"] for r in rows
            if r["what"].startswith("resolve") and r.get("lru / pb_lru") is not None]
@@ -150,7 +207,7 @@ def run(p: PoliciesParams, ctx: Context) -> Outcome:
             AnchorPoint("LRU / PB-LRU resolve time, largest batch", speed[-1] if speed
                         else None, 1.5, "UlaCache (1.5-2.3)")]
   errors = [f"{r['batch']} {r['policy']} {r['impl']}: {r['error']}" for r in res["rows"]
-            if r["error"] and not r["error"].startswith("skipped")]
+            if r["error"] and not r["error"].startswith("skipped")] + ring_errors
   checks = [
       Check("PB-LRU's hit rate within 2 pp of exact LRU's at every batch",
             max(gaps) <= 2.0, f"largest gap {max(gaps):.3f} pp"),
@@ -159,11 +216,15 @@ def run(p: PoliciesParams, ctx: Context) -> Outcome:
           for h in hits.values()), "hits + misses equal per batch"),
       Check("the pool was tight: steps evicted", all(
           h["lru"]["evictions"] > 0 for h in hits.values()), "evictions at every batch"),
+      Check("every ring size saw the same lookups", not ring or (all(
+                h["hits"] + h["misses"] == hits[big_b]["lru"]["hits"]
+                + hits[big_b]["lru"]["misses"] for h in ring.values())),
+            f"{len(ring)} ring sizes" if ring else "none asked for (bucket_sweep)"),
       Check("every resolve measurement ran", not errors, "; ".join(errors) or
             f"{len(us)} (batch, impl) pairs" if us else "none asked for (resolve_batches)")]
 
   def draw(fig):
-    ax1, ax2, ax3 = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1, 1, 1]})
+    ax1, ax2, ax4, ax3 = fig.subplots(1, 4, gridspec_kw={"width_ratios": [1, 1, 1, 1]})
     bs = list(hits)
     for pol, m in (("pb_lru", "o"), ("lru", "s")):
       ax1.plot(bs, [100 * hits[b][pol]["hit_rate"] for b in bs], marker=m, label=pol)
@@ -190,15 +251,38 @@ def run(p: PoliciesParams, ctx: Context) -> Outcome:
                   if us else "resolve time of the NumPy models", fontsize="medium")
     ax2.grid(True, alpha=0.3)
     ax2.legend(fontsize="small")
+    if ring:
+      rs = sorted(ring)
+      ax4.plot(rs, [100 * (lru_big - ring[r]["hit_rate"]) for r in rs], marker="o",
+               label=f"gap, batch {big_b}")
+      ax4.axhline(0.1, color="gray", ls="--", label="anchor: 0.1 pp")
+      ax4.set_xscale("log", base=2)
+      ax4.set_xlabel("PB-LRU ring size (memory.pb_lru_buckets)")
+      ax4.set_ylabel("PB-LRU's hit rate below exact LRU's (pp)")
+      ax4.grid(True, alpha=0.3)
+      if ring_us:
+        tw = ax4.twinx()
+        for impl in sorted({i for t in ring_us.values() for i in t}):
+          pts = sorted((r, t[impl]) for r, t in ring_us.items() if impl in t)
+          tw.plot([r for r, _ in pts], [v for _, v in pts], marker="s", ls=":", color="C3",
+                  label=f"PB-LRU resolve us ({impl}), batch {max(p.resolve_batches)}")
+        tw.set_ylabel("us per resolve (one group)")
+        tw.legend(fontsize="small", loc="upper center")
+      ax4.legend(fontsize="small")
+      ax4.set_title("ring size: hit rate gap" + (" and resolve time" if ring_us else ""),
+                    fontsize="medium")
+    else:
+      ax4.set_axis_off()
     anchor_panel(ax3, anchor)
 
   return Outcome(title="PB-LRU against exact LRU",
-                 columns=["what", "batch", "device slots", "pb_lru", "lru",
+                 columns=["what", "batch", "buckets", "device slots", "pb_lru", "lru",
                           "pb_lru - lru (pp)", "lru / pb_lru", "evictions pb_lru",
                           "evictions lru"],
-                 rows=rows, data={"hit_rates": hits, "resolve": res,
+                 rows=rows, data={"hit_rates": hits, "resolve": res, "buckets": R,
+                                  "ring_hit_rates": ring, "ring_resolve_us": ring_us,
                                   "selections": sel.source, "top_k": k},
-                 checks=checks, anchor=anchor, draw=draw,
+                 checks=checks, anchor=anchor, draw=draw, figsize=(18, 4.8),
                  notes=[f"selections: {sel.num_requests} recorded requests x "
                         f"{sel.num_steps} decode steps, {sel.num_groups} layer groups, "
                         f"top-k {k}",
