@@ -145,6 +145,17 @@ def test_tokens_are_not_degenerate():
   assert len({t for v in toks.values() for t in v}) > 3
 
 
+def test_decode_rounds_are_timed_apart_from_the_chunks():
+  """A step that ran a synthetic chunk waited for it before its decode round (the
+  chunk's device work is not in ``decode_time_s``); other steps did not wait."""
+  res = _run("resident")
+  chunked = [m for m in res.steps if m.prefilling]
+  assert chunked and all(m.prefill_wait_s >= 0 for m in chunked)
+  assert all(m.prefill_wait_s == 0 for m in res.steps if not m.prefilling)
+  assert all(m.prefill_wait_s + m.decode_time_s <= m.step_time_s for m in res.steps)
+  assert res.summary["prefill_wait_s"] == sum(m.prefill_wait_s for m in res.steps)
+
+
 def test_summary_says_synthetic(caplog):
   s = _run("resident").summary
   assert s["prefill"] == "synthetic" and "not a trained model's" in s["prefill_note"]

@@ -795,6 +795,13 @@ class Engine:
 
         # Prefill: the oldest not-yet-prefilled request of each rank runs one chunk.
         n_prefill, prefill_tokens = self._prefill_round(rows, step)
+        prefill_wait = 0.0
+        if n_prefill and self.synthetic:
+          # A synthetic chunk is dispatched without a result to wait for; the decode
+          # round's time starts once it is done, so that it times the decode alone.
+          t_wait = time.perf_counter()
+          jax.block_until_ready(self.carry)
+          prefill_wait = time.perf_counter() - t_wait
 
         # Decode: every prefilled, unfinished row.
         t_dec = time.perf_counter()
@@ -835,7 +842,8 @@ class Engine:
             tokens_per_s=decode_tokens / decode_time if decode_time > 0 else 0.0,
             device_used=dev_used, host_used=int(rep.host_used.sum()),
             distinct=rep.distinct_total,
-            admitted=sum(1 for rank in rows for l in rank if l is not None), extra=dict(stats))
+            admitted=sum(1 for rank in rows for l in rank if l is not None),
+            prefill_wait_s=prefill_wait, extra=dict(stats))
         steps.append(m)
         step += 1
         rs.step, rs.finished_count, rs.peak, rs.last_report = (step, finished_count, peak,
@@ -1249,6 +1257,8 @@ class Engine:
         "pools_time_s": self.pools_time_s,
         "decode_time_s": decode_time,
         "decode_tokens_per_s": dec_tokens / decode_time if decode_time else 0.0,
+        # synthetic prefill: time spent waiting for chunks before decode rounds
+        "prefill_wait_s": sum(s.prefill_wait_s for s in steps),
         "tokens_per_s": gen / wall if wall else 0.0,
         "peak_running": max((s.running for s in steps), default=0),
         "capacity_tokens_per_rank": self.mem.capacity_tokens,

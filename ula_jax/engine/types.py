@@ -74,6 +74,9 @@ class StepMetrics:
   host_used: int  # physical host slots in use
   distinct: int  # distinct entries stored
   admitted: int = 0  # requests holding memory (admitted and not yet finished), all ranks
+  # wall time this step waited for its synthetic prefill chunk to finish on the device
+  # before its decode round began (so that decode_time_s holds the decode round alone)
+  prefill_wait_s: float = 0.0
   extra: dict = dataclasses.field(default_factory=dict)  # system-specific (hit rates, ...)
 
   def as_dict(self) -> dict:
