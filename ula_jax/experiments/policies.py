@@ -135,6 +135,8 @@ def run(p: PoliciesParams, ctx: Context) -> Outcome:
   sel = p.load()
   k = sel.top_k
   R = p.buckets or default_buckets()
+  big_b = max(p.batches)  # the ring sizes' batch (the hit rates)
+  big = max(p.resolve_batches, default=0)  # the ring sizes' batch (the resolve times)
   hits, ring = {}, {}
   pool = lambda b: max(int(p.pool_factor * b * (k + 1)), b * (k + 1))
   with tempfile.TemporaryDirectory(prefix="ula-jax-policies-") as tmp:
@@ -144,7 +146,7 @@ def run(p: PoliciesParams, ctx: Context) -> Outcome:
                  for pol in ("pb_lru", "lru")}
       ctx.log(f"  batch {b}: hit rate pb_lru {hits[b]['pb_lru']['hit_rate']:.4f}, "
               f"lru {hits[b]['lru']['hit_rate']:.4f}")
-      if b == max(p.batches):
+      if b == big_b:
         for r in p.bucket_sweep:  # the largest batch's trace, every ring size
           ring[r] = (hits[b]["pb_lru"] if r == R else
                      replay_ula(trace, device_pool=pool(b), policy="pb_lru", buckets=r))
@@ -157,7 +159,6 @@ def run(p: PoliciesParams, ctx: Context) -> Outcome:
   ring_us: dict[int, dict[str, float]] = {}  # buckets -> impl -> us (PB-LRU)
   ring_errors: list[str] = []
   if p.resolve_batches and p.resolve_bucket_sweep:
-    big = max(p.resolve_batches)
     for r in p.resolve_bucket_sweep:
       rr = res if r == R else resolve_times(p, k, batches=[big], policies="pb_lru",
                                             buckets=r)
@@ -186,7 +187,6 @@ def run(p: PoliciesParams, ctx: Context) -> Outcome:
                  "pb_lru": t.get("pb_lru"), "lru": t.get("lru"),
                  "lru / pb_lru": (t["lru"] / t["pb_lru"] if "lru" in t and "pb_lru" in t
                                   else None)})
-  big_b = max(p.batches)
   lru_big = hits[big_b]["lru"]["hit_rate"]
   for r, h in sorted(ring.items()):
     rows.append({"what": "hit rate, ring size", "batch": big_b, "buckets": r,
@@ -196,9 +196,9 @@ def run(p: PoliciesParams, ctx: Context) -> Outcome:
                  "evictions lru": hits[big_b]["lru"]["evictions"]})
   for r, t in sorted(ring_us.items()):
     for impl, v in sorted(t.items()):
-      rows.append({"what": f"resolve us ({impl}), ring size", "batch": max(p.resolve_batches),
-                   "buckets": r, "device slots": p.resolve_pool, "pb_lru": v,
-                   "lru": us.get((max(p.resolve_batches), impl), {}).get("lru")})
+      rows.append({"what": f"resolve us ({impl}), ring size", "batch": big, "buckets": r,
+                   "device slots": p.resolve_pool, "pb_lru": v,
+                   "lru": us.get((big, impl), {}).get("lru")})
   gaps = [abs(r["pb_lru - lru (pp)"]) for r in rows if r["what"] == "hit rate"]
   speed = [r["lru / pb_lru"] for r in rows
            if r["what"].startswith("resolve") and r.get("lru / pb_lru") is not None]
@@ -265,7 +265,7 @@ def run(p: PoliciesParams, ctx: Context) -> Outcome:
         for impl in sorted({i for t in ring_us.values() for i in t}):
           pts = sorted((r, t[impl]) for r, t in ring_us.items() if impl in t)
           tw.plot([r for r, _ in pts], [v for _, v in pts], marker="s", ls=":", color="C3",
-                  label=f"PB-LRU resolve us ({impl}), batch {max(p.resolve_batches)}")
+                  label=f"PB-LRU resolve us ({impl}), batch {big}")
         tw.set_ylabel("us per resolve (one group)")
         tw.legend(fontsize="small", loc="upper center")
       ax4.legend(fontsize="small")
