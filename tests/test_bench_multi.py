@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 
 import pytest
 
@@ -71,7 +72,8 @@ def test_capacity_at_equal_budgets_follows_each_systems_layout():
   assert all(c["limit"] == "memory" for c in caps.values())
 
 
-def test_serving_measures_each_batch_up_to_capacity_then_merges(tmp_path, capsys):
+def test_serving_measures_each_batch_up_to_capacity_then_merges(tmp_path, capsys, caplog):
+  caplog.set_level(logging.INFO, logger="ula_jax.bench.serving")  # --log-level info
   out = tmp_path / "dp"
   rc = serving.main(["--systems", "resident_dp,ula_dp", "--devices", "2", "--context", "512",
                      "--device-budget", "1024", "--host-budget", "1024", "--batches", "4",
@@ -92,6 +94,13 @@ def test_serving_measures_each_batch_up_to_capacity_then_merges(tmp_path, capsys
   assert (out / "serving.png").stat().st_size > 0
   printed = capsys.readouterr().out
   assert "same-batch step time" in printed and "capacity and peak" in printed
+  # At info level each system's capacity and each point's engine steps are logged as
+  # they happen, so a run stopped by a time limit still shows where its time went.
+  logged = [r.getMessage() for r in caplog.records]
+  assert "ula_dp: capacity 8 requests of 512 tokens (memory)" in logged
+  steps = [m for m in logged if m.startswith("ula_dp batch 8: step ")]
+  assert steps and all(" s in" in m for m in steps)
+  assert any(m.startswith("ula_dp batch 8: engine ready in ") for m in logged)
   # Parts run separately combine into one table and plot.
   half = dict(result, systems={"resident_dp": res})
   other = dict(result, systems={"ula_dp": ula})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pytest
 import yaml
 
 from ula_jax.cli.main import (EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, VERBS, build_parser, parse_args,
-                         combination_dirname, main, split_values, sweep_plan)
+                         combination_dirname, configure_logging, main, split_values,
+                         sweep_plan)
 from ula_jax.config import ConfigError, load_config
 from ula_jax.config.loader import REPO_CONFIGS
 from ula_jax.engine.types import RequestResult, RunResult
@@ -63,6 +65,26 @@ def test_unknown_verb_and_missing_arguments_are_usage_errors(capsys):
     main(["run"])
   assert e.value.code == 2
   assert "the following arguments are required: config" in capsys.readouterr().err
+
+
+def test_log_level_adds_timed_lines_to_the_package_logger(capsys):
+  assert parse_args(["config", "experiments/quickstart/config.yaml"]).log_level == "warning"
+  args = parse_args(["--log-level", "info", "config", "experiments/quickstart/config.yaml"])
+  assert args.log_level == "info"
+  with pytest.raises(SystemExit):
+    parse_args(["--log-level", "loud", "config", "experiments/quickstart/config.yaml"])
+  assert "invalid choice: 'loud'" in capsys.readouterr().err
+  log = logging.getLogger("ula_jax")
+  before = (list(log.handlers), log.level)
+  try:
+    configure_logging("warning")  # the default leaves the package's logger alone
+    assert (list(log.handlers), log.level) == before
+    configure_logging("info")
+    logging.getLogger("ula_jax.bench.serving").info("ula_dp: capacity 29 requests")
+    assert re.search(r"^\d\d:\d\d:\d\d ula_dp: capacity 29 requests$",
+                     capsys.readouterr().err, re.M)
+  finally:
+    log.handlers[:], log.level = before[0], before[1]
 
 
 def test_every_verb_is_in_the_parser():

@@ -8,8 +8,13 @@
 #   small    ula-jax bench step_cost: an all-hit decode step, ula / resident, batch 32,
 #            model small, top-k 256
 #   glm5     the same at GLM-5 geometry (experiments/glm5_summarization, synthetic
-#            prefill), batch GLM5_BATCH (default 64), GLM5_PROMPT-token prompts (8192)
-#   batch1   the same at batch 1 with hisparse too (its all-hit step, not its misses)
+#            prefill), batch GLM5_BATCH (default 64), GLM5_PROMPT-token prompts (8192);
+#            GLM5_VARIANTS (default "base") runs it once per variant, NAME@TAG adding the
+#            overrides in $VAR_TAG (e.g. VAR_spec="kernels.fast_path_mode=speculate") and
+#            XLA_FLAGS from $XLA_TAG; GLM5_PROFILE=1 adds each run's per-step profile
+#            (bench step_cost --profile)
+#   batch1   the same at batch 1 with hisparse too (its all-hit step, not its misses);
+#            BATCH1_VARIANTS as GLM5_VARIANTS
 #   resolve  ula-jax bench resolve: one layer group, batch 32 and 64, top-k 2048, 1M
 #            slots, PB-LRU and exact LRU, Pallas
 #   fetch    ula-jax bench fetch: 656-byte FP8 rows, 4K-64K rows, fetch and evict,
@@ -30,16 +35,29 @@ if wants small; then
 fi
 if wants glm5; then
   b=${GLM5_BATCH:-64}
-  STEP_TAIL=8 step glm5 300 $CLI bench step_cost \
-    --config experiments/glm5_summarization/config.yaml --systems resident,ula \
-    --batch "$b" --prompt "${GLM5_PROMPT:-8192}" --output $((b + 24)) \
-    --json "$OUT/step_glm5.json" workload.prefill=synthetic
+  for item in ${GLM5_VARIANTS:-base}; do
+    tag=${item#*@}; [ "$tag" = "$item" ] && tag=$item
+    prof=(); [ "${GLM5_PROFILE:-0}" = 1 ] && prof=(--profile "$WORK/profile_$tag")
+    # shellcheck disable=SC2046
+    XLA_FLAGS="${XLA_FLAGS:-} $(tagged XLA "$item")" STEP_TAIL=16 step "glm5_$tag" 300 \
+      $CLI bench step_cost \
+      --config experiments/glm5_summarization/config.yaml --systems resident,ula \
+      --batch "$b" --prompt "${GLM5_PROMPT:-8192}" --output $((b + 24)) \
+      --json "$OUT/step_glm5_$tag.json" "${prof[@]}" workload.prefill=synthetic \
+      $(tagged VAR "$item")
+    rm -rf "$WORK/profile_$tag"/*/plugins  # the traces are large; the JSON keeps the counts
+  done
 fi
 if wants batch1; then
-  STEP_TAIL=8 step batch1 240 $CLI bench step_cost \
-    --config experiments/glm5_summarization/config.yaml --systems resident,ula,hisparse \
-    --batch 1 --prompt "${GLM5_PROMPT:-8192}" --output 48 --json "$OUT/step_batch1.json" \
-    workload.prefill=synthetic
+  for item in ${BATCH1_VARIANTS:-base}; do
+    tag=${item#*@}; [ "$tag" = "$item" ] && tag=$item
+    # shellcheck disable=SC2046
+    XLA_FLAGS="${XLA_FLAGS:-} $(tagged XLA "$item")" STEP_TAIL=8 step "batch1_$tag" 240 \
+      $CLI bench step_cost \
+      --config experiments/glm5_summarization/config.yaml --systems resident,ula,hisparse \
+      --batch 1 --prompt "${GLM5_PROMPT:-8192}" --output 48 \
+      --json "$OUT/step_batch1_$tag.json" workload.prefill=synthetic $(tagged VAR "$item")
+  done
 fi
 if wants resolve; then
   STEP_TAIL=14 step resolve 120 $CLI bench resolve --batch 32,64 --k 2048 --pools 1M \

@@ -9,8 +9,9 @@
 # ARGS_u="systems=[ula_dp]" ARGS_h="systems=[hisparse]" splits one experiment over
 # runs that each fit a call. SCALE (default gpu), RUN_LIMIT_S (each run's limit, default
 # 540; a run stopped by it writes no directory), TIME_LIMIT_S (the whole script's,
-# default 570). Under $OUT: NAME[_TAG].tgz (figure.png, table.md, results.json,
-# params.yaml) and logs.tgz (each run's output, steps.txt): at most seven runs per call,
+# default 570), LOG_LEVEL (ula-jax --log-level, default info: capacities and each serving
+# point's engine steps in the logs as they happen). Under $OUT: NAME[_TAG].tgz
+# (figure.png, table.md, results.json, params.yaml) and logs.tgz (each run's output, steps.txt): at most seven runs per call,
 # since 8 files come back from a device call.
 set -u
 cd "$(dirname "$0")/../.."
@@ -25,7 +26,8 @@ for item in ${EXPERIMENTS:-latency policies}; do
   name=${item%%@*}; run=${item/@/_}
   rm -rf "${DIRS:?}/$run"
   # shellcheck disable=SC2046,SC2086
-  STEP_TAIL=20 step "$run" "${RUN_LIMIT_S:-540}" $CLI experiment "$name" \
+  STEP_TAIL=20 step "$run" "${RUN_LIMIT_S:-540}" $CLI --log-level "${LOG_LEVEL:-info}" \
+    experiment "$name" \
     --scale "${SCALE:-gpu}" --no-progress --out "$DIRS/$run" $(tagged ARGS "$item")
   [ -d "$DIRS/$run" ] && tar czf "$OUT/$run.tgz" -C "$DIRS" "$run"
 done

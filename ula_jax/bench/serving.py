@@ -42,6 +42,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import logging
 import math
 import pathlib
 import statistics
@@ -131,6 +132,8 @@ def capacity(args: argparse.Namespace, s: Setup) -> dict:
     if by_pages < rows:  # more rows only shrink (or keep) what memory holds
       break
   best["errors"] = best["errors"][-1:]
+  logging.getLogger(__name__).info("%s: capacity %d requests of %d tokens (%s)", s.name,
+                                   best["requests"], args.context, best["limit"])
   return best
 
 
@@ -154,9 +157,19 @@ def run_point(args: argparse.Namespace, s: Setup, batch: int) -> dict:
   configure_platform(cfg)
   mesh = build_mesh(cfg)
   reqs = same_length_requests(batch, prompt, output, cfg.model.vocab_size, args.seed)
+  log = logging.getLogger(__name__)
   t0 = time.perf_counter()
   engine = Engine(cfg, mesh, max_context=args.context)
-  res = engine.run(reqs)
+  log.info("%s batch %d: engine ready in %.1f s (%d requests of %d + %d tokens)", s.name,
+           batch, time.perf_counter() - t0, batch, prompt, output)
+
+  def on_step(m) -> None:
+    log.info("%s batch %d: step %d %s running %d prefilling %d waiting %d, %.3f s "
+             "(decode %.3f, prefill wait %.3f), %.1f s in", s.name, batch, m.step, m.kind,
+             m.running, m.prefilling, m.waiting, m.step_time_s, m.decode_time_s,
+             m.prefill_wait_s, time.perf_counter() - t0)
+
+  res = engine.run(reqs, on_step if log.isEnabledFor(logging.INFO) else None)
   wall = time.perf_counter() - t0
   # The first decode step compiles the decode program: it is never counted.
   first = next(i for i, m in enumerate(res.steps) if m.decode_tokens)

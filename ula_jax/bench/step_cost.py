@@ -84,7 +84,7 @@ def _profile(engine, reqs, trace_dir: str, full_batch: int) -> dict:
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
     res = engine.run(reqs)
   # One decode (or speculate, and redo where it failed) per decoding step, in order.
-  prof = trace_calls(trace_dir, ("decode", "speculate"), also=("redo",))
+  prof = trace_calls(trace_dir, ("decode", "speculate"), also=("redo",), top=60)
   decoding = [m for m in res.steps if m.running > 0]
   if len(decoding) != len(prof["calls"]):
     raise RuntimeError(f"{trace_dir}: {len(prof['calls'])} decode calls in the trace, "

@@ -11,6 +11,7 @@ import argparse
 import csv
 import itertools
 import json
+import logging
 import re
 import signal
 import sys
@@ -400,9 +401,29 @@ VERBS: dict[str, Verb] = {v.name: v for v in [
 ]}
 
 
+LOG_LEVELS = ("warning", "info", "debug")
+
+
+def configure_logging(level: str) -> None:
+  """``--log-level``: at 'warning' the package's warnings reach stderr as bare lines
+  (logging's last-resort handler); 'info' and 'debug' add a time-stamped handler to the
+  ``ula_jax`` logger."""
+  if level == "warning":
+    return
+  log = logging.getLogger("ula_jax")
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+  log.addHandler(handler)
+  log.setLevel(logging.INFO if level == "info" else logging.DEBUG)
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="ula-jax", description="KV-cache memory systems for sparse-attention decoding")
+  parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
+                      help="messages shown on stderr: 'info' adds the benchmarks' and "
+                      "experiments' progress lines with the time (e.g. each serving point's "
+                      "engine steps), 'debug' everything (default: warning)")
   sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
   for verb in VERBS.values():
     p = sub.add_parser(verb.name, help=verb.help, description=verb.help)
@@ -430,6 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   failed sweep combination, 2 bad config, arguments, environment or run directory,
   130 / 143 interrupted by SIGINT / SIGTERM)."""
   args = parse_args(argv)
+  configure_logging(args.log_level)
   try:
     # SIGTERM ends a verb as Ctrl-C does (a run installs its own, gentler handler).
     with handle_signals(raise_interrupted, (signal.SIGTERM,)):
