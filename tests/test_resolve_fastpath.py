@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, strategies as hst
 
 from tests.test_resolve_kernel import assert_identical, random_step
 from ula_jax.config.schema import MemoryConfig
@@ -27,6 +28,7 @@ from ula_jax.memory.ula.resolve.pallas import ResolveConfig
 from ula_jax.memory import build_memory_system
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo
 from ula_jax.memory.ula.dp import Ula
+from ula_jax.memory.ula.policies import bitmap
 
 POLICIES = ("pb_lru", "lru")
 # 48 device slots, 24 host slots, 72 logical addresses; M = 3 * (5 + 1) = 18.
@@ -283,3 +285,15 @@ def test_config_field_reaches_the_system():
                             page_size=4, max_context=8)
   assert build().resolve_fast_path is True
   assert build(resolve_fast_path=False).resolve_fast_path is False
+
+
+@given(hst.lists(hst.integers(0, 95), max_size=40),
+       hst.lists(hst.sampled_from([31, 63, 95]), max_size=6))
+def test_summed_bits_count_the_positions_only_when_distinct(positions, tops):
+  """The fast path's distinctness check: bits of n positions summed into words (a
+  scatter-add) have n set bits exactly when the positions are distinct, carries past a
+  word's top bit included."""
+  pos = np.array(positions + tops, np.int32)
+  words = bitmap.words_of(96, jnp.asarray(pos), jnp.ones(pos.shape, bool), distinct=True)
+  ones = int(jnp.sum(jax.lax.population_count(words)))
+  assert (ones == len(pos)) == (len(set(pos.tolist())) == len(pos))

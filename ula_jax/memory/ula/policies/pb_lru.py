@@ -61,7 +61,15 @@ class PbLru(Policy):
     return st.replace(cold=cold, ring=ring, cur=nxt.astype(jnp.int32))
 
   def touch(self, st: PbLruState, slots: jax.Array, valid: jax.Array) -> PbLruState:
-    m = bitmap.words_of(self.num_slots, slots, valid, distinct=True)
+    return self.touch_words(st, bitmap.words_of(self.num_slots, slots, valid, distinct=True))
+
+  def touch_words(self, st: PbLruState, m: jax.Array) -> PbLruState:
+    """``touch`` of the slots whose bits are set in ``m`` ([W0] uint32 level-0 words).
+
+    Touches in turn equal one touch of the or of their words: each clears its bits in
+    every bucket and sets them in the current one, so the current bucket ends as
+    ``(cur | a) & ~b | b = cur | a | b`` and every other loses ``a | b``.
+    """
     keep = ~m
     ring0 = st.ring[0] & keep[None]
     ring0 = ring0.at[st.cur].set(ring0[st.cur] | m)

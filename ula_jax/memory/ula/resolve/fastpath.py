@@ -80,6 +80,7 @@ class _Staged(NamedTuple):
   want_n: jax.Array  # [B] bool new token is active with a valid address
   loc_n: jax.Array  # [B] int32 its location (INVALID where not wanted)
   rank_n: jax.Array  # [B] int32 wanted new tokens with a smaller address
+  words_h: jax.Array  # [W0] uint32 the hits' bits, summed (their or when distinct)
 
 
 def _stage(system: Any, meta: Any, sel_addr: jax.Array, sel_valid: jax.Array,
@@ -94,7 +95,8 @@ def _stage(system: Any, meta: Any, sel_addr: jax.Array, sel_valid: jax.Array,
   loc_n = jnp.where(want_n, meta.table[jnp.clip(addr_n, 0, N - 1)], INVALID)
   key_n = jnp.where(want_n, addr_n, N)  # N sorts after every wanted address
   rank_n = jnp.sum(key_n[None, :] < key_n[:, None], axis=1, dtype=_I32)
-  return _Staged(addr_s, want_s, loc_s, hit_s, addr_n, want_n, loc_n, rank_n)
+  words_h = bitmap.words_of(Sd, loc_s, hit_s, distinct=True)
+  return _Staged(addr_s, want_s, loc_s, hit_s, addr_n, want_n, loc_n, rank_n, words_h)
 
 
 def _free_after_hits(system: Any, meta: Any, st: _Staged, words: jax.Array) -> jax.Array:
@@ -120,12 +122,12 @@ def _all_hit(system: Any, meta: Any, st: _Staged) -> jax.Array:
   key_n = jnp.where(st.want_n, st.addr_n, N)  # N matches no wanted selection
   sel_new = st.want_s & jnp.any(st.addr_s[:, None] == key_n[None, :], axis=1)
   placed_ok = jnp.all(~st.want_s | st.hit_s | sel_new)
-  # 2. distinct hits: per word, popcount(sum of bits) == number of bits added.
-  W = bitmap.num_words(Sd)
-  words = bitmap.words_of(Sd, st.loc_s, st.hit_s, distinct=True)
-  added = jnp.zeros((W,), _I32).at[jnp.where(st.hit_s, st.loc_s // bitmap.WORD_BITS, W)].add(
-      1, mode="drop")
-  distinct_hits = jnp.all(jax.lax.population_count(words).astype(_I32) == added)
+  # 2. distinct hits: the summed bits have as many set bits as there are hits. A sum of
+  # n powers of two has n set bits exactly when they are distinct (a repeated one
+  # carries, and carries, including those past a word's top bit, only clear bits).
+  words = st.words_h
+  distinct_hits = (jnp.sum(jax.lax.population_count(words).astype(_I32))
+                   == jnp.sum(st.hit_s, dtype=_I32))
   # 3. new tokens: not stored, distinct.
   unstored = jnp.all(~st.want_n | (st.loc_n < 0))
   same = (st.addr_n[:, None] == st.addr_n[None, :]) & st.want_n[:, None] & st.want_n[None, :]
@@ -141,13 +143,23 @@ def _resolve_all_hit(system: Any, meta: Any, st: _Staged, shape: tuple[int, int]
   N, Sd = system.num_logical, system.device_slots
   policy = system.policy
   pst = policy.begin_round(meta.policy)
-  pst = policy.touch(pst, st.loc_s, st.hit_s)
-  free, _ = policy.first_free(pst, B)
+  if isinstance(policy, PbLru):
+    # Both touches at once: the new tokens' free slots are found in the free bitmap
+    # less the hits, then hits and new slots join the current bucket together, which
+    # leaves every bucket as the two touches in turn do (``PbLru.touch_words``).
+    free, _ = bitmap.select_first(bitmap.summarize(pst.free[0] & ~st.words_h), B)
+  else:
+    pst = policy.touch(pst, st.loc_s, st.hit_s)
+    free, _ = policy.first_free(pst, B)
   new_slot = jnp.where(st.want_n, free[jnp.clip(st.rank_n, 0, max(B - 1, 0))], INVALID)
   new_slot = new_slot.astype(_I32)
   table = set_where(meta.table, (st.addr_n,), new_slot, st.want_n, unique=True)
   dev_owner = set_where(meta.dev_owner, (new_slot,), st.addr_n, st.want_n, unique=True)
-  pst = policy.touch(pst, new_slot, st.want_n)
+  if isinstance(policy, PbLru):
+    pst = policy.touch_words(
+        pst, st.words_h | bitmap.words_of(Sd, new_slot, st.want_n, distinct=True))
+  else:
+    pst = policy.touch(pst, new_slot, st.want_n)
   # The host side is untouched; its summary levels are consistent with level 0 (every
   # transition keeps them so), which is what the full resolve's ``summarize`` rebuilds.
   new_meta = GroupMeta(table=table, dev_owner=dev_owner, host_owner=meta.host_owner,
