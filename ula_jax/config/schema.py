@@ -423,8 +423,9 @@ class KernelsConfig(Section):
       "group with lax.cond (on a GPU each one ends a CUDA graph and waits for the device); "
       "'speculate' runs the whole step on the all-hit path with no conditional and, on a dp "
       "rank where some group was not all-hit, restores the rank's state and runs the step "
-      "again with 'cond' (after such a step, 'cond' until a step moves nothing). Systems "
-      "without a fast path ignore it")
+      "again the plain way (after such a step, the plain way until a step moves nothing): "
+      "with 'cond' where resolve_fast_path is true, with kernels.resolve in full and no "
+      "conditional where it is false. Systems without a fast path ignore it")
   interpret: bool | None = Field(
       None, description="run Pallas kernels in interpret mode; None = interpret on CPU only")
   deterministic: bool = Field(
@@ -437,14 +438,6 @@ class KernelsConfig(Section):
   def uses_pallas(self) -> bool:
     """Whether a field names a Pallas implementation (``auto`` is none until resolved)."""
     return "pallas" in (self.attention, self.indexer, self.fetch, self.resolve.split("_")[0])
-
-  @model_validator(mode="after")
-  def _speculate_needs_fast_path(self) -> KernelsConfig:
-    if self.fast_path_mode == "speculate" and not self.resolve_fast_path:
-      raise ValueError("kernels.fast_path_mode='speculate' runs decode steps on the all-hit "
-                       "fast path: it needs kernels.resolve_fast_path=true (or use "
-                       "kernels.fast_path_mode='cond')")
-    return self
 
 
 MAX_DRAFT = 3
