@@ -104,6 +104,7 @@ def _jitted(policy):
       "release": jax.jit(policy.release),
       "pick": jax.jit(policy.pick, static_argnums=2),
       "first_free": jax.jit(policy.first_free, static_argnums=1),
+      "round_touch": jax.jit(getattr(policy, "round_touch_words", lambda st, m: st)),
   }
 
 
@@ -193,8 +194,17 @@ def test_policy_matches_reference(name, buckets, rng):
   f = _jitted(policy)
   st = policy.init()
   for _ in range(60):
-    op = rng.choice(["round", "touch", "release", "pick", "free"], p=[.2, .35, .15, .2, .1])
-    if op == "round":
+    ops, p = ["round", "touch", "release", "pick", "free", "round_touch"], [.2, .35, .15, .2, .1, 0]
+    if isinstance(policy, PbLru):  # a round and a touch in one pass (the all-hit path)
+      p = [.15, .3, .15, .2, .1, .1]
+    op = rng.choice(ops, p=p)
+    if op == "round_touch":
+      xs = rng.choice(S, size=rng.integers(0, n + 1), replace=False)
+      words = bitmap.words_of(S, _slots(xs, n), _slots(xs, n) >= 0, distinct=True)
+      st = f["round_touch"](st, words)
+      ref.begin_round()
+      ref.touch([int(x) for x in xs])
+    elif op == "round":
       st = f["begin_round"](st)
       ref.begin_round()
     elif op == "touch":

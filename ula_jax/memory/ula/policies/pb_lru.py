@@ -77,6 +77,22 @@ class PbLru(Policy):
                       cold=bitmap.summarize(st.cold[0] & keep),
                       ring=bitmap.summarize(ring0))
 
+  def round_touch_words(self, st: PbLruState, m: jax.Array) -> PbLruState:
+    """``begin_round`` and then ``touch_words(m)`` in one pass over every bitmap.
+
+    The bucket the round lands on is merged into cold and then holds exactly ``m``; cold,
+    free and the other buckets lose ``m``'s bits (``R = 1`` included: the one bucket is
+    also the one it lands on).
+    """
+    nxt = ((st.cur + 1) % self.buckets).astype(jnp.int32)
+    keep = ~m
+    ring0 = st.ring[0]
+    lands = (jnp.arange(self.buckets) == nxt)[:, None]
+    return st.replace(free=bitmap.summarize(st.free[0] & keep),
+                      cold=bitmap.summarize((st.cold[0] | ring0[nxt]) & keep),
+                      ring=bitmap.summarize(jnp.where(lands, m[None], ring0 & keep[None])),
+                      cur=nxt)
+
   def release(self, st: PbLruState, slots: jax.Array, valid: jax.Array) -> PbLruState:
     m = bitmap.words_of(self.num_slots, slots, valid, distinct=False)
     keep = ~m

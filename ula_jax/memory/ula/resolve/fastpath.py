@@ -142,21 +142,23 @@ def _resolve_all_hit(system: Any, meta: Any, st: _Staged, shape: tuple[int, int]
   M = B * k + B
   N, Sd = system.num_logical, system.device_slots
   policy = system.policy
-  pst = policy.begin_round(meta.policy)
+  pst = meta.policy
   if isinstance(policy, PbLru):
-    # Both touches at once: the new tokens' free slots are found in the free bitmap
-    # less the hits, then hits and new slots join the current bucket together, which
-    # leaves every bucket as the two touches in turn do (``PbLru.touch_words``).
+    # The round and both touches at once: the new tokens' free slots are found in the
+    # free bitmap less the hits (a new round leaves the free bitmap alone), then hits
+    # and new slots join the new current bucket together, which leaves every bucket as
+    # the round and the two touches in turn do (``PbLru.touch_words``,
+    # ``PbLru.round_touch_words``).
     free, _ = bitmap.select_first(bitmap.summarize(pst.free[0] & ~st.words_h), B)
   else:
-    pst = policy.touch(pst, st.loc_s, st.hit_s)
+    pst = policy.touch(policy.begin_round(pst), st.loc_s, st.hit_s)
     free, _ = policy.first_free(pst, B)
   new_slot = jnp.where(st.want_n, free[jnp.clip(st.rank_n, 0, max(B - 1, 0))], INVALID)
   new_slot = new_slot.astype(_I32)
   table = set_where(meta.table, (st.addr_n,), new_slot, st.want_n, unique=True)
   dev_owner = set_where(meta.dev_owner, (new_slot,), st.addr_n, st.want_n, unique=True)
   if isinstance(policy, PbLru):
-    pst = policy.touch_words(
+    pst = policy.round_touch_words(
         pst, st.words_h | bitmap.words_of(Sd, new_slot, st.want_n, distinct=True))
   else:
     pst = policy.touch(pst, new_slot, st.want_n)
