@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
 from tests.engine_util import BASE, DENSE, make_requests, mesh_for, run_engine
 from ula_jax.config import load_config
 from ula_jax.engine import Engine, resolve_max_context
@@ -19,24 +17,25 @@ def _totals(result) -> dict:
   return {k: v for k, v in result.summary.items() if k.startswith("total_")}
 
 
-@pytest.mark.parametrize("fallback", ["cond", "full"])
-def test_speculate_equals_cond_with_ranks_kept_and_redone(fallback):
-  """fallback: how a step that is not speculated runs, 'cond' (the fast path per group,
-  ``kernels.resolve_fast_path=true``) or 'full' (the full resolve, no conditional)."""
+def test_speculate_equals_cond_with_ranks_kept_and_redone():
+  """Steps that are not speculated run the fast path per group ('cond',
+  ``kernels.resolve_fast_path=true``) or the full resolve with no conditional ('full')."""
   reqs = make_requests(6, seed=7, prompt=(20, 64), output=(5, 10))
   base = DENSE + ["mesh.dp=2", "mesh.tp=1", "engine.max_batch=2"]
   # 96 device slots: most steps hit; a few find no room for the new tokens and evict.
   ula = base + ["memory.system=ula", "memory.device_pool=96", "memory.host_pool=256"]
   # 'cond' decodes resident's tokens (test_exactness); 'speculate' must decode cond's.
   cond = run_engine(ula + ["kernels.fast_path_mode=cond", "engine.pack_state=false"], reqs)
-  spec = run_engine(ula + ["kernels.fast_path_mode=speculate", "engine.pack_state=true",
-                          f"kernels.resolve_fast_path={fallback == 'cond'}"], reqs)
-  assert [r.output_tokens for r in spec.requests] == [r.output_tokens for r in cond.requests]
-  totals = _totals(spec)
-  tried, redone = totals.pop("total_spec_steps"), totals.pop("total_spec_redone")
-  assert totals == _totals(cond) and totals["total_evictions"] > 0
-  assert 0 < redone < tried  # some ranks kept their speculative step, some ran it again
-  assert spec.capacity == cond.capacity
+  for fallback in ("cond", "full"):
+    spec = run_engine(ula + ["kernels.fast_path_mode=speculate", "engine.pack_state=true",
+                            f"kernels.resolve_fast_path={fallback == 'cond'}"], reqs)
+    assert ([r.output_tokens for r in spec.requests]
+            == [r.output_tokens for r in cond.requests]), fallback
+    totals = _totals(spec)
+    tried, redone = totals.pop("total_spec_steps"), totals.pop("total_spec_redone")
+    assert totals == _totals(cond) and totals["total_evictions"] > 0, fallback
+    assert 0 < redone < tried, fallback  # some ranks kept their speculative step, some redid it
+    assert spec.capacity == cond.capacity, fallback
 
 
 def test_no_decode_program_has_a_conditional_with_the_full_fallback():
