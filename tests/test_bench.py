@@ -221,3 +221,13 @@ def test_summary_keeps_the_best_configuration_of_each_implementation(tmp_path, c
   out = capsys.readouterr().out
   assert "fraction of a contiguous copy" in out and "none.json: missing" in out
   assert "pallas[h64]" in out  # labels with brackets are printed, not read as markup
+
+
+def test_environment_records_xla_flags_where_set(monkeypatch):
+  from ula_jax.bench.common import environment
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  assert "xla_flags" not in environment()
+  monkeypatch.setenv("XLA_FLAGS", " --xla_gpu_enable_command_buffer=+CONDITIONAL ")
+  env = environment()
+  assert env["xla_flags"] == "--xla_gpu_enable_command_buffer=+CONDITIONAL"
+  assert {"backend", "device", "jax", "python", "date"} <= set(env)

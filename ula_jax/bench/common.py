@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import pathlib
 import platform
 import time
@@ -112,11 +113,16 @@ def best_and_median(times: Sequence[float]) -> tuple[float | None, float | None]
 
 
 def environment() -> dict:
-  """Where and when a benchmark ran: backend, device, jax and Python versions, UTC date."""
+  """Where and when a benchmark ran: backend, device, jax and Python versions, UTC date,
+  and ``XLA_FLAGS`` where set (they can change what is measured)."""
   dev = jax.devices()[0]
-  return {"backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
-          "jax": jax.__version__, "python": platform.python_version(),
-          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+  env = {"backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
+         "jax": jax.__version__, "python": platform.python_version(),
+         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+  flags = os.environ.get("XLA_FLAGS", "").strip()
+  if flags:
+    env["xla_flags"] = flags
+  return env
 
 
 def write_json(path: str | pathlib.Path, payload: dict) -> pathlib.Path:
