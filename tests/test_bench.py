@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ula_jax.bench import attention, fetch, summary
-from ula_jax.bench.common import best_and_median, parse_list, parse_sizes
+from ula_jax.bench.common import best_and_median, environment, parse_list, parse_sizes
 from ula_jax.kernels.fetch import evict_rows, fetch_rows
 from ula_jax.kernels.sparse_attention.pallas import AttentionConfig
 
@@ -224,7 +224,6 @@ def test_summary_keeps_the_best_configuration_of_each_implementation(tmp_path, c
 
 
 def test_environment_records_xla_flags_where_set(monkeypatch):
-  from ula_jax.bench.common import environment
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   assert "xla_flags" not in environment()
   monkeypatch.setenv("XLA_FLAGS", " --xla_gpu_enable_command_buffer=+CONDITIONAL ")
