@@ -293,7 +293,15 @@ def test_summed_bits_count_the_positions_only_when_distinct(positions, tops):
   """The fast path's distinctness check: bits of n positions summed into words (a
   scatter-add) have n set bits exactly when the positions are distinct, carries past a
   word's top bit included."""
-  pos = np.array(positions + tops, np.int32)
-  words = bitmap.words_of(96, jnp.asarray(pos), jnp.ones(pos.shape, bool), distinct=True)
-  ones = int(jnp.sum(jax.lax.population_count(words)))
-  assert (ones == len(pos)) == (len(set(pos.tolist())) == len(pos))
+  pos = positions + tops
+  n = len(pos)
+  padded = np.full(46, -1, np.int32)  # one shape for every example: one compile
+  padded[:n] = pos
+  ones = int(_summed_bits(jnp.asarray(padded), jnp.arange(46) < n))
+  assert (ones == n) == (len(set(pos)) == n)
+
+
+@jax.jit
+def _summed_bits(pos, valid):
+  words = bitmap.words_of(96, pos, valid, distinct=True)
+  return jnp.sum(jax.lax.population_count(words))
