@@ -14,6 +14,11 @@ system under ``DIR/<system>``) and adds, per full-batch decode step, the device'
 operations, its busy time and the host's waits on the device (``bench/profile.py``): a
 step whose wall time is far above its device-busy time is bound by launches and host
 round trips.
+
+With ``engine.steps_per_dispatch = N > 1`` an engine step is one dispatch of N decode
+steps; a decode step's time is then a full dispatch's (every row decoding all N steps)
+divided by N, so the ratios compare per-step costs at any N (``steps_per_dispatch`` in
+the JSON).
 """
 
 from __future__ import annotations
@@ -46,22 +51,31 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
   reqs = same_length_requests(batch * dp, prompt, output, base.model.vocab_size, seed)
   rows = {}
   for system in systems:
-    cfg = load_config(config, list(overrides) + [
-        f"memory.system={system}", f"memory.device_pool={pool}", "memory.host_pool=0",
+    sized = lambda p: load_config(config, list(overrides) + [
+        f"memory.system={system}", f"memory.device_pool={p}", "memory.host_pool=0",
         f"engine.max_batch={batch}", f"engine.max_context={context}",
         f"engine.prefill_chunk={prompt}", "engine.progress=false"])
+    cfg = sized(pool)
+    if system == "hisparse":  # its per-request buffers must fit the device pool too
+      need = batch * (cfg.memory.hisparse.device_buffer_size + 1)
+      cfg = sized(need) if need > pool else cfg
     engine = Engine(cfg, mesh, max_context=context)
+    n = cfg.engine.steps_per_dispatch
     engine.run(reqs)  # compiles
     res = engine.run(reqs)
-    # decode_time_s times the decode part alone, also in steps that prefilled too.
-    full = [m for m in res.steps if m.running == batch * dp]
+    # decode_time_s times the decode part alone, also in steps that prefilled too; with
+    # N steps per dispatch, only dispatches in which every row decoded all N steps.
+    full = [m for m in res.steps
+            if m.running == batch * dp and m.decode_tokens == m.running * n]
     if not full:
       raise RuntimeError(f"{system}: no step decoded the whole batch; raise --output above "
-                         f"{batch} (one request is prefilled per rank and step)")
+                         f"{batch} (one request is prefilled per rank and step)"
+                         + (f" plus 2 x {n} (engine.steps_per_dispatch)" if n > 1 else ""))
     misses = sum(m.extra.get("misses", 0) for m in full)
-    times = [m.decode_time_s for m in full]
-    rows[system] = {"median_step_s": statistics.median(times), "steps": len(full),
-                    "misses": misses, "kernels": res.summary["kernels"],
+    times = [m.decode_time_s / n for m in full]
+    rows[system] = {"median_step_s": statistics.median(times), "steps": len(full) * n,
+                    "steps_per_dispatch": n, "misses": misses,
+                    "kernels": res.summary["kernels"],
                     "tokens": [r.output_tokens for r in res.requests]}
     if profile:
       rows[system]["profile"] = _profile(engine, reqs, f"{profile}/{system}", batch * dp)
@@ -120,7 +134,9 @@ def main(argv: list[str]) -> int:
                "tokens = resident"], rows, left=["system"])
   prof = [(s, r["profile"]) for s, r in out["systems"].items() if r.get("profile")]
   if prof:
-    print_table("per full-batch decode step, under the profiler (medians)",
+    n = next(iter(out["systems"].values()))["steps_per_dispatch"]
+    print_table("per full-batch decode " + (f"dispatch ({n} steps)" if n > 1 else "step")
+                + ", under the profiler (medians)",
                 ["system", "wall (ms)", "device busy (ms)", "device ops", "memcpy",
                  "host waits"],
                 [[s, fmt(r["wall_us"] / 1e3, 3), fmt(r["device_busy_us"] / 1e3, 3),

@@ -1,0 +1,41 @@
+"""``ula-jax bench step_cost``: an all-hit decode step of each memory system against
+``resident``'s, on the same model, mesh and requests, one step or several per dispatch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ula_jax.bench import step_cost
+
+TINY = ["model=tiny", "mesh.platform=cpu", "mesh.dp=2"]
+
+
+def test_all_hit_step_of_each_system_against_resident(tmp_path, capsys):
+  # Three decode steps per dispatch: a step's time is a full dispatch's over three (one
+  # step per dispatch, the default, is the same code with N = 1).
+  per_dispatch = 3
+  out = tmp_path / "step_cost.json"
+  rc = step_cost.main(["--systems", "resident,ula,hisparse", "--batch", "2", "--prompt", "40",
+                       "--output", "16", "--json", str(out), *TINY,
+                       f"engine.steps_per_dispatch={per_dispatch}"])
+  assert rc == 0
+  res = json.loads(out.read_text())
+  assert res["batch_per_rank"] == 2 and res["dp"] == 2
+  systems = res["systems"]
+  assert systems["resident"]["ratio_to_resident"] == 1.0
+  for name, row in systems.items():
+    assert row["steps_per_dispatch"] == per_dispatch
+    assert row["steps"] > 0 and row["steps"] % per_dispatch == 0, name
+    assert row["median_step_s"] > 0 and row["tokens_equal_resident"] is True, name
+    assert row["ratio_to_resident"] == pytest.approx(
+        row["median_step_s"] / systems["resident"]["median_step_s"])
+  # The pool holds every entry: ula never misses.
+  assert systems["ula"]["misses"] == 0
+  assert "decode step, every selection hits" in capsys.readouterr().out
+
+
+def test_resident_is_required():
+  with pytest.raises(SystemExit):
+    step_cost.main(["--systems", "ula", *TINY])
