@@ -77,6 +77,42 @@ def test_throughput(out):
   assert "ula DP peak / HiSparse peak" in anchors(res)
 
 
+def test_throughput_reuses_the_systems_of_earlier_runs(out, tmp_path):
+  res = result("throughput", out)
+  src = out / "throughput"
+  systems = res["data"]["serving"]["systems"]
+
+  def run(*overrides):
+    _, run_dir = experiments.run("throughput", "cpu", list(overrides),
+                                 out=tmp_path / str(len(list(tmp_path.iterdir()))),
+                                 progress=False, log=lambda line: None)
+    return json.loads((run_dir / "results.json").read_text())
+
+  # Every system from the earlier run: the same entries, each marked with where and on
+  # which machine it was measured.
+  again = run(f"reuse=[{src}]")["data"]["serving"]["systems"]
+  for name, e in systems.items():
+    assert again[name]["reused_from"] == str(src)
+    assert again[name]["reused_environment"] == res["environment"]
+    assert {k: v for k, v in again[name].items() if not k.startswith("reused_")} == e
+  # A system the earlier run lacks is measured; the others are taken from it.
+  part = tmp_path / "part"
+  part.mkdir()
+  lacking = dict(res, data=dict(res["data"], serving=dict(
+      res["data"]["serving"], systems={n: e for n, e in systems.items() if n != "ula_dp"})))
+  (part / "results.json").write_text(json.dumps(lacking))
+  mixed = run(f"reuse=[{part}]")["data"]["serving"]["systems"]
+  assert "reused_from" not in mixed["ula_dp"]
+  assert mixed["ula_dp"]["capacity"] == systems["ula_dp"]["capacity"]
+  assert all(mixed[n]["reused_from"] == str(part) for n in systems if n != "ula_dp")
+  # Points measured with other parameters are refused, naming what differs.
+  with pytest.raises(ConfigError, match=r"reuse\[0\].*context=256 there, 512 here"):
+    experiments.load_params(experiments.get("throughput"), "cpu",
+                            ["context=512", f"reuse=[{src}]"])
+  with pytest.raises(ConfigError, match=r"reuse\[0\].*no results.json"):
+    experiments.load_params(experiments.get("throughput"), "cpu", [f"reuse=[{tmp_path}]"])
+
+
 def test_latency(out):
   res = result("latency", out)
   points = res["data"]["points"]

@@ -15,9 +15,11 @@ concurrency, the same-batch step time is unchanged.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ula_jax.experiments.base import (AnchorPoint, Check, Context, Experiment, Outcome,
                                       anchor_panel)
@@ -38,6 +40,42 @@ class ThroughputParams(ServingParams):
       "measured) or the model's own prefill")
   prefill_chunk: int | None = Field(
       None, ge=1, description="engine.prefill_chunk (default: a whole prompt per step)")
+  reuse: list[str] = Field(
+      default_factory=list, description="earlier throughput run directories, run with the "
+      "same parameters but systems and reuse: their systems' capacities and points are "
+      "taken as measured instead of measuring them again (one experiment over several "
+      "time-limited calls: systems=[a] in one, systems=[a,b] reuse=[DIR] in the next)")
+
+  @model_validator(mode="after")
+  def _reusable(self) -> ThroughputParams:
+    ours = _comparable(self.model_dump(mode="json"))
+    for i, d in enumerate(self.reuse):
+      res = _reused_results(i, d)
+      theirs = _comparable(res.get("params", {}))
+      diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+      if diff:
+        raise ValueError(f"reuse[{i}]={d!r} was run with other parameters: " + "; ".join(
+            f"{k}={theirs.get(k)!r} there, {ours.get(k)!r} here" for k in diff))
+    return self
+
+
+def _comparable(params: dict) -> dict:
+  """The parameters two runs must share for one's points to stand in the other's."""
+  return {k: v for k, v in params.items() if k not in ("systems", "reuse")}
+
+
+def _reused_results(i: int, d: str) -> dict:
+  path = Path(d) / "results.json"
+  if not path.is_file():
+    raise ValueError(f"reuse[{i}]={d!r}: no results.json there (a throughput run directory)")
+  try:
+    res = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"reuse[{i}]={d!r}: results.json is not JSON ({e})") from None
+  if res.get("experiment") != "throughput" or "serving" not in res.get("data", {}):
+    raise ValueError(f"reuse[{i}]={d!r}: not a throughput run (experiment "
+                     f"{res.get('experiment')!r})")
+  return res
 
 
 def measure(p: ThroughputParams, ctx: Context) -> dict:
@@ -54,7 +92,21 @@ def measure(p: ThroughputParams, ctx: Context) -> dict:
   result = {"devices": p.devices, "context": p.context, "model": base.model.preset,
             "top_k": base.model.index_topk, "device_budget": str(p.device_budget),
             "host_budget": str(p.host_budget), "systems": {}}
+  reused = {}  # system -> its entry from the first reuse directory that has it
+  for i, d in enumerate(p.reuse):
+    res = _reused_results(i, d)
+    for name, e in res["data"]["serving"]["systems"].items():
+      if name in p.systems and name not in reused:
+        # Where and when it was measured: the machine, date and versions of that run
+        # (an entry that run itself reused keeps its own).
+        reused[name] = {"reused_from": str(d), "reused_environment": res.get("environment"),
+                        **e}
   for name, s in setups(p, base.model.index_topk).items():
+    if name in reused:
+      entry = result["systems"][name] = reused[name]
+      d = entry["reused_from"]
+      ctx.log(f"  {name:12s} capacity and {len(entry['points'])} points from {d}")
+      continue
     cap = serving.capacity(args, s)
     entry = {"dp": s.dp, "tp": s.tp, "overrides": list(s.overrides), "capacity": cap,
              "points": []}
@@ -118,6 +170,8 @@ def run(p: ThroughputParams, ctx: Context) -> Outcome:
     anchor_panel(ax2, anchor)
 
   notes = [f"{n}: capacity limited by {e['capacity']['limit']}" for n, e in systems.items()]
+  notes += [f"{n}: measured in {e['reused_from']} (reuse)" for n, e in systems.items()
+            if e.get("reused_from")]
   return Outcome(title=f"decode tokens/s against running batch, context {p.context}",
                  columns=["system", "dp x tp", "capacity", "batch", "tokens/s", "ms / step",
                           "admitted", "peak", "error"],
