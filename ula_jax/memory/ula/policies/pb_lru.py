@@ -70,28 +70,31 @@ class PbLru(Policy):
     every bucket and sets them in the current one, so the current bucket ends as
     ``(cur | a) & ~b | b = cur | a | b`` and every other loses ``a | b``.
     """
-    keep = ~m
-    ring0 = st.ring[0] & keep[None]
-    ring0 = ring0.at[st.cur].set(ring0[st.cur] | m)
-    return st.replace(free=bitmap.summarize(st.free[0] & keep),
-                      cold=bitmap.summarize(st.cold[0] & keep),
-                      ring=bitmap.summarize(ring0))
+    return self._touch_into(st, m, st.cur, st.cold[0], st.ring[0])
 
   def round_touch_words(self, st: PbLruState, m: jax.Array) -> PbLruState:
     """``begin_round`` and then ``touch_words(m)`` in one pass over every bitmap.
 
-    The bucket the round lands on is merged into cold and then holds exactly ``m``; cold,
-    free and the other buckets lose ``m``'s bits (``R = 1`` included: the one bucket is
-    also the one it lands on).
+    The bucket the round lands on is merged into cold and emptied, then takes ``m``;
+    cold, free and the other buckets lose ``m``'s bits (``R = 1`` included: the one
+    bucket is also the one it lands on).
     """
     nxt = ((st.cur + 1) % self.buckets).astype(jnp.int32)
-    keep = ~m
     ring0 = st.ring[0]
-    lands = (jnp.arange(self.buckets) == nxt)[:, None]
+    emptied = jnp.where((jnp.arange(self.buckets) == nxt)[:, None], jnp.uint32(0), ring0)
+    return self._touch_into(st, m, nxt, st.cold[0] | ring0[nxt], emptied)
+
+  def _touch_into(self, st: PbLruState, m: jax.Array, cur: jax.Array, cold0: jax.Array,
+                  ring0: jax.Array) -> PbLruState:
+    """The state whose current bucket is ``cur`` and whose level-0 cold and ring words
+    are ``cold0`` and ``ring0``, after ``m``'s slots moved into bucket ``cur`` (every
+    level rebuilt from level 0)."""
+    keep = ~m
+    lands = (jnp.arange(self.buckets) == cur)[:, None]
+    ring = jnp.where(lands, ring0 | m[None], ring0 & keep[None])
     return st.replace(free=bitmap.summarize(st.free[0] & keep),
-                      cold=bitmap.summarize((st.cold[0] | ring0[nxt]) & keep),
-                      ring=bitmap.summarize(jnp.where(lands, m[None], ring0 & keep[None])),
-                      cur=nxt)
+                      cold=bitmap.summarize(cold0 & keep), ring=bitmap.summarize(ring),
+                      cur=jnp.asarray(cur, jnp.int32))
 
   def release(self, st: PbLruState, slots: jax.Array, valid: jax.Array) -> PbLruState:
     m = bitmap.words_of(self.num_slots, slots, valid, distinct=False)
