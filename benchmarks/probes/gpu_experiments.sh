@@ -11,8 +11,9 @@
 # 540; a run stopped by it writes no directory), TIME_LIMIT_S (the whole script's,
 # default 570), LOG_LEVEL (ula-jax --log-level, default info: capacities and each serving
 # point's engine steps in the logs as they happen). Under $OUT: NAME[_TAG].tgz
-# (figure.png, table.md, results.json, params.yaml) and logs.tgz (each run's output, steps.txt): at most seven runs per call,
-# since 8 files come back from a device call. A throughput run unpacked into the working
+# (figure.png, table.md, results.json, params.yaml) and logs.tgz (each run's output,
+# steps.txt): at most seven runs per call, since 8 files come back from a device call.
+# A throughput run unpacked into the working
 # tree (e.g. results/experiments/throughput-gpu-a/) travels with the next call, where
 # ARGS_x="reuse=[results/experiments/throughput-gpu-a]" takes its systems as measured:
 # one experiment over several calls.

@@ -19,10 +19,10 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
-from ula_jax.experiments.base import (AnchorPoint, Check, Context, Experiment, Outcome,
-                                      anchor_panel)
+from ula_jax.experiments.base import (RESULTS, AnchorPoint, Check, Context, Experiment,
+                                      Outcome, anchor_panel)
 from ula_jax.experiments.common import LABELS, ServingParams, serving_args
 
 ANCHOR_DP, ANCHOR_TP = 1.16, 1.70
@@ -46,11 +46,14 @@ class ThroughputParams(ServingParams):
       "taken as measured instead of measuring them again (one experiment over several "
       "time-limited calls: systems=[a] in one, systems=[a,b] reuse=[DIR] in the next)")
 
+  # Each ``reuse`` directory's results.json, read once when the parameters are checked.
+  _reused: list[dict] = PrivateAttr(default_factory=list)
+
   @model_validator(mode="after")
   def _reusable(self) -> ThroughputParams:
     ours = _comparable(self.model_dump(mode="json"))
-    for i, d in enumerate(self.reuse):
-      res = _reused_results(i, d)
+    self._reused = [_reused_results(i, d) for i, d in enumerate(self.reuse)]
+    for i, (d, res) in enumerate(zip(self.reuse, self._reused)):
       theirs = _comparable(res.get("params", {}))
       diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
       if diff:
@@ -65,13 +68,13 @@ def _comparable(params: dict) -> dict:
 
 
 def _reused_results(i: int, d: str) -> dict:
-  path = Path(d) / "results.json"
+  path = Path(d) / RESULTS
   if not path.is_file():
-    raise ValueError(f"reuse[{i}]={d!r}: no results.json there (a throughput run directory)")
+    raise ValueError(f"reuse[{i}]={d!r}: no {RESULTS} there (a throughput run directory)")
   try:
     res = json.loads(path.read_text())
   except json.JSONDecodeError as e:
-    raise ValueError(f"reuse[{i}]={d!r}: results.json is not JSON ({e})") from None
+    raise ValueError(f"reuse[{i}]={d!r}: {RESULTS} is not JSON ({e})") from None
   if res.get("experiment") != "throughput" or "serving" not in res.get("data", {}):
     raise ValueError(f"reuse[{i}]={d!r}: not a throughput run (experiment "
                      f"{res.get('experiment')!r})")
@@ -93,8 +96,7 @@ def measure(p: ThroughputParams, ctx: Context) -> dict:
             "top_k": base.model.index_topk, "device_budget": str(p.device_budget),
             "host_budget": str(p.host_budget), "systems": {}}
   reused = {}  # system -> its entry from the first reuse directory that has it
-  for i, d in enumerate(p.reuse):
-    res = _reused_results(i, d)
+  for d, res in zip(p.reuse, p._reused):
     for name, e in res["data"]["serving"]["systems"].items():
       if name in p.systems and name not in reused:
         # Where and when it was measured: the machine, date and versions of that run
