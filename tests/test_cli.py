@@ -80,9 +80,11 @@ def test_log_level_adds_timed_lines_to_the_package_logger(capsys):
     configure_logging("warning")  # the default leaves the package's logger alone
     assert (list(log.handlers), log.level) == before
     configure_logging("info")
+    configure_logging("info")  # a second call adds no second handler
     logging.getLogger("ula_jax.bench.serving").info("ula_dp: capacity 29 requests")
-    assert re.search(r"^\d\d:\d\d:\d\d ula_dp: capacity 29 requests$",
-                     capsys.readouterr().err, re.M)
+    err = capsys.readouterr().err
+    assert re.search(r"^\d\d:\d\d:\d\d ula_dp: capacity 29 requests$", err, re.M)
+    assert err.count("capacity 29 requests") == 1
   finally:
     log.handlers[:], log.level = before[0], before[1]
 

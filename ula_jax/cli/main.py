@@ -411,9 +411,11 @@ def configure_logging(level: str) -> None:
   if level == "warning":
     return
   log = logging.getLogger("ula_jax")
-  handler = logging.StreamHandler(sys.stderr)
-  handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-  log.addHandler(handler)
+  if not any(h.get_name() == "ula_jax.cli" for h in log.handlers):  # once per process
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name("ula_jax.cli")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    log.addHandler(handler)
   log.setLevel(logging.INFO if level == "info" else logging.DEBUG)
 
 
