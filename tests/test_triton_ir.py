@@ -95,12 +95,13 @@ def test_kernel_report_benchmark(tmp_path):
 def test_resolve_report_keeps_the_one_launch_resident():
   """The one-launch resolve's grid barriers need every program resident at once: its
   compiled registers and shared memory must allow the programs per SM that
-  ``kernels.resolve=pallas_fused`` launches (``FUSED_CONFIG``: three, at most 168
-  registers per thread; 168 at this size, as at batch 64-128 over 1M slots)."""
+  ``kernels.resolve=pallas_fused`` launches (``FUSED_CONFIG``: two of 4 warps) with
+  memory.pb_lru_buckets's default ring (32). A launch with more programs than fit never
+  passes its first barrier: the GPU hangs."""
   (row,) = kernel_report.resolve_reports(16, 256, 8192, fuse=True, num_sms=4)
   assert row["kernel"] == "ula_resolve_fused" and row["num_warps"] == 4
-  assert row["config"] == "pool 8192 fused" and 0 < row["registers"] <= 168
-  assert FUSED_CONFIG.resident_per_sm() == 3
+  assert row["config"] == "pool 8192 fused" and 0 < row["registers"] <= 255
+  assert FUSED_CONFIG.resident_per_sm() == 2
   assert row["programs_per_sm"] >= FUSED_CONFIG.resident_per_sm()
 
 

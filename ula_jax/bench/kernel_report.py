@@ -78,16 +78,21 @@ def report(B: int, H: int, k: int, Dl: int, Dr: int, token: str) -> dict[str, An
               splits=cost.splits, block_k=config.block_k)
 
 
-def resolve_reports(B: int, k: int, pool: int, fuse: bool,
-                    num_sms: int = 132) -> list[dict[str, Any]]:
+def resolve_reports(B: int, k: int, pool: int, fuse: bool, num_sms: int = 132,
+                    buckets: int | None = None) -> list[dict[str, Any]]:
   """Rows for every kernel of the Pallas PB-LRU resolve of one layer group: ``B``
   requests of top-k ``k`` over a ``pool``-slot device pool (the resolve benchmark's
-  system), four launches or one (with the programs a GPU of ``num_sms`` SMs keeps
-  resident)."""
+  system) with ``buckets`` recent buckets (None: ``memory.pb_lru_buckets``'s default),
+  four launches or one (with the programs a GPU of ``num_sms`` SMs keeps resident)."""
   from ula_jax.bench.resolve import Setup, build_system
   from ula_jax.memory.ula.resolve.pallas import FUSED_CONFIG, ResolveConfig, resolve_group_pallas
 
-  system = build_system(Setup(pool=pool, batch=B, k=k, buckets=4, steps_total=8), "pb_lru")
+  from ula_jax.config.schema import MemoryConfig
+
+  if buckets is None:
+    buckets = MemoryConfig.model_fields["pb_lru_buckets"].default
+  system = build_system(Setup(pool=pool, batch=B, k=k, buckets=buckets, steps_total=8),
+                        "pb_lru")
   config = FUSED_CONFIG if fuse else ResolveConfig()  # what kernels.resolve launches
   # Lowered without the GPU: no device to count SMs on, so the count is given.
   programs = num_sms * config.resident_per_sm() if fuse else None

@@ -362,8 +362,8 @@ def _pallas_configs(args) -> list[tuple[str, ResolveConfig]]:
     for e, p, w in blocks:
       per_sm = args.pallas_per_sm
       if per_sm is None and (e, p, w) == (base.block_elems, base.block_place, base.num_warps):
-        # FUSED_CONFIG's three per SM hold for the registers its own blocks compile to;
-        # other blocks keep None, the residency that holds at any register count.
+        # FUSED_CONFIG's residency per SM goes with its own blocks; other blocks keep
+        # None, the residency that holds at any register count.
         per_sm = base.per_sm
       tags = ([f"e{e},p{p},w{w}"] if len(blocks) > 1 else []) + (["fused"] if f else [])
       label = f"pallas[{','.join(tags)}]" if tags else "pallas"

@@ -22,14 +22,16 @@ launches (grid-wide results need a launch boundary; Triton has no grid barrier):
 
 1. ``ula_resolve_mark`` (one lane per selected entry): table lookup, hit/miss bits,
    miss addresses, new-token dedupe, cleared host owners of misses, counts.
-2. ``ula_resolve_round`` (one program per 1024 bitmap words): PB-LRU ``begin_round``
-   and the hits' touch on every bucket, ``host_free | missed host slots``, and the
-   count pyramids of the victim lists, the host free slots and the miss addresses.
+2. ``ula_resolve_round`` (one program per 1024 words of each bitmap; every PB-LRU ring
+   bucket has its own programs): PB-LRU ``begin_round`` and the hits' touch on every
+   bucket, ``host_free | missed host slots``, and the count pyramids of the victim
+   lists, the host free slots and the miss addresses.
 3. ``ula_resolve_place`` (one lane per entry to place, from a list launch 1 builds, so
    its work follows the misses, not ``M``): rank, candidate, victim and its host slot,
    table / owner updates, fetch and evict lists.
-4. ``ula_resolve_publish`` (both kinds of programs): the placed slots' touch, summary
-   levels of every bitmap, each selected entry's slot, the unused tails of the plan.
+4. ``ula_resolve_publish`` (both kinds of programs; again one per list and block of
+   words): the placed slots' touch, summary levels of every bitmap, each selected
+   entry's slot, the unused tails of the plan.
 
 Plus one XLA fill that zeroes the kernels' scratch buffer. With ``memory.policy=lru``
 the pick (the ``n`` oldest of all slots, an ``O(S)`` ranking) is XLA's ``top_k``
@@ -37,7 +39,7 @@ between launches 2 and 3, as in the jnp resolve; every other stage is the same.
 
 ``kernels.resolve=pallas_fused`` runs PB-LRU's four stages in one launch,
 ``ula_resolve_fused``, with ``FUSED_CONFIG``: a grid of persistent programs, all resident
-at once (three per SM, which its 168 registers per thread allow), takes each stage's
+at once (two of 4 warps per SM, which fit at any register count), takes each stage's
 blocks in turn (block ``v`` by program ``v mod programs``) and meets at a grid barrier
 between stages: every program counts its arrival in a zeroed scratch word and polls it
 until all have arrived. The stages' code is the launches' code; only who runs which
@@ -99,9 +101,11 @@ class ResolveConfig:
   per_sm:      programs of the fused launch resident per SM (None: 8 / num_warps, which
                holds at any register count). More is only safe when the compiled kernel
                allows it (64K registers per SM: 3 programs of 4 warps at <= 168 registers
-               per thread, which the fused launch compiles to with ``block_elems=128``;
-               ``ula-jax bench kernel_report`` shows both); a launch that is not all
-               resident never passes its first grid barrier
+               per thread; ``ula-jax bench kernel_report`` shows the count), and the
+               count follows the shapes and the PB-LRU ring (the fused launch compiles
+               to 168 at batch 64, top-k 2048, 512K slots and 218 at batch 16, top-k
+               256, 8K slots); a launch that is not all resident never passes its first
+               grid barrier: the GPU hangs
 
   The defaults are ``kernels.resolve=pallas``, the fastest of sweeps on an H200 (1M-slot
   pool, batch 32 and 64, k 2048): the place launch is bound by the latency of each
@@ -139,11 +143,11 @@ class ResolveConfig:
     return self.per_sm or max(1, 8 // self.num_warps)
 
 
-# The one launch as measured fastest on an H200 (docs/kernels/resolve.md): 128-entry mark
-# blocks compile to 168 registers per thread instead of 250, so three programs of 4 warps
-# fit on an SM instead of two, and 8-entry place blocks spread the place stage over them
-# (batch 64, 1M slots, cold cache: 43.7-46.8 us per launch against 50.0-51.6).
-FUSED_CONFIG = ResolveConfig(fuse=True, block_elems=128, block_place=8, per_sm=3)
+# The one launch (docs/kernels/resolve.md): 128-entry mark blocks and 8-entry place blocks
+# spread the stages over the programs; two programs of 4 warps per SM, resident whatever
+# the registers the shapes compile to (three, measured faster with a ring of 4 buckets,
+# needs <= 168 per thread, which some shapes exceed).
+FUSED_CONFIG = ResolveConfig(fuse=True, block_elems=128, block_place=8)
 
 
 def fused_programs(config: ResolveConfig, interpret: bool,
@@ -234,7 +238,8 @@ class _Geometry:
   config: ResolveConfig
   programs: int = 1  # persistent programs of the fused launch
   # scratch layout
-  hits_off: int = 0  # [W0(Sd)] hit bits (launches 1-2), then placed bits (3-4)
+  hits_off: int = 0  # [W0(Sd)] hit bits (launches 1-2)
+  placed_off: int = 0  # [W0(Sd)] placed bits (launches 3-4)
   host_off: int = 0  # [W0(Hr)] missed host slots (1-2), then used host slots (3-4)
   addr_off: int = 0  # [W0(N)] miss addresses (1-3)
   sync_off: int = 0  # [_BARRIERS] arrivals at the fused launch's grid barriers
@@ -248,6 +253,7 @@ class _Geometry:
     sync_off = _TOT_POLICY + (R + 2 if policy == "pb_lru" else 0)
     off = sync_off + _BARRIERS
     hits_off, off = off, off + bitmap.num_words(Sd)
+    placed_off, off = off, off + bitmap.num_words(Sd)
     host_off, off = off, off + bitmap.num_words(Hr)
     addr_off, off = off, off + bitmap.num_words(N)
 
@@ -264,7 +270,8 @@ class _Geometry:
     host = pyramid(Hr, 1)
     addr = pyramid(N, 1)
     return cls(B=B, k=k, N=N, Sd=Sd, Hr=Hr, R=R, policy=policy, config=config,
-               programs=programs, hits_off=hits_off, host_off=host_off, addr_off=addr_off,
+               programs=programs, hits_off=hits_off, placed_off=placed_off,
+               host_off=host_off, addr_off=addr_off,
                sync_off=sync_off, scratch_size=off,
                pol=pol, host=host, addr=addr)
 
@@ -279,6 +286,19 @@ class _Geometry:
   @property
   def Bp(self) -> int:
     return _pow2(self.B)
+
+  @property
+  def round_units(self) -> int:
+    """Virtual programs of the round stage over the policy bitmaps: per block of words,
+    one per ring bucket and one for the free list (PB-LRU; 0 for exact LRU). Every
+    bitmap's tile has a program of its own, so the ring's buckets run side by side."""
+    return self.pol.blocks * (self.R + 1) if self.policy == "pb_lru" else 0
+
+  @property
+  def publish_units(self) -> int:
+    """Virtual programs of the publish stage over the policy bitmaps: per block of
+    words, one per list (free, cold, every ring bucket)."""
+    return self.pol.blocks * (self.R + 2) if self.policy == "pb_lru" else 0
 
   def elem_programs(self, block: int) -> tuple[int, int]:
     """(programs over the selection, programs over the new tokens)."""
@@ -592,39 +612,48 @@ def _round_kernel(r: dict, g: _Geometry, interpret: bool, pid=None) -> None:
   #    free{t}, cold{t}, ring{t} for t >= 3, zeroed); written: (pb_lru: cur1 [1])
   pid = pl.program_id(0) if pid is None else pid
   work = r["work"]
-  n_pol = g.pol.blocks if g.policy == "pb_lru" else 0
+  n_pol = g.round_units
   n_host = g.host.blocks
 
   if g.policy == "pb_lru":
-    W0, R = g.pol.sizes[0], g.R
+    W0, R, nb = g.pol.sizes[0], g.R, g.pol.blocks
 
+    # Virtual program pid < n_pol: words block blk of ring bucket q (q = R: the free
+    # list). Each reads the hit bits and writes its own bitmap; the next bucket's
+    # program also moves the bucket's old bits to cold.
     @pl.when(pid < n_pol)
     def _():
-      idx = _tile(pid)
+      blk, q = pid % nb, pid // nb
+      idx = _tile(blk)
       m = idx < W0
       nxt = jax.lax.rem(_get(r["cur"], 0) + 1, jnp.int32(R))
       zero = jnp.uint32(0)
-      free = _ld(r["free0"], idx, m, zero)
-      cold = _ld(r["cold0"], idx, m, zero)
-      ring = [_ld(r["ring0"], q * W0 + idx, m, zero) for q in range(R)]
       hits = _ld(work, g.hits_off + idx, m, 0).astype(_U32)
-      _add_scalar(work, _N_HIT, jnp.sum(_popcount(hits)), interpret=interpret)
+      keep = ~hits
+
+      @pl.when(q == R)
+      def _():
+        _add_scalar(work, _N_HIT, jnp.sum(_popcount(hits)), interpret=interpret)
+        free = _ld(r["free0"], idx, m, zero) & keep
+        _st(r["free0"], idx, free, m)
+        _block_counts(free, blk, g.pol, 0, work, _TOT_POLICY, interpret=interpret)
+
       # begin_round: the bucket after the current one joins cold and becomes current;
       # then the hits leave every bucket and join it.
-      ring_nxt = functools.reduce(
-          jnp.bitwise_or, [jnp.where(nxt == q, ring[q], zero) for q in range(R)])
-      keep = ~hits
-      free = free & keep
-      cold = (cold | ring_nxt) & keep
-      ring = [jnp.where(nxt == q, hits, ring[q] & keep) for q in range(R)]
-      _st(r["free0"], idx, free, m)
-      _st(r["cold0"], idx, cold, m)
-      for q in range(R):
-        _st(r["ring0"], q * W0 + idx, ring[q], m)
-      # The hit bits are spent: the place launch reuses the words for placed slots.
-      _st(work, g.hits_off + idx, jnp.zeros(idx.shape, _I32), m)
-      for b, words in enumerate([free, cold, *ring]):
-        _block_counts(words, pid, g.pol, b, work, _TOT_POLICY + b, interpret=interpret)
+      @pl.when(q < R)
+      def _():
+        ring = _ld(r["ring0"], q * W0 + idx, m, zero)
+
+        @pl.when(q == nxt)
+        def _():
+          cold = (_ld(r["cold0"], idx, m, zero) | ring) & keep
+          _st(r["cold0"], idx, cold, m)
+          _block_counts(cold, blk, g.pol, 1, work, _TOT_POLICY + 1, interpret=interpret)
+
+        ring = jnp.where(q == nxt, hits, ring & keep)
+        _st(r["ring0"], q * W0 + idx, ring, m)
+        _block_counts(ring, blk, g.pol, 2 + q, work, _TOT_POLICY + 2 + q,
+                      interpret=interpret)
 
   @pl.when((pid >= n_pol) & (pid < n_pol + n_host))
   def _():
@@ -763,7 +792,7 @@ def _place_kernel(r: dict, g: _Geometry, interpret: bool, pid=None) -> None:
     _st(r["evict_dst"], vi, h, victim)
     _atomic("or", work, g.host_off + (h >> 5), _bit(h), has_h, interpret=interpret)
     if g.policy == "pb_lru":
-      _atomic("or", work, g.hits_off + (s >> 5), _bit(s), placed, interpret=interpret)
+      _atomic("or", work, g.placed_off + (s >> 5), _bit(s), placed, interpret=interpret)
     else:
       _st(r["stamp"], s, jnp.full(s.shape, _get(r["clock1"], 0), _I32), placed)
     # Placed misses are the first misses by address: the i-th fetch is the i-th miss.
@@ -784,7 +813,7 @@ def _publish_kernel(r: dict, g: _Geometry, interpret: bool, pid=None) -> None:
   #    written: slots [BK], new_slot [B], hits, misses, n_fetch, n_evict [1]
   pid = pl.program_id(0) if pid is None else pid
   work = r["work"]
-  n_pol = g.pol.blocks if g.policy == "pb_lru" else 0
+  n_pol = g.publish_units
   n_host = g.host.blocks
   zero = jnp.uint32(0)
 
@@ -792,28 +821,33 @@ def _publish_kernel(r: dict, g: _Geometry, interpret: bool, pid=None) -> None:
     return [r[f"{name}{t}"] for t in range(1, top + 1)]
 
   if g.policy == "pb_lru":
-    W, R = g.pol.sizes, g.R
+    W, R, nb = g.pol.sizes, g.R, g.pol.blocks
 
+    # Virtual program pid < n_pol: words block blk of list b (0 free, 1 cold, 2 + q
+    # ring bucket q); the placed slots leave every list and join the current bucket.
     @pl.when(pid < n_pol)
     def _():
-      idx = _tile(pid)
+      blk, b = pid % nb, pid // nb
+      idx = _tile(blk)
       m = idx < W[0]
-      placed = _ld(work, g.hits_off + idx, m, 0).astype(_U32)
-      cur = _get(r["cur1"], 0)
+      placed = _ld(work, g.placed_off + idx, m, 0).astype(_U32)
       keep = ~placed
-      free = _ld(r["free0"], idx, m, zero) & keep
-      cold = _ld(r["cold0"], idx, m, zero) & keep
-      _st(r["free0"], idx, free, m)
-      _st(r["cold0"], idx, cold, m)
-      for name, words in (("free", free), ("cold", cold)):
-        _block_summaries(words, pid, levels(name, g.pol.top), [0] * g.pol.top, W[1:],
-                         interpret=interpret)
-      for q in range(R):
+      for name, which in (("free", 0), ("cold", 1)):
+        @pl.when(b == which)
+        def _():
+          words = _ld(r[f"{name}0"], idx, m, zero) & keep
+          _st(r[f"{name}0"], idx, words, m)
+          _block_summaries(words, blk, levels(name, g.pol.top), [0] * g.pol.top, W[1:],
+                           interpret=interpret)
+
+      @pl.when(b >= 2)
+      def _():
+        q = b - 2
         ring = _ld(r["ring0"], q * W[0] + idx, m, zero)
-        ring = jnp.where(cur == q, ring | placed, ring & keep)
+        ring = jnp.where(_get(r["cur1"], 0) == q, ring | placed, ring & keep)
         _st(r["ring0"], q * W[0] + idx, ring, m)
-        _block_summaries(ring, pid, levels("ring", g.pol.top),
-                         [q * w for w in W[1:]], W[1:], interpret=interpret)
+        _block_summaries(ring, blk, levels("ring", g.pol.top), [q * w for w in W[1:]],
+                         W[1:], interpret=interpret)
 
   @pl.when((pid >= n_pol) & (pid < n_pol + n_host))
   def _():
@@ -916,15 +950,15 @@ def _fused_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
   n_sel, n_new = g.elem_programs(g.config.block_elems)
   _each(n_sel + n_new, P, lambda v: _mark_kernel(r, g, interpret, pid=v))
   _grid_barrier(work, g.sync_off, P)
-  blocks = g.pol.blocks + g.host.blocks
-  _each(blocks + g.addr.blocks, P, lambda v: _round_kernel(r, g, interpret, pid=v))
+  _each(g.round_units + g.host.blocks + g.addr.blocks, P,
+        lambda v: _round_kernel(r, g, interpret, pid=v))
   _grid_barrier(work, g.sync_off + 1, P)
   # Virtual program 0 always runs (it writes the eviction count).
   C = g.config.block_place
   n_place = jnp.maximum((_get(work, _N_LISTED) + C - 1) // C, 1)
   _each(n_place, P, lambda v: _place_kernel(r, g, interpret, pid=v))
   _grid_barrier(work, g.sync_off + 2, P)
-  _each(blocks + _cdiv(g.M, g.config.block_elems), P,
+  _each(g.publish_units + g.host.blocks + _cdiv(g.M, g.config.block_elems), P,
         lambda v: _publish_kernel(r, g, interpret, pid=v))
 
 
@@ -1030,7 +1064,7 @@ def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geom
     upd.update({f"{n}{t}": pol[f"{n}{t}"] for n in ("free", "cold", "ring")
                 for t in (0, *range(3, g.pol.top + 1))})
     new["cur1"] = i32((1,))
-  blocks = (g.pol.blocks if pb_lru else 0) + g.host.blocks + g.addr.blocks
+  blocks = g.round_units + g.host.blocks + g.addr.blocks
   o2 = _launch(_round_kernel, g, name="ula_resolve_round", grid=blocks, inputs=ins,
                aliased=upd, fresh=new, interpret=interpret, poison=poison)
   host.update({n: o2[n] for n in host if n in o2})
@@ -1066,7 +1100,7 @@ def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geom
     upd.update(pol)
   new = {"slots": i32((g.BK,)), "new_slot": i32((B,)),
          **{n: i32((1,)) for n in ("hits", "misses", "n_fetch", "n_evict")}}
-  blocks = (g.pol.blocks if pb_lru else 0) + g.host.blocks
+  blocks = g.publish_units + g.host.blocks
   o4 = _launch(_publish_kernel, g, name="ula_resolve_publish",
                grid=blocks + _cdiv(M, g.config.block_elems), inputs=ins, aliased=upd,
                fresh=new, interpret=interpret, poison=poison)
