@@ -39,3 +39,13 @@ def test_all_hit_step_of_each_system_against_resident(tmp_path, capsys):
 def test_resident_is_required():
   with pytest.raises(SystemExit):
     step_cost.main(["--systems", "ula", *TINY])
+
+
+def test_too_few_output_tokens_for_a_full_dispatch_names_the_length_needed(tmp_path):
+  """With N steps per dispatch every engine step admits one request per rank and decodes
+  N tokens of each running one: the error names an output length that is enough."""
+  with pytest.raises(RuntimeError, match=r"raise --output to at least 9 \(\(--batch 2 \+ 1\) "
+                     r"x 3"):
+    step_cost.main(["--systems", "resident", "--batch", "2", "--prompt", "40", "--output",
+                    "6", "--json", str(tmp_path / "s.json"), *TINY,
+                    "engine.steps_per_dispatch=3"])

@@ -16,13 +16,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pydantic
 import pytest
 from hypothesis import given, strategies as hst
 
 from tests.test_resolve_kernel import assert_identical, random_step
 from ula_jax.config.schema import MemoryConfig
 from ula_jax.config.schema import KernelsConfig
-from ula_jax.memory.ula.resolve import resolve_group
+from ula_jax.memory.ula.resolve import fast_path_for, resolve_group
 from ula_jax.memory.ula.resolve.fastpath import all_hit, resolve_all_hit, resolve_speculative
 from ula_jax.memory.ula.resolve.pallas import ResolveConfig
 from ula_jax.memory import build_memory_system
@@ -276,7 +277,20 @@ def test_sequence_pallas_interpret(rng):
 
 
 def test_config_field_reaches_the_system():
-  assert KernelsConfig().resolve_fast_path is True
+  assert KernelsConfig().resolve_fast_path == "auto"
+  # 'auto': the full resolve every step on a GPU with a Pallas resolve, else the fast path.
+  assert fast_path_for("auto", "jnp", "cpu") is True
+  assert fast_path_for("auto", "pallas", "cpu") is True  # interpreted: the fast path
+  assert fast_path_for("auto", "jnp", "gpu") is True
+  assert fast_path_for("auto", "pallas_fused", "gpu") is False
+  assert fast_path_for("auto", "pallas", "gpu") is False
+  assert fast_path_for(True, "pallas_fused", "gpu") is True
+  assert fast_path_for(False, "jnp", "cpu") is False
+  with pytest.raises(ValueError, match=r"kernels.resolve_fast_path='yes': expected true"):
+    fast_path_for("yes", "jnp", "cpu")
+  assert KernelsConfig(resolve_fast_path=False).resolve_fast_path is False
+  with pytest.raises(pydantic.ValidationError, match="resolve_fast_path"):
+    KernelsConfig(resolve_fast_path="sometimes")
   cfg = MemoryConfig(system="ula", device_pool=48, host_pool=24, policy="lru",
                      pb_lru_buckets=2)
   geo = KVGeometry(num_layers=1, group_size=1, entry_width=4, index_dim=2, top_k=5,

@@ -11,7 +11,9 @@
 #            prefill), batch GLM5_BATCH (default 64), GLM5_PROMPT-token prompts (8192);
 #            GLM5_VARIANTS (default "base") runs it once per variant, NAME@TAG adding the
 #            overrides in $VAR_TAG (e.g. VAR_spec="kernels.fast_path_mode=speculate") and
-#            XLA_FLAGS from $XLA_TAG; GLM5_PROFILE=1 adds each run's per-step profile
+#            XLA_FLAGS from $XLA_TAG, --output from $OUTPUT_TAG (default batch + 24; with
+#            engine.steps_per_dispatch=N at least (batch + 1) x N, e.g. OUTPUT_spd=280
+#            for N = 4 at batch 64); GLM5_PROFILE=1 adds each run's per-step profile
 #            (bench step_cost --profile)
 #   batch1   the same at batch 1 with hisparse too (its all-hit step, not its misses);
 #            BATCH1_VARIANTS as GLM5_VARIANTS
@@ -42,7 +44,7 @@ if wants glm5; then
     XLA_FLAGS="${XLA_FLAGS:-} $(tagged XLA "$item")" STEP_TAIL=16 step "glm5_$tag" 300 \
       $CLI bench step_cost \
       --config experiments/glm5_summarization/config.yaml --systems resident,ula \
-      --batch "$b" --prompt "${GLM5_PROMPT:-8192}" --output $((b + 24)) \
+      --batch "$b" --prompt "${GLM5_PROMPT:-8192}" --output "$(tagged OUTPUT "$item" $((b + 24)))" \
       --json "$OUT/step_glm5_$tag.json" "${prof[@]}" workload.prefill=synthetic \
       $(tagged VAR "$item")
     rm -rf "$WORK/profile_$tag"/*/plugins  # the traces are large; the JSON keeps the counts

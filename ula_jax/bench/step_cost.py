@@ -68,9 +68,13 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
     full = [m for m in res.steps
             if m.running == batch * dp and m.decode_tokens == m.running * n]
     if not full:
-      raise RuntimeError(f"{system}: no step decoded the whole batch; raise --output above "
-                         f"{batch} (one request is prefilled per rank and step)"
-                         + (f" plus 2 x {n} (engine.steps_per_dispatch)" if n > 1 else ""))
+      # One request is admitted per rank and engine step, and every engine step decodes
+      # n tokens of each running request: the first request must outlast the admissions.
+      need = (batch + 1) * n
+      raise RuntimeError(f"{system}: no step decoded the whole batch; raise --output to at "
+                         f"least {need} ((--batch {batch} + 1) x {n}: one request admitted "
+                         f"per rank and engine step, each step decoding "
+                         f"engine.steps_per_dispatch = {n} tokens per running request)")
     misses = sum(m.extra.get("misses", 0) for m in full)
     times = [m.decode_time_s / n for m in full]
     rows[system] = {"median_step_s": statistics.median(times), "steps": len(full) * n,

@@ -413,11 +413,13 @@ class KernelsConfig(Section):
       "XLA), 'auto' radix on a GPU and sort elsewhere. Both return the same "
       "positions in ascending order, so they decode the same tokens bit for bit; only "
       "the time differs")
-  resolve_fast_path: bool = Field(
-      True, description="a resolve whose step moves nothing (every selection on the device, "
-      "room for the new tokens in free device slots) skips the full resolve for an all-hit "
-      "path with identical results, chosen on device per layer group; false always runs "
-      "kernels.resolve in full")
+  resolve_fast_path: bool | Literal["auto"] = Field(
+      "auto", description="a resolve whose step moves nothing (every selection on the "
+      "device, room for the new tokens in free device slots) skips the full resolve for an "
+      "all-hit path with identical results, chosen on device per layer group; false always "
+      "runs kernels.resolve in full; 'auto' false on a GPU with a Pallas resolve (the "
+      "fused resolve in every step measured faster than the fast path behind its "
+      "conditional) and true elsewhere. The same tokens either way")
   fast_path_mode: Literal["cond", "speculate"] = Field(
       "cond", description="how a decode step chooses the all-hit fast path: 'cond' per layer "
       "group with lax.cond (on a GPU each one ends a CUDA graph and waits for the device); "

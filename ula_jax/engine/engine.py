@@ -55,6 +55,7 @@ from ula_jax.engine.packing import StatePacking, pack_jit, split_jit
 from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 from ula_jax.memory import (INVALID, MeshInfo, build_memory_system, local_devices,
                              memory_stats)
+from ula_jax.memory.ula.resolve import fast_path_for
 from ula_jax.kernels.auto import concrete
 from ula_jax.kernels.indexer.decode import scores_mode, topk_mode
 from ula_jax.kernels.indexer.synthetic import NOTE as SELECTIONS_NOTE, SyntheticSelection
@@ -316,6 +317,8 @@ class Engine:
     self.kernels = kernels = auto_kernels(cfg, mesh.devices.flat[0], tp=self.tp)
     platform = mesh.devices.flat[0].platform
     self.decode_topk = topk_mode(cfg.kernels.decode_topk, platform)
+    self.resolve_fast_path = fast_path_for(cfg.kernels.resolve_fast_path, kernels.resolve,
+                                           platform)
     self.decode_scores = scores_mode(cfg.kernels.decode_scores, self.max_context,
                                      platform=platform, tp=self.tp,
                                      page_size=self.page_size,
@@ -336,7 +339,7 @@ class Engine:
                                    max_context=self.max_context,
                                    fetch_impl=kernels.fetch,
                                    resolve_impl=kernels.resolve,
-                                   resolve_fast_path=cfg.kernels.resolve_fast_path,
+                                   resolve_fast_path=self.resolve_fast_path,
                                    decode_scores=self.decode_scores,
                                    decode_topk=self.decode_topk,
                                    interpret=interpret,
@@ -1269,6 +1272,7 @@ class Engine:
         # to this window, ``kernels.decode_topk``).
         "decode_scores": self.decode_scores,
         "decode_topk": self.decode_topk,
+        "resolve_fast_path": self.resolve_fast_path,
     }
     if self.synthetic:
       out["prefill_note"] = synthetic_prefill.NOTE

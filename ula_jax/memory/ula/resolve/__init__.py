@@ -16,7 +16,8 @@ With ``fast_path=True`` (the config field ``kernels.resolve_fast_path``) a step 
 no data movement -- every selection already on the device, the new tokens unstored and
 enough free device slots for them -- takes the all-hit fast path (``fastpath.py``): the
 same arrays from ``O(B * k)`` gathers and ``O(Sd / 32)``-word reductions, chosen per call
-on device with ``jax.lax.cond``; any other step runs ``impl`` in full.
+on device with ``jax.lax.cond``; any other step runs ``impl`` in full. ``fast_path_for``
+resolves the field's ``'auto'``.
 
 Implementations are imported on first use. ``docs/kernels/resolve.md`` describes the
 stages, the production forms and the variants measured against them.
@@ -35,6 +36,24 @@ IMPLS: dict[str, str] = {
     "pallas": "ula_jax.memory.ula.resolve.pallas:resolve_group_pallas",
     "pallas_fused": "ula_jax.memory.ula.resolve.pallas:resolve_group_pallas_fused",
 }
+
+
+def fast_path_for(setting: bool | str, impl: str, platform: str) -> bool:
+  """``kernels.resolve_fast_path=setting`` with ``kernels.resolve=impl`` (resolved) on
+  ``platform``: ``'auto'`` is false on a GPU with a Pallas resolve and true elsewhere.
+
+  On an H200 at GLM-5 geometry the fused resolve in every step costs less than the
+  fast path behind its per-group ``lax.cond`` (which ends a CUDA graph and waits for the
+  device): an all-hit step at batch 64 takes 1.083x ``resident``'s against 1.123x, at
+  batch 1 1.055x against 1.072x, and a step that misses runs the full resolve either
+  way (RESULTS.md, "Decode at the device's speed"). The jnp resolve is the slow one
+  (1.2-1.9 ms a group), so on a CPU the fast path stays.
+  """
+  if setting == "auto":
+    return not (platform == "gpu" and impl.startswith("pallas"))
+  if not isinstance(setting, bool):
+    raise ValueError(f"kernels.resolve_fast_path={setting!r}: expected true, false or 'auto'")
+  return setting
 
 
 def impl_function(impl: str) -> Callable[..., Any]:
@@ -75,4 +94,4 @@ def resolve_group(system: Any, meta: Any, sel_addr: jax.Array, sel_valid: jax.Ar
   return resolve_fast_or(full, system, meta, sel_addr, sel_valid, new_addr, active)
 
 
-__all__ = ["IMPLS", "impl_function", "resolve_group"]
+__all__ = ["IMPLS", "fast_path_for", "impl_function", "resolve_group"]
