@@ -18,7 +18,9 @@
 #   batch1   the same at batch 1 with hisparse too (its all-hit step, not its misses);
 #            BATCH1_VARIANTS as GLM5_VARIANTS
 #   resolve  ula-jax bench resolve: one layer group, batch 32 and 64, top-k 2048, 1M
-#            slots, PB-LRU and exact LRU, Pallas
+#            slots, PB-LRU and exact LRU, Pallas in four launches and in one, profiled
+#            (each kernel's device time in the JSON); once per PB-LRU ring size in
+#            RESOLVE_BUCKETS (default "32", memory.pb_lru_buckets's default)
 #   fetch    ula-jax bench fetch: 656-byte FP8 rows, 4K-64K rows, fetch and evict,
 #            against a memcpy of the same bytes
 # Results under $OUT: one JSON per part and logs.tgz; a short table last.
@@ -62,8 +64,12 @@ if wants batch1; then
   done
 fi
 if wants resolve; then
-  STEP_TAIL=14 step resolve 120 $CLI bench resolve --batch 32,64 --k 2048 --pools 1M \
-    --policies pb_lru,lru --impls pallas --out "$OUT/resolve.json"
+  for r in ${RESOLVE_BUCKETS:-32}; do
+    STEP_TAIL=14 step "resolve_r$r" 200 $CLI bench resolve --batch 32,64 --k 2048 \
+      --pools 1M --policies pb_lru,lru --impls pallas --pallas-fuse off,on --buckets "$r" \
+      --profile "$WORK/profile_resolve_r$r" --out "$OUT/resolve_r$r.json"
+    rm -rf "$WORK/profile_resolve_r$r"  # the traces are large; the JSON keeps the kernels
+  done
 fi
 if wants fetch; then
   STEP_TAIL=14 step fetch 120 $CLI bench fetch --layouts fp8x656 --entries 4K,16K,64K \
