@@ -131,10 +131,11 @@ else
       jnp_nocmdbuf) envs=XLA_FLAGS=--xla_gpu_enable_command_buffer=; set -- kernels.resolve=jnp ;;
       jnp_unpacked) set -- kernels.resolve=jnp engine.pack_state=false ;;
       jnp_spec) set -- kernels.resolve=jnp kernels.fast_path_mode=speculate ;;
-      pallas_spec) set -- kernels.resolve=pallas kernels.fast_path_mode=speculate ;;
-      pallas) set -- kernels.resolve=pallas ;;
+      pallas_spec) set -- kernels.resolve=pallas kernels.fast_path_mode=speculate \
+        kernels.resolve_fast_path=true ;;
+      pallas) set -- kernels.resolve=pallas kernels.resolve_fast_path=true ;;
       pallas_nofast) set -- kernels.resolve=pallas kernels.resolve_fast_path=false ;;
-      pallas_cmdbuf) envs=$CMDBUF; set -- kernels.resolve=pallas ;;
+      pallas_cmdbuf) envs=$CMDBUF; set -- kernels.resolve=pallas kernels.resolve_fast_path=true ;;
       *) echo "unknown step-cost variant $name"; continue ;;
     esac
     # shellcheck disable=SC2086
