@@ -85,9 +85,8 @@ def resolve_reports(B: int, k: int, pool: int, fuse: bool, num_sms: int = 132,
   system) with ``buckets`` recent buckets (None: ``memory.pb_lru_buckets``'s default),
   four launches or one (with the programs a GPU of ``num_sms`` SMs keeps resident)."""
   from ula_jax.bench.resolve import Setup, build_system
-  from ula_jax.memory.ula.resolve.pallas import FUSED_CONFIG, ResolveConfig, resolve_group_pallas
-
   from ula_jax.config.schema import MemoryConfig
+  from ula_jax.memory.ula.resolve.pallas import FUSED_CONFIG, ResolveConfig, resolve_group_pallas
 
   if buckets is None:
     buckets = MemoryConfig.model_fields["pb_lru_buckets"].default

@@ -300,6 +300,18 @@ class _Geometry:
     words, one per list (free, cold, every ring bucket)."""
     return self.pol.blocks * (self.R + 2) if self.policy == "pb_lru" else 0
 
+  @property
+  def round_programs(self) -> int:
+    """Virtual programs of the round stage (its launch's grid): the policy bitmaps',
+    the host free slots' and the miss addresses' blocks."""
+    return self.round_units + self.host.blocks + self.addr.blocks
+
+  @property
+  def publish_programs(self) -> int:
+    """Virtual programs of the publish stage (its launch's grid): the policy bitmaps',
+    the host free slots' blocks and the entries' (``block_elems`` each)."""
+    return self.publish_units + self.host.blocks + _cdiv(self.M, self.config.block_elems)
+
   def elem_programs(self, block: int) -> tuple[int, int]:
     """(programs over the selection, programs over the new tokens)."""
     return _cdiv(self.BK, block), _cdiv(self.B, block)
@@ -950,16 +962,14 @@ def _fused_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
   n_sel, n_new = g.elem_programs(g.config.block_elems)
   _each(n_sel + n_new, P, lambda v: _mark_kernel(r, g, interpret, pid=v))
   _grid_barrier(work, g.sync_off, P)
-  _each(g.round_units + g.host.blocks + g.addr.blocks, P,
-        lambda v: _round_kernel(r, g, interpret, pid=v))
+  _each(g.round_programs, P, lambda v: _round_kernel(r, g, interpret, pid=v))
   _grid_barrier(work, g.sync_off + 1, P)
   # Virtual program 0 always runs (it writes the eviction count).
   C = g.config.block_place
   n_place = jnp.maximum((_get(work, _N_LISTED) + C - 1) // C, 1)
   _each(n_place, P, lambda v: _place_kernel(r, g, interpret, pid=v))
   _grid_barrier(work, g.sync_off + 2, P)
-  _each(g.publish_units + g.host.blocks + _cdiv(g.M, g.config.block_elems), P,
-        lambda v: _publish_kernel(r, g, interpret, pid=v))
+  _each(g.publish_programs, P, lambda v: _publish_kernel(r, g, interpret, pid=v))
 
 
 # ----------------------------------------------------------------------------------
@@ -1064,8 +1074,7 @@ def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geom
     upd.update({f"{n}{t}": pol[f"{n}{t}"] for n in ("free", "cold", "ring")
                 for t in (0, *range(3, g.pol.top + 1))})
     new["cur1"] = i32((1,))
-  blocks = g.round_units + g.host.blocks + g.addr.blocks
-  o2 = _launch(_round_kernel, g, name="ula_resolve_round", grid=blocks, inputs=ins,
+  o2 = _launch(_round_kernel, g, name="ula_resolve_round", grid=g.round_programs, inputs=ins,
                aliased=upd, fresh=new, interpret=interpret, poison=poison)
   host.update({n: o2[n] for n in host if n in o2})
   pol.update({n: o2[n] for n in pol if n in o2})
@@ -1100,9 +1109,8 @@ def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geom
     upd.update(pol)
   new = {"slots": i32((g.BK,)), "new_slot": i32((B,)),
          **{n: i32((1,)) for n in ("hits", "misses", "n_fetch", "n_evict")}}
-  blocks = g.publish_units + g.host.blocks
   o4 = _launch(_publish_kernel, g, name="ula_resolve_publish",
-               grid=blocks + _cdiv(M, g.config.block_elems), inputs=ins, aliased=upd,
+               grid=g.publish_programs, inputs=ins, aliased=upd,
                fresh=new, interpret=interpret, poison=poison)
 
   return _outputs(g, o2, o3, o4, o1)
