@@ -25,7 +25,8 @@ REFERENCES = {"attention": "xla", "indexer": "xla", "fetch": "xla", "resolve": "
 TABLE_INPUTS = [f"results/h200/{f}" for f in (
     "bench_attention.json", "bench_attention_auto.json", "bench_attention_mosaic_issuers.json",
     "bench_fetch.json", "bench_resolve.json", "bench_resolve_fused.json",
-    "bench_resolve_fused_three_per_sm.json", "prefill/prefill.json")]
+    "prefill/prefill.json", "decode_ratios/fifth_run/resolve_r4.json",
+    "decode_ratios/fifth_run/resolve_r32.json")]
 
 
 def cfg_of(**sections):
@@ -135,7 +136,7 @@ def test_an_unknown_gpu_takes_the_fallback_and_says_so(caplog, monkeypatch):
   with caplog.at_level(logging.WARNING, logger="ula_jax.kernels.auto"):
     assert auto.choose(gpu, LaunchShape(rows=256), ffi=True) == {
         "attention": "pallas", "indexer": "pallas", "fetch": "pallas",
-        "resolve": "pallas_fused"}
+        "resolve": "pallas"}
     assert auto.choose(gpu, LaunchShape(policy="lru"))["resolve"] == "pallas"
   lines = [r.getMessage() for r in caplog.records]
   assert len(lines) == 1 and "'NVIDIA Future GPU' has no measurements" in lines[0]
@@ -154,12 +155,18 @@ def test_a_known_gpu_logs_nothing(caplog):
 
 def test_resolve_by_policy():
   pb_lru = auto.shipped_table()["devices"]["NVIDIA H200"]["resolve"]["pb_lru"]["ranking"]
-  assert pb_lru[0] == "pallas_fused"
-  assert auto.choose(H200, LaunchShape(policy="pb_lru"))["resolve"] == "pallas_fused"
+  assert set(pb_lru) == {"pallas", "pallas_fused", "jnp"}
+  assert auto.choose(H200, LaunchShape(policy="pb_lru"))["resolve"] == pb_lru[0]
   assert auto.choose(H200, LaunchShape(policy="lru"))["resolve"] == "pallas"
   lru = cfg_of(memory={"system": "ula", "policy": "lru"})
   assert auto_kernels(lru, fake_gpu()).resolve == "pallas"
-  assert auto_kernels(cfg_of(memory={"system": "ula"}), fake_gpu()).resolve == "pallas_fused"
+  assert auto_kernels(cfg_of(memory={"system": "ula"}), fake_gpu()).resolve == pb_lru[0]
+  # Each ranking is followed: the fused launch where PB-LRU's ranking puts it first.
+  table = copy.deepcopy(auto.shipped_table())
+  table["devices"]["NVIDIA H200"]["resolve"]["pb_lru"]["ranking"] = [
+      "pallas_fused", "pallas", "jnp"]
+  assert auto.choose(H200, LaunchShape(policy="pb_lru"), table=table)["resolve"] == \
+      "pallas_fused"
   # A table that ranks the fused resolve first for exact LRU still gets the four launches.
   table = copy.deepcopy(auto.shipped_table())
   table["devices"]["NVIDIA H200"]["resolve"]["lru"]["ranking"] = ["pallas_fused", "jnp"]

@@ -19,9 +19,10 @@ operation's implementations ranked by measured time, fastest first:
   the H200);
 * rows are compared only with rows of the same settings: attention the geometry (heads,
   top-k, latent, rope, dtype) and batch; fetch the direction, row layout and entries per
-  call; resolve the policy, pool, batch, top-k and the stream's loop, steps and cache
-  flush; the indexer the model's indexer, the chunk and the prefix. Of several runs of one
-  implementation there the latest (``environment.date``) counts: kernels change;
+  call; resolve the policy, pool, batch, top-k and the stream's loop, steps, cache
+  flush and PB-LRU ring size; the indexer the model's indexer, the chunk and the prefix.
+  Of several runs of one implementation there the latest (``environment.date``) counts:
+  kernels change;
 * attention: per geometry, one row range per measured batch (from it to the next one's),
   ranking the implementations measured at that batch;
 * indexer, fetch and each resolve policy: one ranking, by the geometric mean over the
@@ -36,7 +37,9 @@ shipped H200 rows::
         results/h200/bench_attention.json results/h200/bench_attention_auto.json \\
         results/h200/bench_attention_mosaic_issuers.json results/h200/bench_fetch.json \\
         results/h200/bench_resolve.json results/h200/bench_resolve_fused.json \\
-        results/h200/bench_resolve_fused_three_per_sm.json results/h200/prefill/prefill.json
+        results/h200/prefill/prefill.json \\
+        results/h200/decode_ratios/fifth_run/resolve_r4.json \\
+        results/h200/decode_ratios/fifth_run/resolve_r32.json
 """
 
 from __future__ import annotations
@@ -147,7 +150,8 @@ def measurements(run: dict, source: str) -> list[Measurement]:
       if r.get("config") is not None and r["config"] != launches.get(impl):
         continue
       group = (r["policy"], r["pool"], r["batch"], r.get("k", s.get("k")),
-               s.get("loop") or "while", s.get("steps"), s.get("flush_mb") or 0)
+               s.get("loop") or "while", s.get("steps"), s.get("flush_mb") or 0,
+               s.get("buckets"))
       add("resolve", group, impl, r["us"] * 1e-6)
   elif "phases" in run:
     m, ph = run.get("model") or {}, run["phases"]

@@ -26,8 +26,8 @@ systems, the model, the kernels) ever sees ``auto``. ``choose`` is the decision 
     it gets ``pallas``).
 
 * On a GPU the table does not list: ``FALLBACK`` under the same rules (attention
-  ``pallas``, indexer ``pallas``, fetch ``pallas``, resolve ``pallas_fused``, for exact
-  LRU ``pallas``), and one logged line says so.
+  ``pallas``, indexer ``pallas``, fetch ``pallas``, resolve ``pallas``: the four
+  launches, which need no grid barrier), and one logged line says so.
 
 An explicit value is never changed, and keeps the errors it gives.
 
@@ -37,7 +37,9 @@ The table is built from the JSON of the kernel benchmarks (``ula_jax.bench.kerne
         results/h200/bench_attention.json results/h200/bench_attention_auto.json \\
         results/h200/bench_attention_mosaic_issuers.json results/h200/bench_fetch.json \\
         results/h200/bench_resolve.json results/h200/bench_resolve_fused.json \\
-        results/h200/bench_resolve_fused_three_per_sm.json results/h200/prefill/prefill.json
+        results/h200/prefill/prefill.json \\
+        results/h200/decode_ratios/fifth_run/resolve_r4.json \\
+        results/h200/decode_ratios/fifth_run/resolve_r32.json
 
 Another GPU gets its rows from the same benchmarks run on it (``ula-jax bench attention``,
 ``fetch``, ``resolve``, ``prefill``) and the command above with its files and ``--merge
@@ -73,7 +75,7 @@ FALLBACK: dict[str, tuple[str, ...]] = {
     "attention": ("pallas", "xla"),
     "indexer": ("pallas", "xla"),
     "fetch": ("pallas", "xla"),
-    "resolve": ("pallas_fused", "pallas", "jnp"),
+    "resolve": ("pallas", "pallas_fused", "jnp"),
 }
 """A GPU's choices, in order, after the table's (all of them on a GPU the table does not
 list); the last is the reference, which runs everywhere."""
