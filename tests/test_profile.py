@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ula_jax.bench.profile import (device_op_events, device_ops, launches_of,
+from ula_jax.bench.profile import (device_op_events, device_ops, launches_of, op_kind,
                                    summarize_calls, totals_by_name, trace_calls)
 
 
@@ -54,6 +54,8 @@ def test_trace_calls_splits_the_trace_per_dispatch(tmp_path):
   assert [c["device_ops"] for c in steps] == [3, 1, 2]
   assert steps[2]["wall_us"] == 100 and steps[2]["device_busy_us"] == 10
   assert out["top_ops"][0] == ["fusion_1", 1.0, 8.0]
+  # By kind: fusion_1 and fusion_2 are one kind (per call: 3 ops, 10 + 10 + 6 us / 2).
+  assert out["top_kinds"][0] == ["fusion", 1.5, 13.0]
   assert [n for n, _, _ in out["host_top"]] == ["ConditionalThunk"]  # no Python frames
   assert summarize_calls(out["calls"])["device_ops"] == 2
   assert summarize_calls(steps)["device_ops"] == 2
@@ -74,3 +76,12 @@ def test_trace_calls_splits_the_trace_per_dispatch(tmp_path):
     device_op_events(tmp_path, after="nothing")
   with pytest.raises(FileNotFoundError):
     trace_calls(tmp_path / "none", "decode")
+
+
+def test_op_kind_drops_the_numbering():
+  assert op_kind("loop_add_fusion_12") == "loop_add_fusion"
+  assert op_kind("fusion.3") == "fusion"
+  assert op_kind("input_concatenate_fusion_1_2") == "input_concatenate_fusion"
+  assert op_kind("ula_resolve_fused") == "ula_resolve_fused"
+  assert op_kind("memcpy32_post") == "memcpy32_post"
+  assert op_kind("MemcpyD2D") == "MemcpyD2D"

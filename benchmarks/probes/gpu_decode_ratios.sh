@@ -22,7 +22,11 @@
 #            (each kernel's device time in the JSON); once per PB-LRU ring size in
 #            RESOLVE_BUCKETS (default "32", memory.pb_lru_buckets's default)
 #   fetch    ula-jax bench fetch: 656-byte FP8 rows, 4K-64K rows, fetch and evict,
-#            against a memcpy of the same bytes
+#            against a memcpy of the same bytes; FETCH_FFI=1 first builds the FFI custom
+#            calls (./custom_calls, CUDA handlers for sm_90) and measures them too;
+#            FETCH_UNITS / FETCH_WARPS (comma lists) sweep the Pallas launch (16-byte
+#            units per program, warps per program; the default launch is 1024 and 4,
+#            list them to keep it in the sweep)
 # Results under $OUT: one JSON per part and logs.tgz; a short table last.
 set -u
 cd "$(dirname "$0")/../.."
@@ -72,8 +76,18 @@ if wants resolve; then
   done
 fi
 if wants fetch; then
-  STEP_TAIL=14 step fetch 120 $CLI bench fetch --layouts fp8x656 --entries 4K,16K,64K \
-    --impls pallas --directions fetch,evict --ceilings memcpy --out "$OUT/fetch.json"
+  impls=pallas
+  if [ "${FETCH_FFI:-0}" = 1 ]; then
+    step build_ffi 180 env ULA_JAX_FFI_CUDA=ON "$PY" -m pip install --no-build-isolation \
+      --no-deps --force-reinstall -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 ./custom_calls \
+      && impls=pallas,ffi
+  fi
+  sweep=()
+  [ -n "${FETCH_UNITS:-}" ] && sweep+=(--pallas-block-units "$FETCH_UNITS")
+  [ -n "${FETCH_WARPS:-}" ] && sweep+=(--pallas-warps "$FETCH_WARPS")
+  STEP_TAIL=30 step fetch 240 $CLI bench fetch --layouts fp8x656 --entries 4K,16K,64K \
+    --impls "$impls" --directions fetch,evict --ceilings memcpy "${sweep[@]}" \
+    --out "$OUT/fetch.json"
 fi
 print_steps | tee "$WORK/steps.txt"
 tar czf "$OUT/logs.tgz" -C "$WORK" .

@@ -23,6 +23,7 @@ import collections
 import gzip
 import json
 import pathlib
+import re
 import statistics
 
 # Host-side events that stand for the host waiting on the device.
@@ -78,6 +79,13 @@ def _op_lines(device_lines: set[str]) -> set[str]:
   return streams or {l for l in device_lines if not any(w in l for w in DERIVED_LINES)}
 
 
+def op_kind(name: str) -> str:
+  """A device operation's name without XLA's numbering (``loop_add_fusion_12`` ->
+  ``loop_add_fusion``, ``fusion.3`` -> ``fusion``): the same fusion gets another number
+  in another program."""
+  return re.sub(r"([._]\d+)+$", "", name)
+
+
 def trace_calls(trace_dir: str | pathlib.Path, functions: str | tuple[str, ...],
                 also: tuple[str, ...] = (), *, top: int = 25) -> dict:
   """Per-call device and host counts of the dispatches of ``functions`` in the trace.
@@ -85,9 +93,11 @@ def trace_calls(trace_dir: str | pathlib.Path, functions: str | tuple[str, ...],
   A call's window runs from its dispatch to the next dispatch of any jitted function but
   those named in ``also`` (calls that belong to the same step, e.g. a step run again).
   returns {"calls": [{"wall_us", "device_ops", "device_busy_us", "memcpy", "host_waits"}],
-  "top_ops": [[name, count per call, us per call]] (device), "host_top": [[name, count
-  per call, us per call]] (host events in the windows, nested ones counted in each),
-  "lines": {device line: events}, "trace": path}; times in microseconds
+  "top_ops": [[name, count per call, us per call]] (device), "top_kinds": the same by
+  ``op_kind`` (names without XLA's per-program numbering, so that two programs' profiles
+  compare), "host_top": [[name, count per call, us per call]] (host events in the
+  windows, nested ones counted in each), "lines": {device line: events}, "trace": path};
+  times in microseconds
   """
   functions = (functions,) if isinstance(functions, str) else tuple(functions)
   path = find_trace(trace_dir)
@@ -154,10 +164,15 @@ def trace_calls(trace_dir: str | pathlib.Path, functions: str | tuple[str, ...],
   n = max(len(calls), 1)
   top_ops = sorted(([name, len(d) / n, sum(d) / n] for name, d in per_name.items()),
                    key=lambda r: -r[2])[:top]
+  per_kind: dict[str, list[float]] = collections.defaultdict(list)
+  for name, d in per_name.items():
+    per_kind[op_kind(name)].extend(d)
+  top_kinds = sorted(([k, len(d) / n, sum(d) / n] for k, d in per_kind.items()),
+                     key=lambda r: -r[2])[:top]
   host_top = sorted(([name, len(d) / n, sum(d) / n] for name, d in host_names.items()),
                     key=lambda r: -r[2])[:top]
   lines = collections.Counter(f"{procs[e['pid']]} / {line_of(e)}" for e in device)
-  return {"calls": calls, "top_ops": top_ops, "host_top": host_top,
+  return {"calls": calls, "top_ops": top_ops, "top_kinds": top_kinds, "host_top": host_top,
           "lines": dict(lines.most_common(20)), "trace": str(path)}
 
 
@@ -223,5 +238,5 @@ def summarize_calls(calls: list[dict]) -> dict:
   return {k: statistics.median(c[k] for c in calls) for k in calls[0]}
 
 
-__all__ = ["device_op_events", "device_ops", "find_trace", "launches_of", "summarize_calls",
-           "totals_by_name", "trace_calls"]
+__all__ = ["device_op_events", "device_ops", "find_trace", "launches_of", "op_kind",
+           "summarize_calls", "totals_by_name", "trace_calls"]

@@ -102,14 +102,14 @@ def _profile(engine, reqs, trace_dir: str, full_batch: int) -> dict:
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
     res = engine.run(reqs)
   # One decode (or speculate, and redo where it failed) per decoding step, in order.
-  prof = trace_calls(trace_dir, ("decode", "speculate"), also=("redo",), top=60)
+  prof = trace_calls(trace_dir, ("decode", "speculate"), also=("redo",), top=400)
   decoding = [m for m in res.steps if m.running > 0]
   if len(decoding) != len(prof["calls"]):
     raise RuntimeError(f"{trace_dir}: {len(prof['calls'])} decode calls in the trace, "
                        f"{len(decoding)} decode steps in the run")
   full = [c for c, m in zip(prof["calls"], decoding) if m.running == full_batch]
-  return {**summarize_calls(full), **{k: prof[k] for k in ("top_ops", "host_top", "lines",
-                                                              "trace")}}
+  return {**summarize_calls(full), **{k: prof[k] for k in ("top_ops", "top_kinds",
+                                                              "host_top", "lines", "trace")}}
 
 
 def main(argv: list[str]) -> int:
