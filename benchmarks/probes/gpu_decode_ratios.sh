@@ -86,7 +86,7 @@ if wants fetch; then
   [ -n "${FETCH_UNITS:-}" ] && sweep+=(--pallas-block-units "$FETCH_UNITS")
   [ -n "${FETCH_WARPS:-}" ] && sweep+=(--pallas-warps "$FETCH_WARPS")
   STEP_TAIL=30 step fetch 240 $CLI bench fetch --layouts fp8x656 --entries 4K,16K,64K \
-    --impls "$impls" --directions fetch,evict --ceilings memcpy "${sweep[@]}" \
+    --impls "$impls" --directions fetch,evict --ceilings memcpy ${sweep[@]+"${sweep[@]}"} \
     --out "$OUT/fetch.json"
 fi
 print_steps | tee "$WORK/steps.txt"

@@ -85,13 +85,11 @@ def resolve_reports(B: int, k: int, pool: int, fuse: bool, num_sms: int = 132,
   system) with ``buckets`` recent buckets (None: ``memory.pb_lru_buckets``'s default),
   four launches or one (with the programs a GPU of ``num_sms`` SMs keeps resident)."""
   from ula_jax.bench.resolve import Setup, build_system
-  from ula_jax.config.schema import MemoryConfig
+  from ula_jax.config.schema import PB_LRU_BUCKETS
   from ula_jax.memory.ula.resolve.pallas import FUSED_CONFIG, ResolveConfig, resolve_group_pallas
 
-  if buckets is None:
-    buckets = MemoryConfig.model_fields["pb_lru_buckets"].default
-  system = build_system(Setup(pool=pool, batch=B, k=k, buckets=buckets, steps_total=8),
-                        "pb_lru")
+  system = build_system(Setup(pool=pool, batch=B, k=k, buckets=buckets or PB_LRU_BUCKETS,
+                              steps_total=8), "pb_lru")
   config = FUSED_CONFIG if fuse else ResolveConfig()  # what kernels.resolve launches
   # Lowered without the GPU: no device to count SMs on, so the count is given.
   programs = num_sms * config.resident_per_sm() if fuse else None

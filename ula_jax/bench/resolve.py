@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ula_jax.config.schema import MemoryConfig
+from ula_jax.config.schema import PB_LRU_BUCKETS, MemoryConfig
 from ula_jax.bench import common
 from ula_jax.bench.common import environment, fmt, parse_list, parse_sizes, write_json
 from ula_jax.memory.ula.resolve import resolve_group
@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="device pool slots, comma list (K = 1024, M = 1024 * 1024)")
   p.add_argument("--policies", default=",".join(POLICIES), help=f"of {list(POLICIES)}")
   p.add_argument("--impls", default=",".join(IMPLS), help=f"of {list(IMPLS)}")
-  p.add_argument("--buckets", type=int, default=MemoryConfig.model_fields["pb_lru_buckets"].default,
+  p.add_argument("--buckets", type=int, default=PB_LRU_BUCKETS,
                  help="PB-LRU recent buckets (default: memory.pb_lru_buckets's)")
   p.add_argument("--churn", type=float, default=0.1,
                  help="fraction of each request's selection redrawn per step")

@@ -133,6 +133,10 @@ class FarTierConfig(Section):
     return _check_size(v, "memory.far_tier.far_pool", allow_none=True)
 
 
+PB_LRU_BUCKETS = 32
+"""``memory.pb_lru_buckets``'s default: the recent buckets of the PB-LRU ring."""
+
+
 class MemoryConfig(Section):
   """Which memory system places the KV, and its sizes."""
 
@@ -146,7 +150,7 @@ class MemoryConfig(Section):
   policy: Literal["pb_lru", "lru"] = Field(
       "pb_lru", description="ula eviction policy: parallel bucketed LRU or exact LRU")
   pb_lru_buckets: int = Field(
-      32, ge=1, description="recent buckets in the PB-LRU ring (plus one cold bucket): exact "
+      PB_LRU_BUCKETS, ge=1, description="recent buckets in the PB-LRU ring (plus one cold bucket): exact "
       "LRU order is kept between slots touched at most this many rounds apart; older ones "
       "are equally cold")
   layout: Literal["mod", "block", "request", "replicated"] = Field(

@@ -31,6 +31,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from ula_jax.config.schema import PB_LRU_BUCKETS
 from ula_jax.experiments.base import (AnchorPoint, Check, Context, Experiment, Outcome,
                                       Params, anchor_panel, repo_path)
 
@@ -62,12 +63,6 @@ def build_trace(p: TraceParams, sel, tmp: str | Path, *, requests: int, batch: i
   return SelectionTrace.load(path)
 
 
-def default_buckets() -> int:
-  """``memory.pb_lru_buckets``'s default."""
-  from ula_jax.config.schema import MemoryConfig
-  return MemoryConfig.model_fields["pb_lru_buckets"].default
-
-
 def replay_ula(trace, *, device_pool: int, policy: str, buckets: int | None = None):
   """One ula DP rank of ``device_pool`` device slots and a host pool for the rest,
   replayed (NumPy model): hits, misses, evictions and seconds."""
@@ -77,7 +72,7 @@ def replay_ula(trace, *, device_pool: int, policy: str, buckets: int | None = No
   B = trace.max_batch
   cfg = MemoryConfig(system="ula", device_pool=device_pool,
                      host_pool=max(trace.num_logical, trace.page_size), policy=policy,
-                     pb_lru_buckets=buckets or default_buckets())
+                     pb_lru_buckets=buckets or PB_LRU_BUCKETS)
   system = build_rank_system(cfg, trace.geometry(), max_batch=B, page_size=trace.page_size,
                              max_context=max(trace.num_logical // B, 1))
   r = replay(trace, system, engine="fast", report_every=1 << 30, validate=False)
@@ -124,7 +119,7 @@ def resolve_times(p: PoliciesParams, k: int, *, batches: list[int] | None = None
           "--k", str(p.resolve_k or k), "--pools", str(p.resolve_pool),
           "--policies", policies, "--impls", ",".join(p.resolve_impls),
           "--pallas-fuse", ",".join(p.resolve_fuse),
-          "--buckets", str(buckets or p.buckets or default_buckets()),
+          "--buckets", str(buckets or p.buckets or PB_LRU_BUCKETS),
           "--churn", str(p.resolve_churn),
           "--steps", str(p.resolve_steps), "--segments", str(p.resolve_segments),
           "--warmup", "1"]
@@ -134,7 +129,7 @@ def resolve_times(p: PoliciesParams, k: int, *, batches: list[int] | None = None
 def run(p: PoliciesParams, ctx: Context) -> Outcome:
   sel = p.load()
   k = sel.top_k
-  R = p.buckets or default_buckets()
+  R = p.buckets or PB_LRU_BUCKETS
   big_b = max(p.batches)  # the ring sizes' batch (the hit rates)
   big = max(p.resolve_batches, default=0)  # the ring sizes' batch (the resolve times)
   hits, ring = {}, {}
