@@ -537,6 +537,37 @@ def count_last(x: Any, holds: str = "valid", limit: int | None = None) -> np.nda
   return _HOLDS[holds](v).sum(axis=-1, dtype=np.int64)
 
 
+@functools.partial(jax.jit, static_argnames=("specs",))
+def _count_many_jit(xs: tuple[jax.Array, ...], specs: tuple[tuple[str, int | None], ...]
+                    ) -> tuple[jax.Array, ...]:
+  return tuple(_count_last_jit(x, holds, limit) for x, (holds, limit) in zip(xs, specs))
+
+
+def count_last_many(*counts: tuple[Any, str, int | None]) -> list[np.ndarray]:
+  """``[count_last(x, holds, limit) for (x, holds, limit) in counts]`` with the device
+  arrays' counts in one program and one transfer to the host: a capacity report runs
+  every engine step, and each count on its own was a dispatch and a wait of its own."""
+  for _, holds, _ in counts:
+    if holds not in _HOLDS:
+      raise ValueError(f"holds={holds!r}: expected one of {sorted(_HOLDS)}")
+  on_device = [i for i, (x, _, _) in enumerate(counts)
+               if isinstance(x, jax.Array) and memory_kind_of(x) != "pinned_host"]
+  out: list[np.ndarray | None] = [None] * len(counts)
+  if on_device:
+    ns = _count_many_jit(tuple(counts[i][0] for i in on_device),
+                         tuple((counts[i][1], counts[i][2]) for i in on_device))
+    if all(n.is_fully_addressable for n in ns):
+      got = jax.device_get(ns)
+    else:
+      got = [multihost_utils.process_allgather(n, tiled=True) for n in ns]
+    for i, n in zip(on_device, got):
+      out[i] = np.asarray(n).astype(np.int64)
+  for i, (x, holds, limit) in enumerate(counts):
+    if out[i] is None:
+      out[i] = count_last(x, holds, limit)
+  return out
+
+
 def tp_replicated(counts_dp: np.ndarray, tp: int) -> np.ndarray:
   """[dp] -> [dp, tp], the same count on every tp rank (replicated layouts)."""
   return np.repeat(np.asarray(counts_dp)[:, None], tp, axis=1)

@@ -58,7 +58,7 @@ from jax.sharding import Mesh
 from ula_jax.core.scatter import set_every_group, set_where
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
-from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros,
+from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last_many, device_zeros,
                                  layer_rows, set_rows, tp_replicated)
 
 _BIG = np.iinfo(np.int32).max
@@ -391,9 +391,11 @@ class HiSparse(MemorySystem):
   def report(self, state: HiSparseState) -> CapacityReport:
     dp, tp, G = self.mesh_info.dp, self.mesh_info.tp, self.geo.num_groups
     # slot_addr [dp, G, S] with S = R * quota: counted per (rank, group, row) quota
-    per_row = count_last(state.slot_addr.reshape(dp, G, self.max_batch, self.quota), "nonneg")
+    per_row, live = count_last_many(
+        (state.slot_addr.reshape(dp, G, self.max_batch, self.quota), "nonneg", None),
+        (state.live, "true", None))
     dev_used = per_row.sum(axis=(1, 2))  # [dp], over groups
-    host_used = count_last(state.live, "true").sum(axis=1)  # [dp]
+    host_used = live.sum(axis=1)  # [dp]
     dev_cap = np.full((dp,), self.device_slots * G)
     rows_in_use = (per_row > 0).any(axis=1)  # [dp, R]: a slot in use in any group
     return CapacityReport(

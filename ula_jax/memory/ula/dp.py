@@ -58,7 +58,7 @@ from ula_jax.memory.ula.resolve import fastpath, resolve_group
 from ula_jax.memory.ula.resolve.fastpath import resolve_speculative
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
-from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros,
+from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last_many, device_zeros,
                                  group_slice, group_update, layer_rows, set_rows,
                                  tp_replicated)
 from ula_jax.memory.ula.policies import bitmap, make_policy, policy_fields
@@ -402,9 +402,9 @@ class Ula(MemorySystem):
   def report(self, state: UlaState) -> CapacityReport:
     dp, tp, G = self.mesh_info.dp, self.mesh_info.tp, self.geo.num_groups
     m = state.meta  # leaves [dp, G, ...]: summed over the groups
-    dev_used = count_last(m.dev_owner).sum(axis=1)
-    host_used = count_last(m.host_owner, limit=self.host_slots).sum(axis=1)
-    distinct = count_last(m.table).sum(axis=1)
+    dev_used, host_used, distinct = (c.sum(axis=1) for c in count_last_many(
+        (m.dev_owner, "valid", None), (m.host_owner, "valid", self.host_slots),
+        (m.table, "valid", None)))
     # With tp > 1 every tp rank holds the dp rank's pools (replicated over tp).
     return CapacityReport(
         system=self.name,

@@ -80,7 +80,8 @@ from ula_jax.core.scatter import set_every_group, set_where, update_groups
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, check_key_rows, count_last,
-                                 device_zeros, group_slice, group_update, layer_rows, set_rows)
+                                 count_last_many, device_zeros, group_slice, group_update,
+                                 layer_rows, set_rows)
 from ula_jax.memory.ula.layouts import LAYOUTS, Layout, make_layout
 from ula_jax.memory.ula.policies import make_policy, policy_fields
 from ula_jax.memory.ula.dp import Ula
@@ -386,9 +387,10 @@ class TieredStore:
   def counts(self, rk: UlaState):
     """Host side: (device used, host used, stored), each [dp, tp, G]."""
     m = rk.meta
-    dev = count_last(m.dev_owner)
-    host = count_last(m.host_owner, limit=self.ula.host_slots)
-    return dev, host, count_last(m.table)
+    dev, host, stored = count_last_many(
+        (m.dev_owner, "valid", None), (m.host_owner, "valid", self.ula.host_slots),
+        (m.table, "valid", None))
+    return dev, host, stored
 
 
 class UlaTP(MemorySystem):
