@@ -26,7 +26,7 @@ TABLE_INPUTS = [f"results/h200/{f}" for f in (
     "bench_attention.json", "bench_attention_auto.json", "bench_attention_mosaic_issuers.json",
     "bench_fetch.json", "bench_resolve.json", "bench_resolve_fused.json",
     "prefill/prefill.json", "decode_ratios/fifth_run/resolve_r4.json",
-    "decode_ratios/fifth_run/resolve_r32.json")]
+    "decode_ratios/fifth_run/resolve_r32.json", "decode_ratios/sixth_run/fetch.json")]
 
 
 def cfg_of(**sections):

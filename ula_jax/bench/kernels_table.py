@@ -39,7 +39,8 @@ shipped H200 rows::
         results/h200/bench_resolve.json results/h200/bench_resolve_fused.json \\
         results/h200/prefill/prefill.json \\
         results/h200/decode_ratios/fifth_run/resolve_r4.json \\
-        results/h200/decode_ratios/fifth_run/resolve_r32.json
+        results/h200/decode_ratios/fifth_run/resolve_r32.json \\
+        results/h200/decode_ratios/sixth_run/fetch.json
 """
 
 from __future__ import annotations
@@ -310,6 +311,6 @@ def main(argv: list[str]) -> int:
   print_rankings(table)
   out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(table, indent=2) + "\n")
+  out.write_text(json.dumps(table, indent=1) + "\n")
   print(f"wrote {out}")
   return 0
