@@ -90,6 +90,24 @@ def _legacy_cpu_fusion_emitters() -> None:
 _legacy_cpu_fusion_emitters()
 
 
+def _short_tracebacks_in_locations() -> None:
+  """jax writes the Python traceback of every traced operation (up to 100 frames) into
+  the MLIR locations of each program it lowers, and XLA carries them through every pass
+  as the program's stack-frame metadata: work for each of the thousands of programs the
+  suite lowers, read only by profilers and XLA's own error messages. No location
+  frames (``jax_traceback_in_locations_limit=0``) leaves the programs the same (their
+  operations and names; the operations' ``name`` locations stay). A setting the
+  environment already gives is left as it is; the environment variable reaches the xdist
+  workers and the processes tests start."""
+  if "JAX_TRACEBACK_IN_LOCATIONS_LIMIT" in os.environ:
+    return
+  os.environ["JAX_TRACEBACK_IN_LOCATIONS_LIMIT"] = "0"
+  jax.config.update("jax_traceback_in_locations_limit", 0)
+
+
+_short_tracebacks_in_locations()
+
+
 def _fewer_garbage_collections() -> None:
   """A quarter of the suite's time is jax tracing the steps tests build, which makes
   objects by the million; Python's cyclic collector, run every 700 new objects, walks

@@ -1,4 +1,7 @@
-"""Engine scheduling: admission by capacity, waiting, rejection, completion."""
+"""Engine scheduling: admission by capacity, waiting, rejection, completion.
+
+Every run is of the tiny model with dense MLPs (``DENSE``): scheduling does not depend on
+the kind of MLP, whose MoE code is about a quarter of each step's compile time."""
 
 from __future__ import annotations
 
@@ -7,15 +10,15 @@ import dataclasses
 import numpy as np
 
 from ula_jax.engine import Request
-from tests.engine_util import make_requests, run_engine
+from tests.engine_util import DENSE, make_requests, run_engine
 
 
 def test_admission_never_exceeds_capacity_and_everything_completes():
   # 2 dp ranks x 256 tokens (4 pages of 64): at most a few requests fit at once.
   reqs = make_requests(num=8, seed=7, prompt=(70, 120), output=(3, 6))
   seen = []
-  res = run_engine(["mesh.dp=2", "engine.max_batch=4", "memory.device_pool=256",
-                    "engine.page_size=64"], reqs, on_step=seen.append)
+  res = run_engine(DENSE + ["mesh.dp=2", "engine.max_batch=4", "memory.device_pool=256",
+                            "engine.page_size=64"], reqs, on_step=seen.append)
   assert [r.status for r in res.requests] == ["finished"] * len(reqs)
   cap = np.asarray(res.capacity["device_capacity"]).sum()
   assert all(m.device_used <= cap for m in seen)
@@ -31,8 +34,8 @@ def test_admission_never_exceeds_capacity_and_everything_completes():
 def test_request_that_can_never_fit_is_rejected_and_the_rest_goes_on():
   reqs = list(make_requests(num=3, seed=3, prompt=(10, 20), output=(2, 4)))
   huge = Request(id="huge", prompt=np.ones(400, np.int32), max_new_tokens=4)
-  res = run_engine(["mesh.dp=2", "engine.max_batch=2", "memory.device_pool=256",
-                    "engine.max_context=320"], reqs + [huge])
+  res = run_engine(DENSE + ["mesh.dp=2", "engine.max_batch=2", "memory.device_pool=256",
+                            "engine.max_context=320"], reqs + [huge])
   by_id = {r.id: r for r in res.requests}
   assert by_id["huge"].status == "rejected"
   assert "engine.max_context=320" in by_id["huge"].reason
@@ -42,8 +45,8 @@ def test_request_that_can_never_fit_is_rejected_and_the_rest_goes_on():
 def test_request_larger_than_memory_is_rejected_with_the_memory_limit():
   reqs = [Request(id="big", prompt=np.ones(300, np.int32), max_new_tokens=2),
           Request(id="ok", prompt=np.ones(30, np.int32), max_new_tokens=2)]
-  res = run_engine(["mesh.dp=1", "engine.max_batch=2", "memory.device_pool=128",
-                    "engine.max_context=320"], reqs)
+  res = run_engine(DENSE + ["mesh.dp=1", "engine.max_batch=2", "memory.device_pool=128",
+                            "engine.max_context=320"], reqs)
   by_id = {r.id: r for r in res.requests}
   assert by_id["big"].status == "rejected"
   assert "holds at most 128" in by_id["big"].reason
@@ -53,7 +56,7 @@ def test_request_larger_than_memory_is_rejected_with_the_memory_limit():
 def test_late_arrivals_and_max_steps_report_unfinished_requests():
   reqs = [dataclasses.replace(r, arrival_step=5 * i)
           for i, r in enumerate(make_requests(num=3, seed=5, prompt=(10, 20), output=(20, 30)))]
-  res = run_engine(["mesh.dp=1", "engine.max_batch=2", "engine.max_steps=12"], reqs)
+  res = run_engine(DENSE + ["mesh.dp=1", "engine.max_batch=2", "engine.max_steps=12"], reqs)
   statuses = {r.id: (r.status, r.reason) for r in res.requests}
   assert len(statuses) == 3  # nothing lost
   assert all(s == "rejected" and "engine.max_steps=12" in why for s, why in statuses.values())
@@ -64,7 +67,7 @@ def test_idle_time_before_a_late_arrival_is_jumped_over():
   req = dataclasses.replace(make_requests(num=1, seed=7, prompt=(10, 12), output=(3, 4))[0],
                             arrival_step=1_000_000_000)
   seen = []
-  res = run_engine(["mesh.dp=1", "engine.max_batch=1"], [req], on_step=seen.append)
+  res = run_engine(DENSE + ["mesh.dp=1", "engine.max_batch=1"], [req], on_step=seen.append)
   assert res.requests[0].status == "finished"
   # No metrics line per idle step: the first step recorded is the arrival.
   assert seen[0].step == 1_000_000_000 and len(seen) < 20

@@ -191,10 +191,11 @@ def _env() -> dict[str, str]:
 def test_a_signal_ends_the_run_with_its_directory_written(tmp_path, signum, status):
   out = tmp_path / "run"
   # One dp rank serving one request at a time: a few hundred steps, far more than the
-  # run gets before the signal.
+  # run gets before the signal. Dense MLPs (how a run ends does not depend on them): a
+  # shorter compile before the first step.
   argv = [sys.executable, "-m", "ula_jax.cli.main", "run", QUICKSTART, "mesh=dp1",
           "engine.max_batch=1", "workload.num_requests=8", "experiment.plots=false",
-          "--no-progress", "--out", str(out)]
+          "model.num_dense_layers=4", "--no-progress", "--out", str(out)]
   proc = subprocess.Popen(argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   try:
