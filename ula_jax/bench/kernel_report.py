@@ -88,8 +88,10 @@ def resolve_reports(B: int, k: int, pool: int, fuse: bool, num_sms: int = 132,
   from ula_jax.config.schema import PB_LRU_BUCKETS
   from ula_jax.memory.ula.resolve.pallas import FUSED_CONFIG, ResolveConfig, resolve_group_pallas
 
-  system = build_system(Setup(pool=pool, batch=B, k=k, buckets=buckets or PB_LRU_BUCKETS,
-                              steps_total=8), "pb_lru")
+  if buckets is None:
+    buckets = PB_LRU_BUCKETS
+  system = build_system(Setup(pool=pool, batch=B, k=k, buckets=buckets, steps_total=8),
+                        "pb_lru")
   config = FUSED_CONFIG if fuse else ResolveConfig()  # what kernels.resolve launches
   # Lowered without the GPU: no device to count SMs on, so the count is given.
   programs = num_sms * config.resident_per_sm() if fuse else None

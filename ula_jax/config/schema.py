@@ -150,9 +150,9 @@ class MemoryConfig(Section):
   policy: Literal["pb_lru", "lru"] = Field(
       "pb_lru", description="ula eviction policy: parallel bucketed LRU or exact LRU")
   pb_lru_buckets: int = Field(
-      PB_LRU_BUCKETS, ge=1, description="recent buckets in the PB-LRU ring (plus one cold bucket): exact "
-      "LRU order is kept between slots touched at most this many rounds apart; older ones "
-      "are equally cold")
+      PB_LRU_BUCKETS, ge=1, description="recent buckets in the PB-LRU ring (plus one cold "
+      "bucket): exact LRU order is kept between slots touched at most this many rounds "
+      "apart; older ones are equally cold")
   layout: Literal["mod", "block", "request", "replicated"] = Field(
       "mod", description="ula TP layout of a request's entries over tp ranks: position mod P, "
       "contiguous blocks, one owner per request, or a full copy per rank")

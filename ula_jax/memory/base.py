@@ -524,17 +524,7 @@ def count_last(x: Any, holds: str = "valid", limit: int | None = None) -> np.nda
   capacity report copying a 5M-address table per layer group to the host every step
   took longer than the step. Host values (numpy, a gathered leaf) are counted by numpy.
   """
-  if holds not in _HOLDS:
-    raise ValueError(f"holds={holds!r}: expected one of {sorted(_HOLDS)}")
-  if isinstance(x, jax.Array) and memory_kind_of(x) != "pinned_host":
-    n = _count_last_jit(x, holds, limit)
-    n = np.asarray(n) if n.is_fully_addressable else multihost_utils.process_allgather(
-        n, tiled=True)
-    return n.astype(np.int64)
-  v = np.asarray(x)
-  if limit is not None:
-    v = v[..., :limit]
-  return _HOLDS[holds](v).sum(axis=-1, dtype=np.int64)
+  return count_last_many((x, holds, limit))[0]
 
 
 @functools.partial(jax.jit, static_argnames=("specs",))
@@ -563,8 +553,11 @@ def count_last_many(*counts: tuple[Any, str, int | None]) -> list[np.ndarray]:
     for i, n in zip(on_device, got):
       out[i] = np.asarray(n).astype(np.int64)
   for i, (x, holds, limit) in enumerate(counts):
-    if out[i] is None:
-      out[i] = count_last(x, holds, limit)
+    if out[i] is None:  # host values: counted by numpy
+      v = np.asarray(x)
+      if limit is not None:
+        v = v[..., :limit]
+      out[i] = _HOLDS[holds](v).sum(axis=-1, dtype=np.int64)
   return out
 
 
