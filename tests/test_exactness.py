@@ -28,8 +28,11 @@ SYSTEMS = {
     "ula_small_pallas_kernels": ["memory.system=ula", f"memory.device_pool={SMALL_POOL}",
                                  "memory.host_pool=1024", "kernels.attention=pallas",
                                  "kernels.fetch=pallas", "kernels.resolve=pallas"],
+    # The GPU's default form: the full resolve every step (no all-hit fast path), whose
+    # kernels update the stacked metadata of every group in place.
     "ula_small_fused_resolve": ["memory.system=ula", f"memory.device_pool={SMALL_POOL}",
-                                "memory.host_pool=1024", "kernels.resolve=pallas_fused"],
+                                "memory.host_pool=1024", "kernels.resolve=pallas_fused",
+                                "kernels.resolve_fast_path=false"],
     "ula_small_ffi_fetch": ["memory.system=ula", f"memory.device_pool={SMALL_POOL}",
                             "memory.host_pool=1024", "kernels.fetch=ffi"],
     "hisparse_small": ["memory.system=hisparse", f"memory.hisparse.device_buffer_size={TOP_K}",

@@ -180,6 +180,27 @@ class ResolvePallasCases:
 
     assert self.check_steps(case, rng, steps=2, step_fn=empty) == 0
 
+  @pytest.mark.parametrize("name", ["pb_lru", "pb_lru_fused", "lru"])
+  def test_stacked_groups_in_place(self, name, rng):
+    """With ``group`` set the kernels take every group's metadata, stacked, and resolve
+    the group's part in place: its arrays equal the reference's on that group alone,
+    and the other groups' are untouched."""
+    case = CASES[name]
+    system = system_for(case)
+    metas = [filled_meta(system, rng, fill) for fill in (case.fill, 0.5, case.fill)]
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *metas)
+    for group in (1, 2, 0):
+      args = random_step(rng, np.asarray(metas[group].table), case.B, case.k)
+      args = tuple(map(jnp.asarray, args))
+      want = jitted(system)["resolve"](metas[group], *args)
+      got_meta, *got = resolve_group_pallas(
+          system, stacked, *args, config=case.config, interpret=self.INTERPRET,
+          programs=case.programs, poison=POISON, group=jnp.int32(group))
+      metas[group] = want[0]
+      assert_identical((got_meta, *got), (jax.tree.map(lambda *x: jnp.stack(x), *metas),
+                                          *want[1:]))
+      stacked = got_meta
+
   def test_hand_checked_step(self):
     """The worked example of ``test_reference_hand_checked`` through this implementation."""
     system, meta, args = hand_example()

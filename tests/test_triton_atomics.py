@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -26,8 +27,10 @@ def lowered_kernels(config: ResolveConfig, programs: int = 8) -> dict[str, tuple
       B=case.B, k=case.k, N=system.num_logical, Sd=system.device_slots, Hr=system.host_rows,
       R=system.buckets, policy="pb_lru", config=config,
       programs=programs if config.fuse else 1)
+  # Two groups' metadata, stacked, resolving the second (as inside a decode step).
+  meta = jax.tree.map(lambda x: jnp.stack([x, x]), system.init_group_meta())
   text = resolve_pallas._resolve.trace(
-      system.init_group_meta(), sel, sel >= 0, sel[:, 0], sel[:, 0] >= 0, g=g,
+      meta, jnp.ones((1,), jnp.int32), sel, sel >= 0, sel[:, 0], sel[:, 0] >= 0, g=g,
       interpret=False).lower(lowering_platforms=("cuda",)).as_text()
   count = lambda ir, sem: len(re.findall(rf"tt.atomic_rmw \w+, {sem},", ir))
   return {name: (count(ir, "relaxed"), count(ir, "acq_rel"))

@@ -17,9 +17,10 @@ and one host pool ``[L * Hr, W]`` (memory kind ``pinned_host``) over all layers,
 host tier keeps one unused row per layer so every gather has a shape), and one
 ``GroupMeta`` whose leaves have a leading group axis ``[G, ...]``. The layers of a group
 store an entry at the same slot. ``group`` and ``layer`` may be traced int32 scalars:
-``resolve`` takes the group's metadata with ``group_slice`` and writes it back with
-``group_update``; ``move_layer`` / ``write_token`` / ``read_pool`` address rows at
-``layer * Sd + slot``.
+``resolve`` hands the stacked metadata and the group to ``resolve_group`` (the Pallas
+kernels update the group's part in place; the other forms take it out with
+``group_slice`` and write it back with ``group_update``); ``move_layer`` /
+``write_token`` / ``read_pool`` address rows at ``layer * Sd + slot``.
 Tiers are exclusive: an entry is on the device or on the host, never both. Fetching a
 host entry moves it to a device slot; the occupant it displaces moves to the host (into
 the slot the fetched entry vacated, or any free one).
@@ -339,18 +340,21 @@ class Ula(MemorySystem):
     return new.replace(meta=meta)
 
   def resolve(self, state: UlaState, group, sel_addr, sel_valid, new_addr, active):
-    # ``resolve_meta`` itself ('jnp') or the fused Pallas kernels ('pallas'): same arrays.
-    # ``group`` may be traced: the group's metadata is sliced out and written back.
-    meta = group_slice(state.meta, group)
+    # ``resolve_meta`` itself ('jnp') or the Pallas kernels ('pallas', 'pallas_fused'):
+    # same arrays. ``group`` may be traced. The Pallas kernels without the fast path
+    # update the group's part of the stacked metadata in place; the other forms take the
+    # group's metadata out and write it back.
     if self.speculate:
+      meta = group_slice(state.meta, group)
       meta, slots, new_slot, plan, stats = resolve_speculative(
           self, meta, sel_addr, sel_valid, new_addr, active)
+      meta = group_update(state.meta, group, meta)
     else:
       meta, slots, new_slot, plan, stats = resolve_group(
-          self, meta, sel_addr, sel_valid, new_addr, active,
+          self, state.meta, sel_addr, sel_valid, new_addr, active,
           impl=self.resolve_impl, interpret=self.resolve_interpret,
-          fast_path=self.resolve_fast_path)
-    state = state.replace(meta=group_update(state.meta, group, meta))
+          fast_path=self.resolve_fast_path, group=group)
+    state = state.replace(meta=meta)
     return state, Resolution(slots=slots, valid=sel_valid, new_slot=new_slot, plan=plan,
                              stats=stats)
 

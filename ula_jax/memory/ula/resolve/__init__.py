@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import jax
 
+from ula_jax.memory.base import group_slice, group_update
+
 # impl name -> "module:function"
 IMPLS: dict[str, str] = {
     "jnp": "ula_jax.memory.ula.resolve.reference:resolve_group_reference",
@@ -66,11 +68,12 @@ def impl_function(impl: str) -> Callable[..., Any]:
 def resolve_group(system: Any, meta: Any, sel_addr: jax.Array, sel_valid: jax.Array,
                   new_addr: jax.Array, active: jax.Array, *, impl: str = "jnp",
                   interpret: bool | None = None, config: Any = None,
-                  fast_path: bool = True):
+                  fast_path: bool = True, group: Any = None):
   """Resolves one layer group's selection for a batch of requests.
 
   system:    a ``ula.Ula`` (static: sizes and policy)
-  meta:      its ``GroupMeta`` for the group (local arrays, no dp axis)
+  meta:      its ``GroupMeta`` for the group (local arrays, no dp axis); with ``group``
+             set, every group's, stacked (``[G, ...]`` leaves, ``UlaState.meta``'s)
   sel_addr:  [B, k] int32 logical addresses selected; sel_valid: [B, k] bool
   new_addr:  [B] int32 the tokens being decoded; active: [B] bool
   impl:      'jnp' | 'pallas' | 'pallas_fused'
@@ -79,10 +82,27 @@ def resolve_group(system: Any, meta: Any, sel_addr: jax.Array, sel_valid: jax.Ar
              ``ResolveConfig()`` for 'pallas', ``FUSED_CONFIG`` for 'pallas_fused')
   fast_path: take the all-hit fast path (``fastpath.py``) when the step moves nothing;
              the result is the same either way
+  group:     None, or the group of the stacked ``meta`` to resolve (int or traced int32
+             scalar). The Pallas impls without the fast path update the group's part of
+             the stacked arrays in place (stacks of fewer than 2^31 elements per
+             array); the others resolve a slice of it and write it back (a copy out and
+             a copy in)
   returns (meta, slots [B, k] int32, new_slot [B] int32, plan ``UlaPlan``, stats dict
-           of int32 scalars ``hits``, ``misses``, ``evictions``)
+           of int32 scalars ``hits``, ``misses``, ``evictions``); ``meta`` stacked like
+           the one passed
   """
   fn = impl_function(impl)
+  # The kernels index the stacked arrays with int32.
+  in_place = group is not None and impl.startswith("pallas") and not fast_path and all(
+      x.size < 2**31 for x in jax.tree.leaves(meta))
+  if in_place:
+    return fn(system, meta, sel_addr, sel_valid, new_addr, active, config=config,
+              interpret=interpret, group=group)
+  if group is not None:
+    new, *rest = resolve_group(system, group_slice(meta, group), sel_addr, sel_valid,
+                               new_addr, active, impl=impl, interpret=interpret,
+                               config=config, fast_path=fast_path)
+    return (group_update(meta, group, new), *rest)
 
   def full(meta, sel_addr, sel_valid, new_addr, active):
     return fn(system, meta, sel_addr, sel_valid, new_addr, active, config=config,

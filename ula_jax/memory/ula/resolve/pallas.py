@@ -54,14 +54,19 @@ mode (CPU) they are emulated with lanes serialized in lane order, which has the 
 results (the kernels only use an atomic's old value to name the first lane to set a bit).
 
 Global state lives in the arrays of ``GroupMeta`` (updated in place when donated) and
-in one int32 scratch buffer, zero-filled per call, laid out by ``_Geometry``.
+in one int32 scratch buffer, zero-filled per call, laid out by ``_Geometry``. The
+kernels always take the metadata of a stack of groups (``UlaState.meta``'s ``[G, ...]``
+leaves, flattened) and the group to resolve, and read and write that group's part of
+each stacked array through a ``_View`` (its elements from ``group * size``): inside a
+decode step the stacked arrays are updated in place, with no slice copied out for the
+kernels and none copied back. One group's metadata is resolved as a stack of one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -322,26 +327,59 @@ class _Geometry:
 # ----------------------------------------------------------------------------------
 
 
+class _View(NamedTuple):
+  """One group's part of a stacked array's ref: its elements ``[base, base + size)``.
+
+  The kernels take the metadata of every layer group, stacked and flattened (``[G *
+  size]``), and read and write one group's part in place; ``base`` is ``group * size``,
+  loaded from the launch's ``group`` input. The ref helpers below take a view or a
+  plain ref alike."""
+
+  ref: Any
+  base: Any  # int32 scalar
+  size: int
+
+  @property
+  def shape(self) -> tuple[int]:
+    return (self.size,)
+
+  @property
+  def dtype(self) -> Any:
+    return self.ref.dtype
+
+
+def _addr(ref, idx):
+  """(the ref to index, ``idx`` in it): a view's indices offset by its base."""
+  if isinstance(ref, _View):
+    return ref.ref, ref.base + idx
+  return ref, idx
+
+
 def _ld(ref, idx, mask, other):
   """``ref[idx]`` where ``mask`` (``other`` elsewhere); masked lanes read index 0."""
+  ref, idx = _addr(ref, idx)
   return plgpu.load(ref.at[jnp.where(mask, idx, 0)], mask=mask, other=other)
 
 
 def _st(ref, idx, val, mask) -> None:
-  """``ref[idx] = val`` where ``mask``. Masked lanes point one past the end: masked on
-  GPU, dropped when interpreted (where a masked lane would otherwise write back the
-  value it read, over a live lane's store to the same index)."""
+  """``ref[idx] = val`` where ``mask``. Masked lanes point one past the end (of the whole
+  stacked array for a view): masked on GPU, dropped when interpreted (where a masked
+  lane would otherwise write back the value it read, over a live lane's store to the
+  same index)."""
+  ref, idx = _addr(ref, idx)
   plgpu.store(ref.at[jnp.where(mask, idx, ref.shape[0])], val, mask=mask)
 
 
 def _get(ref, i):
   """Scalar ``ref[i]``."""
-  return plgpu.load(ref.at[jnp.asarray(i, _I32)])
+  ref, i = _addr(ref, jnp.asarray(i, _I32))
+  return plgpu.load(ref.at[i])
 
 
 def _put(ref, i, val) -> None:
   """Scalar ``ref[i] = val``."""
-  plgpu.store(ref.at[jnp.asarray(i, _I32)], val)
+  ref, i = _addr(ref, jnp.asarray(i, _I32))
+  plgpu.store(ref.at[i], val)
 
 
 def _bit(pos):
@@ -356,6 +394,7 @@ def _atomic(kind: str, ref, idx, val, mask, *, interpret: bool):
   a lane's old value includes the updates of the lanes before it to the same index.
   """
   if not interpret:
+    ref, idx = _addr(ref, idx)
     return atomic(kind, ref, (jnp.where(mask, idx, 0),), val, mask=mask)
   n = idx.shape[0]
   lane = jnp.arange(n, dtype=_I32)
@@ -378,6 +417,7 @@ def _add_scalar(ref, i, val, *, interpret: bool):
   """``ref[i] += val`` by one program (atomic across programs on GPU); returns the old
   value (interpreted, programs run one after another)."""
   if not interpret:
+    ref, i = _addr(ref, i)
     return atomic("add", ref, (i,), val)
   old = _get(ref, i)
   _put(ref, i, old + val)
@@ -387,6 +427,7 @@ def _add_scalar(ref, i, val, *, interpret: bool):
 def _or_scalar(ref, i, val, *, interpret: bool) -> None:
   """``ref[i] |= val`` by one program (atomic across programs on GPU)."""
   if not interpret:
+    ref, i = _addr(ref, i)
     atomic("or", ref, (i,), val)
     return
   _put(ref, i, _get(ref, i) | val)
@@ -978,13 +1019,16 @@ def _fused_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
 
 
 def _launch(kernel: Callable, g: _Geometry, *, name: str, grid: int, inputs: dict,
-            aliased: dict, fresh: dict, interpret: bool, poison: int | None) -> dict:
+            aliased: dict, fresh: dict, views: dict, interpret: bool,
+            poison: int | None) -> dict:
   """One ``pallas_call``; the kernel gets one dict of refs.
 
-  inputs:  {name: array} read only
+  inputs:  {name: array} read only; ``group`` ([1] int32, the layer group) among them
   aliased: {name: array} updated in place (read and written through the output ref)
   fresh:   {name: ShapeDtypeStruct} new outputs; with ``poison`` (a testing aid) they
            are created filled with it and updated in place instead
+  views:   {name: elements per group} of the stacked metadata arrays: the kernel sees
+           the group's part of each (``_View``)
   returns {name: array} of the aliased and fresh outputs
   """
   if poison is not None:
@@ -998,6 +1042,10 @@ def _launch(kernel: Callable, g: _Geometry, *, name: str, grid: int, inputs: dic
   def body(*refs):
     d = dict(zip(list(inputs), refs[:len(inputs)]))
     d.update(zip(out_names, refs[len(in_names):]))
+    group = _get(d["group"], 0)
+    for n, size in views.items():
+      if n in d:
+        d[n] = _View(d[n], group * size, size)
     kernel(d, g, interpret)
 
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -1016,7 +1064,8 @@ def _launch(kernel: Callable, g: _Geometry, *, name: str, grid: int, inputs: dic
 
 
 def _flat_levels(bm: tuple, name: str, first: int = 0) -> dict:
-  """Bitmap levels as flat refs named ``{name}{t}`` (ring levels [R, W] -> [R * W])."""
+  """Bitmap levels as flat refs named ``{name}{t}`` (stacked levels [G, (R,) W] -> [G *
+  (R *) W])."""
   return {f"{name}{t}": bm[t].reshape(-1) for t in range(first, len(bm))}
 
 
@@ -1025,80 +1074,89 @@ def _i32_1(x) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("g", "interpret", "poison"))
-def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geometry,
-             interpret: bool, poison: int | None = None):
+def _resolve(meta: GroupMeta, group, sel_addr, sel_valid, new_addr, active, *,
+             g: _Geometry, interpret: bool, poison: int | None = None):
+  # meta: every group's metadata, stacked ([G, ...] leaves); group: [1] int32. The
+  # kernels update the group's part of each stacked array in place.
   B, M = g.B, g.M
+  G = meta.table.shape[0]
   i32 = lambda shape: jax.ShapeDtypeStruct(shape, _I32)
   pb_lru = g.policy == "pb_lru"
   pst = meta.policy
-  sel = {"sel_addr": sel_addr.reshape(-1).astype(_I32),
+  sel = {"group": group, "sel_addr": sel_addr.reshape(-1).astype(_I32),
          "sel_valid": sel_valid.reshape(-1).astype(jnp.bool_),
          "new_addr": new_addr.astype(_I32), "active": active.astype(jnp.bool_)}
   work = jnp.zeros((g.scratch_size,), _I32)
   host = _flat_levels(meta.host_free, "host")
+  state = {"table": meta.table.reshape(-1), "dev_owner": meta.dev_owner.reshape(-1),
+           "host_owner": meta.host_owner.reshape(-1), **host}
   pol = {}
   if pb_lru:
     pol = {**_flat_levels(pst.free, "free"), **_flat_levels(pst.cold, "cold"),
            **_flat_levels(pst.ring, "ring")}
+    state.update(pol, cur=pst.cur.reshape(-1))
+  else:
+    state.update(stamp=pst.stamp.reshape(-1), clock=pst.clock.reshape(-1))
+  views = {n: x.shape[0] // G for n, x in state.items()}
+  launch = functools.partial(_launch, g=g, views=views, interpret=interpret, poison=poison)
   n_sel, n_new = g.elem_programs(g.config.block_elems)
 
   if pb_lru and g.config.fuse:
-    ins = {**sel, "cur": _i32_1(pst.cur)}
-    upd = {"table": meta.table, "dev_owner": meta.dev_owner,
-           "host_owner": meta.host_owner, "work": work, **host, **pol}
+    ins = {**sel, "cur": state["cur"]}
+    upd = {"table": state["table"], "dev_owner": state["dev_owner"],
+           "host_owner": state["host_owner"], "work": work, **host, **pol}
     new = {"roles": i32((M,)), "place_list": i32((M,)), "cur1": i32((1,)),
            **{n: i32((M,)) for n in ("fetch_src", "fetch_dst", "evict_src", "evict_dst")},
            "slots": i32((g.BK,)), "new_slot": i32((B,)),
            **{n: i32((1,)) for n in ("hits", "misses", "n_fetch", "n_evict")}}
-    o4 = _launch(_fused_kernel, g, name="ula_resolve_fused", grid=g.programs, inputs=ins,
-                 aliased=upd, fresh=new, interpret=interpret, poison=poison)
-    return _outputs(g, o4, o4, o4, None)
+    o4 = launch(_fused_kernel, name="ula_resolve_fused", grid=g.programs, inputs=ins,
+                aliased=upd, fresh=new)
+    return _outputs(g, meta, group, o4, o4, o4, None)
 
   # 1. mark
-  ins = {**sel, "table": meta.table}
-  upd = {"host_owner": meta.host_owner, "work": work}
+  ins = {**sel, "table": state["table"]}
+  upd = {"host_owner": state["host_owner"], "work": work}
   new = {"roles": i32((M,)), "place_list": i32((M,))}
   if not pb_lru:
-    ins["clock"] = _i32_1(pst.clock)
-    upd["stamp"] = pst.stamp
+    ins["clock"] = state["clock"]
+    upd["stamp"] = state["stamp"]
     new["clock1"] = i32((1,))
-  o1 = _launch(_mark_kernel, g, name="ula_resolve_mark", grid=n_sel + n_new, inputs=ins,
-               aliased=upd, fresh=new, interpret=interpret, poison=poison)
+  o1 = launch(_mark_kernel, name="ula_resolve_mark", grid=n_sel + n_new, inputs=ins,
+              aliased=upd, fresh=new)
 
   # 2. round
   upd = {"work": o1["work"], "host0": host["host0"],
          **{f"host{t}": host[f"host{t}"] for t in range(3, g.host.top + 1)}}
-  ins, new = {}, {}
+  ins, new = {"group": group}, {}
   if pb_lru:
-    ins["cur"] = _i32_1(pst.cur)
+    ins["cur"] = state["cur"]
     upd.update({f"{n}{t}": pol[f"{n}{t}"] for n in ("free", "cold", "ring")
                 for t in (0, *range(3, g.pol.top + 1))})
     new["cur1"] = i32((1,))
-  o2 = _launch(_round_kernel, g, name="ula_resolve_round", grid=g.round_programs, inputs=ins,
-               aliased=upd, fresh=new, interpret=interpret, poison=poison)
+  o2 = launch(_round_kernel, name="ula_resolve_round", grid=g.round_programs, inputs=ins,
+              aliased=upd, fresh=new)
   host.update({n: o2[n] for n in host if n in o2})
   pol.update({n: o2[n] for n in pol if n in o2})
 
   # 3. place (exact LRU: its pick, a ranking of every slot, runs in XLA first)
-  ins = {"sel_addr": sel["sel_addr"], "new_addr": sel["new_addr"], "roles": o1["roles"],
-         "place_list": o1["place_list"], "host0": host["host0"]}
-  upd = {"table": meta.table, "dev_owner": meta.dev_owner, "host_owner": o1["host_owner"],
-         "work": o2["work"]}
+  ins = {"group": group, "sel_addr": sel["sel_addr"], "new_addr": sel["new_addr"],
+         "roles": o1["roles"], "place_list": o1["place_list"], "host0": host["host0"]}
+  upd = {"table": state["table"], "dev_owner": state["dev_owner"],
+         "host_owner": o1["host_owner"], "work": o2["work"]}
   if pb_lru:
     ins.update({"cur1": o2["cur1"], "free0": pol["free0"], "cold0": pol["cold0"],
                 "ring0": pol["ring0"]})
   else:
     clock1 = o1["clock1"]
     n_place = o2["work"][_N_LISTED]
-    cand, ok, was_free = Lru(g.Sd).pick(LruState(stamp=o1["stamp"], clock=clock1[0]),
-                                        n_place, M)
+    stamp = o1["stamp"].reshape(G, -1)[group[0]]
+    cand, ok, was_free = Lru(g.Sd).pick(LruState(stamp=stamp, clock=clock1[0]), n_place, M)
     ins.update({"cand": cand, "cand_ok": ok, "cand_free": was_free, "clock1": clock1,
                 "lru_counts": jnp.stack([jnp.sum(was_free), jnp.sum(ok)]).astype(_I32)})
     upd["stamp"] = o1["stamp"]
   new = {n: i32((M,)) for n in ("fetch_src", "fetch_dst", "evict_src", "evict_dst")}
-  o3 = _launch(_place_kernel, g, name="ula_resolve_place",
-               grid=_cdiv(M, g.config.block_place), inputs=ins, aliased=upd, fresh=new,
-               interpret=interpret, poison=poison)
+  o3 = launch(_place_kernel, name="ula_resolve_place", grid=_cdiv(M, g.config.block_place),
+              inputs=ins, aliased=upd, fresh=new)
 
   # 4. publish
   ins = {**sel, "table": o3["table"], "work": o3["work"]}
@@ -1109,29 +1167,33 @@ def _resolve(meta: GroupMeta, sel_addr, sel_valid, new_addr, active, *, g: _Geom
     upd.update(pol)
   new = {"slots": i32((g.BK,)), "new_slot": i32((B,)),
          **{n: i32((1,)) for n in ("hits", "misses", "n_fetch", "n_evict")}}
-  o4 = _launch(_publish_kernel, g, name="ula_resolve_publish",
-               grid=g.publish_programs, inputs=ins, aliased=upd,
-               fresh=new, interpret=interpret, poison=poison)
+  o4 = launch(_publish_kernel, name="ula_resolve_publish", grid=g.publish_programs,
+              inputs=ins, aliased=upd, fresh=new)
 
-  return _outputs(g, o2, o3, o4, o1)
+  return _outputs(g, meta, group, o2, o3, o4, o1)
 
 
-def _outputs(g: _Geometry, o2: dict, o3: dict, o4: dict, o1: dict | None):
-  """``resolve_meta``'s results from the launches' outputs (o1: the mark launch's, for
-  exact LRU's clock)."""
+def _outputs(g: _Geometry, meta: GroupMeta, group, o2: dict, o3: dict, o4: dict,
+             o1: dict | None):
+  """``resolve_meta``'s results from the launches' outputs, the metadata stacked like
+  ``meta`` (o1: the mark launch's, for exact LRU's clock)."""
   B, k, pb_lru = g.B, g.k, g.policy == "pb_lru"
-  host_free = tuple(o4[f"host{t}"] for t in range(g.host.top + 1))
+  like = lambda x, old: x.reshape(old.shape)
+  host_free = tuple(like(o4[f"host{t}"], meta.host_free[t]) for t in range(g.host.top + 1))
+  pst = meta.policy
   if pb_lru:
-    R = g.R
     policy = PbLruState(
-        free=tuple(o4[f"free{t}"] for t in range(g.pol.top + 1)),
-        cold=tuple(o4[f"cold{t}"] for t in range(g.pol.top + 1)),
-        ring=tuple(o4[f"ring{t}"].reshape(R, -1) for t in range(g.pol.top + 1)),
-        cur=o2["cur1"].reshape(()))
+        free=tuple(like(o4[f"free{t}"], pst.free[t]) for t in range(g.pol.top + 1)),
+        cold=tuple(like(o4[f"cold{t}"], pst.cold[t]) for t in range(g.pol.top + 1)),
+        ring=tuple(like(o4[f"ring{t}"], pst.ring[t]) for t in range(g.pol.top + 1)),
+        cur=pst.cur.at[group[0]].set(o2["cur1"][0]))
   else:
-    policy = LruState(stamp=o3["stamp"], clock=o1["clock1"].reshape(()))
-  meta = GroupMeta(table=o3["table"], dev_owner=o3["dev_owner"],
-                   host_owner=o3["host_owner"], host_free=host_free, policy=policy)
+    policy = LruState(stamp=like(o3["stamp"], pst.stamp),
+                      clock=pst.clock.at[group[0]].set(o1["clock1"][0]))
+  meta = GroupMeta(table=like(o3["table"], meta.table),
+                   dev_owner=like(o3["dev_owner"], meta.dev_owner),
+                   host_owner=like(o3["host_owner"], meta.host_owner),
+                   host_free=host_free, policy=policy)
   n_evict = o4["n_evict"].reshape(())
   plan = UlaPlan(fetch_src=o4["fetch_src"], fetch_dst=o4["fetch_dst"],
                  evict_src=o4["evict_src"], evict_dst=o4["evict_dst"],
@@ -1145,11 +1207,15 @@ def resolve_group_pallas(system: Any, meta: GroupMeta, sel_addr: jax.Array,
                          sel_valid: jax.Array, new_addr: jax.Array, active: jax.Array, *,
                          config: ResolveConfig | None = None,
                          interpret: bool | None = None, programs: int | None = None,
-                         poison: int | None = None):
+                         poison: int | None = None, group: Any = None):
   """``system.resolve_meta`` as Pallas kernels (see the module doc); same signature.
 
   system: a ``ula.Ula`` (its sizes and policy are static); meta: its ``GroupMeta`` for
-  one layer group (local arrays; donate them to update in place)
+  one layer group (local arrays; donate them to update in place), or with ``group``
+  set, every group's (``[G, ...]`` leaves, ``UlaState.meta``'s local arrays): the
+  kernels then read and write group ``group``'s part of the stacked arrays in place
+  (no slice out and no copy back), and the metadata returned is stacked likewise
+  group: None, or the layer group to resolve (int or traced int32 scalar)
   sel_addr: [B, k] int32; sel_valid: [B, k] bool; new_addr: [B] int32; active: [B] bool
   config: tuning (``ResolveConfig``); interpret: Pallas interpret mode (None: on
   everywhere but on GPU)
@@ -1184,18 +1250,28 @@ def resolve_group_pallas(system: Any, meta: GroupMeta, sel_addr: jax.Array,
                       Hr=system.host_rows, R=system.buckets if policy == "pb_lru" else 1,
                       policy=policy, config=config,
                       programs=fused_programs(config, interpret, programs) if fused else 1)
-  return _resolve(meta, sel_addr, sel_valid, new_addr, active, g=g, interpret=interpret,
-                  poison=poison)
+  if group is None:  # one group's metadata: a stack of one
+    meta = jax.tree.map(lambda x: x[None], meta)
+  elif any(x.size >= 2**31 for x in jax.tree.leaves(meta)):
+    raise ValueError(f"meta: a stacked array of {max(x.size for x in jax.tree.leaves(meta))}"
+                     " elements: the kernels index the stacked arrays with int32; pass "
+                     "one group's metadata (group=None)")
+  at = _i32_1(0 if group is None else group)
+  meta, *rest = _resolve(meta, at, sel_addr, sel_valid, new_addr, active, g=g,
+                         interpret=interpret, poison=poison)
+  if group is None:
+    meta = jax.tree.map(lambda x: x[0], meta)
+  return (meta, *rest)
 
 
 def resolve_group_pallas_fused(system: Any, meta: GroupMeta, sel_addr: jax.Array,
                                sel_valid: jax.Array, new_addr: jax.Array, active: jax.Array,
                                *, config: ResolveConfig | None = None,
                                interpret: bool | None = None, programs: int | None = None,
-                               poison: int | None = None):
+                               poison: int | None = None, group: Any = None):
   """``resolve_group_pallas`` with ``config.fuse`` set (``FUSED_CONFIG`` when None):
   PB-LRU's resolve in one launch (``kernels.resolve=pallas_fused``)."""
   config = dataclasses.replace(config or FUSED_CONFIG, fuse=True)
   return resolve_group_pallas(system, meta, sel_addr, sel_valid, new_addr, active,
                               config=config, interpret=interpret, programs=programs,
-                              poison=poison)
+                              poison=poison, group=group)
