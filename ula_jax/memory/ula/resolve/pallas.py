@@ -861,8 +861,9 @@ def _place_kernel(r: dict, g: _Geometry, interpret: bool, pid=None) -> None:
 
 
 def _publish_kernel(r: dict, g: _Geometry, interpret: bool, pid=None) -> None:
-  # r: sel_addr, sel_valid, new_addr, active, table, work, (pb_lru: cur1);
-  #    updated: host levels, (pb_lru: free, cold, ring levels), the plan lists;
+  # r: sel_addr, sel_valid, new_addr, active, table, work, (pb_lru: cur1; lru: clock1);
+  #    updated: host levels, (pb_lru: free, cold, ring levels, cur; lru: clock), the
+  #    plan lists;
   #    written: slots [BK], new_slot [B], hits, misses, n_fetch, n_evict [1]
   pid = pl.program_id(0) if pid is None else pid
   work = r["work"]
@@ -942,6 +943,12 @@ def _publish_kernel(r: dict, g: _Geometry, interpret: bool, pid=None) -> None:
     for name, at in (("hits", _N_HIT), ("misses", _N_MISS), ("n_fetch", _N_FETCH),
                      ("n_evict", _N_EVICT)):
       _put(r[name], 0, _get(work, at))
+    # The policy's round (PB-LRU's current bucket, exact LRU's clock) into the group's
+    # own word: every stage before this one has read it.
+    if g.policy == "pb_lru":
+      _put(r["cur"], 0, _get(r["cur1"], 0))
+    else:
+      _put(r["clock"], 0, _get(r["clock1"], 0))
 
 
 # ----------------------------------------------------------------------------------
@@ -1102,16 +1109,17 @@ def _resolve(meta: GroupMeta, group, sel_addr, sel_valid, new_addr, active, *,
   n_sel, n_new = g.elem_programs(g.config.block_elems)
 
   if pb_lru and g.config.fuse:
-    ins = {**sel, "cur": state["cur"]}
+    ins = dict(sel)
     upd = {"table": state["table"], "dev_owner": state["dev_owner"],
-           "host_owner": state["host_owner"], "work": work, **host, **pol}
+           "host_owner": state["host_owner"], "work": work, **host, **pol,
+           "cur": state["cur"]}
     new = {"roles": i32((M,)), "place_list": i32((M,)), "cur1": i32((1,)),
            **{n: i32((M,)) for n in ("fetch_src", "fetch_dst", "evict_src", "evict_dst")},
            "slots": i32((g.BK,)), "new_slot": i32((B,)),
            **{n: i32((1,)) for n in ("hits", "misses", "n_fetch", "n_evict")}}
     o4 = launch(_fused_kernel, name="ula_resolve_fused", grid=g.programs, inputs=ins,
                 aliased=upd, fresh=new)
-    return _outputs(g, meta, group, o4, o4, o4, None)
+    return _outputs(g, meta, o4, o4)
 
   # 1. mark
   ins = {**sel, "table": state["table"]}
@@ -1164,19 +1172,21 @@ def _resolve(meta: GroupMeta, group, sel_addr, sel_valid, new_addr, active, *,
   upd.update(host)
   if pb_lru:
     ins["cur1"] = o2["cur1"]
-    upd.update(pol)
+    upd.update(pol, cur=state["cur"])
+  else:
+    ins["clock1"] = o1["clock1"]
+    upd["clock"] = state["clock"]
   new = {"slots": i32((g.BK,)), "new_slot": i32((B,)),
          **{n: i32((1,)) for n in ("hits", "misses", "n_fetch", "n_evict")}}
   o4 = launch(_publish_kernel, name="ula_resolve_publish", grid=g.publish_programs,
               inputs=ins, aliased=upd, fresh=new)
 
-  return _outputs(g, meta, group, o2, o3, o4, o1)
+  return _outputs(g, meta, o3, o4)
 
 
-def _outputs(g: _Geometry, meta: GroupMeta, group, o2: dict, o3: dict, o4: dict,
-             o1: dict | None):
-  """``resolve_meta``'s results from the launches' outputs, the metadata stacked like
-  ``meta`` (o1: the mark launch's, for exact LRU's clock)."""
+def _outputs(g: _Geometry, meta: GroupMeta, o3: dict, o4: dict):
+  """``resolve_meta``'s results from the place and publish launches' outputs, the
+  metadata stacked like ``meta``."""
   B, k, pb_lru = g.B, g.k, g.policy == "pb_lru"
   like = lambda x, old: x.reshape(old.shape)
   host_free = tuple(like(o4[f"host{t}"], meta.host_free[t]) for t in range(g.host.top + 1))
@@ -1186,10 +1196,9 @@ def _outputs(g: _Geometry, meta: GroupMeta, group, o2: dict, o3: dict, o4: dict,
         free=tuple(like(o4[f"free{t}"], pst.free[t]) for t in range(g.pol.top + 1)),
         cold=tuple(like(o4[f"cold{t}"], pst.cold[t]) for t in range(g.pol.top + 1)),
         ring=tuple(like(o4[f"ring{t}"], pst.ring[t]) for t in range(g.pol.top + 1)),
-        cur=pst.cur.at[group[0]].set(o2["cur1"][0]))
+        cur=like(o4["cur"], pst.cur))
   else:
-    policy = LruState(stamp=like(o3["stamp"], pst.stamp),
-                      clock=pst.clock.at[group[0]].set(o1["clock1"][0]))
+    policy = LruState(stamp=like(o3["stamp"], pst.stamp), clock=like(o4["clock"], pst.clock))
   meta = GroupMeta(table=like(o3["table"], meta.table),
                    dev_owner=like(o3["dev_owner"], meta.dev_owner),
                    host_owner=like(o3["host_owner"], meta.host_owner),
