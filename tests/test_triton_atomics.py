@@ -1,6 +1,7 @@
 """What the Pallas resolve's kernels lower to for a GPU, checked on any machine: the
 bitmap and counter atomics relaxed, the grid barriers' atomics acquire-release (the
-Triton IR of a module lowered for CUDA, ``triton_kernels_ir``)."""
+Triton IR of a module lowered for CUDA, ``triton_kernels_ir``), and the stacked metadata
+updated in place inside a scan over groups."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from tests.test_resolve_kernel import CASES, system_for
 from ula_jax.kernels import triton_ir
 from ula_jax.memory.ula import atomics as triton_atomics
+from ula_jax.memory.ula.resolve import resolve_group
 from ula_jax.memory.ula.resolve import pallas as resolve_pallas
 from ula_jax.memory.ula.resolve.pallas import FUSED_CONFIG, ResolveConfig
 
@@ -54,3 +56,42 @@ def test_atomic_kind_is_checked():
   with pytest.raises(ValueError, match=r"atomic kind='xor': expected one of \['add', 'and', "
                      r"'or'\]"):
     triton_atomics.atomic("xor", None, (0,), 1)
+
+
+def _scan_over_groups_ir(fast_path: bool) -> tuple[str, list[str]]:
+  """The StableHLO, lowered for CUDA, of a scan over three groups' stacked metadata that
+  resolves each group with the four launches, and the stacked leaves' tensor types."""
+  case = CASES["pb_lru"]
+  system = system_for(case)
+  meta = jax.tree.map(lambda x: jnp.stack([x] * 3), system.init_group_meta())
+  sel = jnp.zeros((case.B, case.k), jnp.int32)
+
+  def step(meta):
+    def body(m, g):
+      m, slots, *_ = resolve_group(system, m, sel, sel >= 0, sel[:, 0], sel[:, 0] >= 0,
+                                   impl="pallas", interpret=False, fast_path=fast_path,
+                                   group=g)
+      return m, slots
+    return jax.lax.scan(body, meta, jnp.arange(3, dtype=jnp.int32))
+
+  text = jax.jit(step).trace(meta).lower(lowering_platforms=("cuda",)).as_text()
+  mlir = {"int32": "i32", "uint32": "ui32"}
+  types = {f"tensor<{'x'.join(map(str, x.shape))}x{mlir[x.dtype.name]}>"
+           for x in jax.tree.leaves(meta) if x.ndim > 1}
+  return text, sorted(types)
+
+
+def test_stacked_resolve_slices_no_metadata_in_a_decode_scan():
+  """Inside the scan over groups, the kernels read and write the stacked metadata in
+  place: no dynamic slice takes a group's table, owners or bitmaps out and no dynamic
+  update slice writes them back (on the GPU each was a copy, several outside the CUDA
+  graphs). The all-hit fast path's conditional still takes the group's slice."""
+  def moved(text, types):
+    lines = [l for l in text.splitlines()
+             if "stablehlo.dynamic_slice" in l or "stablehlo.dynamic_update_slice" in l]
+    return [t for t in types if any(t in l for l in lines)]
+
+  text, types = _scan_over_groups_ir(fast_path=False)
+  assert len(re.findall(r"stablehlo.custom_call", text)) == 4  # the four launches
+  assert not moved(text, types)
+  assert moved(*_scan_over_groups_ir(fast_path=True)) == types
