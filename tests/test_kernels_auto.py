@@ -161,16 +161,61 @@ def test_resolve_by_policy():
   lru = cfg_of(memory={"system": "ula", "policy": "lru"})
   assert auto_kernels(lru, fake_gpu()).resolve == "pallas"
   assert auto_kernels(cfg_of(memory={"system": "ula"}), fake_gpu()).resolve == pb_lru[0]
-  # Each ranking is followed: the fused launch where PB-LRU's ranking puts it first.
+  # Each ranking is followed: the fused launch where PB-LRU's ranking puts it first (a
+  # table without per-shape rankings: the policy's one ranking).
   table = copy.deepcopy(auto.shipped_table())
-  table["devices"]["NVIDIA H200"]["resolve"]["pb_lru"]["ranking"] = [
-      "pallas_fused", "pallas", "jnp"]
+  entry = table["devices"]["NVIDIA H200"]["resolve"]["pb_lru"]
+  entry["ranking"] = ["pallas_fused", "pallas", "jnp"]
+  del entry["by_shape"]
   assert auto.choose(H200, LaunchShape(policy="pb_lru"), table=table)["resolve"] == \
       "pallas_fused"
   # A table that ranks the fused resolve first for exact LRU still gets the four launches.
   table = copy.deepcopy(auto.shipped_table())
-  table["devices"]["NVIDIA H200"]["resolve"]["lru"]["ranking"] = ["pallas_fused", "jnp"]
+  entry = table["devices"]["NVIDIA H200"]["resolve"]["lru"]
+  entry["ranking"] = ["pallas_fused", "jnp"]
+  for e in entry["by_shape"]:
+    e["ranking"] = ["pallas_fused", "jnp"]
   assert auto.choose(H200, LaunchShape(policy="lru"), table=table)["resolve"] == "pallas"
+
+
+def test_fetch_and_resolve_follow_the_launch_shape():
+  """Fetch takes the ranking measured nearest the stored row's size and a decode step's
+  rows per call; resolve the one nearest its batch (the shipped H200 table: the FFI copy
+  leads below 4K rows a call, the Pallas copy from 4K; PB-LRU's one launch leads at
+  batch 128, the four launches at 32 and 64)."""
+  h200 = auto.shipped_table()["devices"]["NVIDIA H200"]
+  at = {(e["row_bytes"], e["entries"]): e["ranking"][0] for e in h200["fetch"]["by_shape"]}
+  assert at[(656, 256)] == "ffi" and at[(656, 65536)] == "pallas"
+  fp8 = dict(kv_layout="fp8", row_bytes=656)
+  assert LaunchShape(rows=64, **fp8).fetch_rows == 64 * 2049
+  assert auto.choose(H200, LaunchShape(rows=64, **fp8), ffi=True)["fetch"] == "pallas"
+  assert auto.choose(H200, LaunchShape(rows=1, top_k=255, **fp8), ffi=True)["fetch"] == "ffi"
+  # Without the FFI package the next of the same ranking; without the row size the
+  # ranking over every size.
+  assert auto.choose(H200, LaunchShape(rows=1, top_k=255, **fp8), ffi=False)["fetch"] == \
+      "pallas"
+  assert auto.choose(H200, LaunchShape(rows=64), ffi=True)["fetch"] == h200["fetch"][
+      "ranking"][0]
+  # The config's shape: GLM-5 FP8 rows at batch 64 (a 131K-row launch).
+  glm5 = cfg_of(model={**GLM5, "kv_layout": "fp8"}, engine={"max_batch": 64})
+  assert launch_shape(glm5).row_bytes == 656
+  assert auto.choose(H200, launch_shape(glm5), ffi=True)["fetch"] == "pallas"
+  batch = {e["batch"]: e["ranking"][0] for e in h200["resolve"]["pb_lru"]["by_shape"]}
+  assert batch == {32: "pallas", 64: "pallas", 128: "pallas_fused"}
+  assert auto.choose(H200, LaunchShape(rows=58))["resolve"] == "pallas"
+  assert auto.choose(H200, LaunchShape(rows=160))["resolve"] == "pallas_fused"
+  assert auto.choose(H200, LaunchShape(rows=160, policy="lru"))["resolve"] == "pallas"
+
+
+def test_a_malformed_per_shape_ranking_is_rejected():
+  table = copy.deepcopy(auto.shipped_table())
+  h200 = table["devices"]["NVIDIA H200"]
+  h200["fetch"]["by_shape"][0]["entries"] = 0
+  h200["resolve"]["pb_lru"]["by_shape"][1]["ranking"] = ["triton"]
+  problems = auto.check_table(table)
+  assert "NVIDIA H200.fetch.by_shape[0]: expected row_bytes, entries >= 1" in problems
+  assert any(p.startswith("NVIDIA H200.resolve.pb_lru.by_shape[1]: ranking ['triton']")
+             for p in problems), problems
 
 
 def test_ffi_only_when_it_imports(monkeypatch):

@@ -135,7 +135,7 @@ def launch_shape(cfg: ExperimentConfig, *, rows: int | None = None,
       heads=m.num_heads // (tp or cfg.mesh.tp), latent=m.kv_lora_rank,
       rope=m.qk_rope_head_dim, top_k=cfg.top_k, kv_dtype=m.kv_dtype, kv_layout=m.kv_layout,
       prefill_heads=m.num_heads if computed_prefill else None, index_dim=m.index_head_dim,
-      policy=cfg.memory.policy)
+      policy=cfg.memory.policy, row_bytes=m.entry_layout.row_bytes)
 
 
 def auto_kernels(cfg: ExperimentConfig, device: Any, *, rows: int | None = None,

@@ -27,7 +27,9 @@ operation's implementations ranked by measured time, fastest first:
   ranking the implementations measured at that batch;
 * indexer, fetch and each resolve policy: one ranking, by the geometric mean over the
   compared settings of each implementation's time over the fastest one's there (an
-  implementation never compared with another comes last).
+  implementation never compared with another comes last); fetch and resolve also one
+  such ranking per launch shape measured (``by_shape``): fetch per row size and rows per
+  call (both directions), resolve per batch (every pool and ring measured at it).
 
 ``--merge TABLE`` keeps the devices of an existing table that the inputs do not measure.
 Prints the rankings and writes the table, checked by ``kernels.auto.check_table``. The
@@ -139,8 +141,8 @@ def measurements(run: dict, source: str) -> list[Measurement]:
     labels = _production_labels()["fetch"]
     for r in run["rows"]:
       if r["impl"] in labels and not r.get("error") and r.get("ok") is not False:
-        add("fetch", (r["direction"], r["layout"], r["entries"]), labels[r["impl"]],
-            r.get("seconds"))
+        add("fetch", (r["direction"], r["layout"], r["entries"], r.get("row_bytes")),
+            labels[r["impl"]], r.get("seconds"))
   elif bench == "resolve":
     labels, launches = _production_labels()["resolve"], _resolve_launches()
     s = run.get("stream") or {}
@@ -236,6 +238,31 @@ def ranked(found: dict[tuple, Measurement], device: str, op: str,
           "sources": sorted({_cite(m) for m in used})}
 
 
+# Per operation: the launch shape of a compared setting (its group), as the table's
+# ``by_shape`` entries name it. Fetch: the row size and rows per call; resolve: the batch.
+SHAPES: dict[str, Any] = {
+    "fetch": lambda g: None if g[3] is None else {"row_bytes": g[3], "entries": g[2]},
+    "resolve": lambda g: {"batch": g[2]},
+}
+
+
+def by_shape(found: dict[tuple, Measurement], device: str, op: str,
+             keep: Any = lambda group: True) -> list[dict]:
+  """``op``'s ranking at each launch shape measured on ``device`` (``SHAPES``), over the
+  settings ``keep`` accepts: one ``ranked`` entry per shape, where more than one
+  implementation was compared there."""
+  shape_of = SHAPES[op]
+  shapes = {tuple(shape_of(g).items()) for (dev, o, g, _) in found
+            if dev == device and o == op and keep(g) and shape_of(g) is not None}
+  out = []
+  for items in sorted(shapes, key=lambda t: tuple(v for _, v in t)):
+    shape = dict(items)
+    entry = ranked(found, device, op, lambda g: keep(g) and shape_of(g) == shape)
+    if entry and entry["settings_compared"]:
+      out.append({**shape, **entry})
+  return out
+
+
 def build(paths: list[str], merge: dict | None = None) -> dict:
   """The table from the benchmark JSON in ``paths`` (files or folders); ``merge``: a table
   whose devices the inputs do not measure are kept."""
@@ -258,9 +285,14 @@ def build(paths: list[str], merge: dict | None = None) -> dict:
       entry = ranked(found, device, op)
       if entry:
         ops[op] = entry
-    resolve = {p: ranked(found, device, "resolve", lambda g, p=p: g[0] == p)
-               for p in auto.POLICIES}
-    resolve = {p: e for p, e in resolve.items() if e}
+    if "fetch" in ops:
+      ops["fetch"]["by_shape"] = by_shape(found, device, "fetch")
+    resolve = {}
+    for p in auto.POLICIES:
+      entry = ranked(found, device, "resolve", lambda g, p=p: g[0] == p)
+      if entry:
+        resolve[p] = {**entry,
+                      "by_shape": by_shape(found, device, "resolve", lambda g, p=p: g[0] == p)}
     if resolve:
       ops["resolve"] = resolve
     devices[device] = ops
@@ -287,8 +319,14 @@ def print_rankings(table: dict) -> None:
     for op in ("indexer", "fetch"):
       if op in ops:
         cells.append([device, op, "", " > ".join(ops[op]["ranking"])])
+      for e in (ops.get(op) or {}).get("by_shape", []):
+        cells.append([device, op, f"{e['row_bytes']}-B rows, {e['entries']} a call",
+                      " > ".join(e["ranking"])])
     for policy, entry in (ops.get("resolve") or {}).items():
       cells.append([device, "resolve", policy, " > ".join(entry["ranking"])])
+      for e in entry.get("by_shape", []):
+        cells.append([device, "resolve", f"{policy}, batch {e['batch']}",
+                      " > ".join(e["ranking"])])
   print_table("kernels.*=auto: fastest first", ("device", "operation", "where", "ranking"),
               cells, left=("device", "operation", "where", "ranking"))
 

@@ -19,11 +19,14 @@ systems, the model, the kernels) ever sees ``auto``. ``choose`` is the decision 
     launch (a computed prefill's too), ``pallas`` and ``mosaic`` only for
     ``model.kv_layout='bf16'`` rows, ``pallas`` only for power-of-2 widths;
   - indexer: ``pallas`` only for a power-of-2 ``model.index_head_dim`` >= 16;
-  - fetch: ``ffi`` only when the optional ``ula_jax_ffi`` package imports with its CUDA
-    handlers (``pip install ./custom_calls``);
-  - resolve: the ranking of ``memory.policy``; ``pallas_fused`` only for PB-LRU (exact
-    LRU's resolve is four launches either way: where its ranking names ``pallas_fused``
-    it gets ``pallas``).
+  - fetch: the ranking measured at the row size nearest the model's stored entry and,
+    at it, the rows per call nearest a decode step's launch (``LaunchShape.fetch_rows``;
+    the ranking over every size where the entry's bytes are not known); ``ffi`` only
+    when the optional ``ula_jax_ffi`` package imports with its CUDA handlers (``pip
+    install ./custom_calls``);
+  - resolve: the ranking of ``memory.policy`` at the batch nearest the launch's;
+    ``pallas_fused`` only for PB-LRU (exact LRU's resolve is four launches either way:
+    where its ranking names ``pallas_fused`` it gets ``pallas``).
 
 * On a GPU the table does not list: ``FALLBACK`` under the same rules (attention
   ``pallas``, indexer ``pallas``, fetch ``pallas``, resolve ``pallas``: the four
@@ -135,6 +138,12 @@ class LaunchShape:
   top_k: entries selected per query row; kv_dtype, kv_layout: the pool's
   index_dim: ``model.index_head_dim`` (the indexer's key width)
   policy: ``memory.policy`` ('pb_lru' or 'lru')
+  row_bytes: a stored entry's bytes (the rows fetch copies; None: not known, the
+      fetch ranking over every row size measured)
+
+  A decode step's fetch launches take ``fetch_rows`` rows (``rows x (top_k + 1)``, the
+  most a step can move; the rows that do not move are masked) and its resolve a batch
+  of ``rows``.
   """
 
   rows: int = 1
@@ -147,6 +156,11 @@ class LaunchShape:
   prefill_heads: int | None = None
   index_dim: int = 128
   policy: str = "pb_lru"
+  row_bytes: int | None = None
+
+  @property
+  def fetch_rows(self) -> int:
+    return self.rows * (self.top_k + 1)
 
 
 def _pow2(n: int) -> bool:
@@ -245,13 +259,28 @@ def check_table(table: Any) -> list[str]:
                      f"the last row only)")
           break
         lo = (hi or 0) + 1
+    def shapes(where: str, entry: Any, op: str, fields: tuple[str, ...]) -> None:
+      found = entry.get("by_shape", []) if isinstance(entry, dict) else []
+      if not isinstance(found, list):
+        out.append(f"{where}.by_shape: expected a list")
+        return
+      for j, e in enumerate(found):
+        if not (isinstance(e, dict) and all(isinstance(e.get(f), int) and e[f] >= 1
+                                            for f in fields)):
+          out.append(f"{where}.by_shape[{j}]: expected {', '.join(fields)} >= 1")
+          continue
+        ranking(f"{where}.by_shape[{j}]", e, op)
+
     for op in ("indexer", "fetch"):
       if op in ops:
         ranking(f"{kind}.{op}", ops[op], op)
+    if "fetch" in ops:
+      shapes(f"{kind}.fetch", ops["fetch"], "fetch", ("row_bytes", "entries"))
     for policy, entry in (ops.get("resolve") or {}).items():
       if policy not in POLICIES:
         out.append(f"{kind}.resolve.{policy}: expected a policy of {list(POLICIES)}")
       ranking(f"{kind}.resolve.{policy}", entry, "resolve")
+      shapes(f"{kind}.resolve.{policy}", entry, "resolve", ("batch",))
   return out
 
 
@@ -297,9 +326,26 @@ def table_ranking(ops: dict, op: str, shape: LaunchShape) -> list[str]:
       if row["max"] is None or shape.rows <= row["max"]:
         return list(row["ranking"])
     return list(rows[-1]["ranking"])
-  if op == "resolve":
-    return list((ops.get("resolve") or {}).get(shape.policy, {}).get("ranking", []))
-  return list((ops.get(op) or {}).get("ranking", []))
+  entry = (ops.get("resolve") or {}).get(shape.policy, {}) if op == "resolve" else (
+      ops.get(op) or {})
+  nearest = _nearest_shape(entry.get("by_shape") or [], op, shape)
+  return list((nearest or entry).get("ranking", []))
+
+
+def _log_distance(a: int, b: int) -> float:
+  return abs(math.log2(a / b))
+
+
+def _nearest_shape(entries: list[dict], op: str, shape: LaunchShape) -> dict | None:
+  """Of an operation's per-shape rankings (``by_shape``), the one measured nearest the
+  launch (None: none applies): fetch the nearest row size, and at it the nearest rows
+  per call; resolve the nearest batch."""
+  if op == "fetch" and entries and shape.row_bytes:
+    return min(entries, key=lambda e: (_log_distance(e["row_bytes"], shape.row_bytes),
+                                       _log_distance(e["entries"], shape.fetch_rows)))
+  if op == "resolve" and entries:
+    return min(entries, key=lambda e: _log_distance(e["batch"], shape.rows))
+  return None
 
 
 # ----------------------------------------------------------------------------------
