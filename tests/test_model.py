@@ -323,8 +323,12 @@ def test_greedy_tokens_are_deterministic_and_match_the_reference(rig, rng):
 
 
 def test_bfloat16_decode_matches_prefill(rng):
+  # Dense MLPs: in bfloat16 an MoE router's near-tie between two experts can round one way
+  # in the decode step and the other in the prefill, a discrete change of the output far
+  # beyond rounding (seed 2023798583: one row off by 0.29, against 0.02 with dense MLPs).
+  # The MoE layers' decode against prefill is checked in float32 above.
   cfg = ModelConfig(preset="tiny", dtype="bfloat16", kv_dtype="bfloat16", num_layers=2,
-                    index_share=1)
+                    index_share=1, num_dense_layers=2)
   bf = make_rig(cfg)
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(bf.model)))
   assert all(x.dtype == jnp.bfloat16 for x in (bf.fresh_state().pools,
