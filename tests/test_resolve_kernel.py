@@ -383,6 +383,17 @@ def test_fused_programs():
       fused_programs(FUSED_CONFIG, interpret=False)
 
 
+def test_stacked_resolve_checks_its_group():
+  case = CASES["batch1"]
+  system = system_for(case)
+  stacked = jax.tree.map(lambda x: jnp.stack([x, x]), system.init_group_meta())
+  sel = jnp.zeros((case.B, case.k), jnp.int32)
+  with pytest.raises(ValueError, match=r"group=2: expected a group of the stacked "
+                                       r"metadata, 0 <= group < 2"):
+    resolve_group_pallas(system, stacked, sel, sel >= 0, sel[:, 0], sel[:, 0] >= 0,
+                         config=case.config, interpret=True, group=2)
+
+
 def test_fused_entry_passes_programs_and_checks_poison():
   """``kernels.resolve=pallas_fused``'s entry takes ``FUSED_CONFIG`` and hands its
   ``programs`` to the launch (interpreted: one, checked before anything is traced)."""

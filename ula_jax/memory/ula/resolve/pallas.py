@@ -70,6 +70,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -1224,7 +1225,8 @@ def resolve_group_pallas(system: Any, meta: GroupMeta, sel_addr: jax.Array,
   set, every group's (``[G, ...]`` leaves, ``UlaState.meta``'s local arrays): the
   kernels then read and write group ``group``'s part of the stacked arrays in place
   (no slice out and no copy back), and the metadata returned is stacked likewise
-  group: None, or the layer group to resolve (int or traced int32 scalar)
+  group: None, or the layer group to resolve (int in [0, G), or a traced int32 scalar,
+  clipped to [0, G))
   sel_addr: [B, k] int32; sel_valid: [B, k] bool; new_addr: [B] int32; active: [B] bool
   config: tuning (``ResolveConfig``); interpret: Pallas interpret mode (None: on
   everywhere but on GPU)
@@ -1265,7 +1267,12 @@ def resolve_group_pallas(system: Any, meta: GroupMeta, sel_addr: jax.Array,
     raise ValueError(f"meta: a stacked array of {max(x.size for x in jax.tree.leaves(meta))}"
                      " elements: the kernels index the stacked arrays with int32; pass "
                      "one group's metadata (group=None)")
-  at = _i32_1(0 if group is None else group)
+  G = meta.table.shape[0]
+  if isinstance(group, (int, np.integer)) and not 0 <= group < G:
+    raise ValueError(f"group={group}: expected a group of the stacked metadata, 0 <= group "
+                     f"< {G}")
+  # A traced group is clipped to the stack: the kernels never address outside it.
+  at = jnp.clip(_i32_1(0 if group is None else group), 0, G - 1)
   meta, *rest = _resolve(meta, at, sel_addr, sel_valid, new_addr, active, g=g,
                          interpret=interpret, poison=poison)
   if group is None:
