@@ -388,10 +388,15 @@ def test_stacked_resolve_checks_its_group():
   system = system_for(case)
   stacked = jax.tree.map(lambda x: jnp.stack([x, x]), system.init_group_meta())
   sel = jnp.zeros((case.B, case.k), jnp.int32)
+  args = (sel, sel >= 0, sel[:, 0], sel[:, 0] >= 0)
   with pytest.raises(ValueError, match=r"group=2: expected a group of the stacked "
                                        r"metadata, 0 <= group < 2"):
-    resolve_group_pallas(system, stacked, sel, sel >= 0, sel[:, 0], sel[:, 0] >= 0,
-                         config=case.config, interpret=True, group=2)
+    resolve_group_pallas(system, stacked, *args, config=case.config, interpret=True,
+                         group=2)
+  # A traced group past the stack is clipped to its last group.
+  run = lambda g: resolve_group_pallas(system, stacked, *args, config=case.config,
+                                       interpret=True, group=g)
+  assert_identical(jax.jit(run)(jnp.int32(7)), run(jnp.int32(1)))
 
 
 def test_fused_entry_passes_programs_and_checks_poison():

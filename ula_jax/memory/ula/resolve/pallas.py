@@ -1027,7 +1027,7 @@ def _fused_kernel(r: dict, g: _Geometry, interpret: bool) -> None:
 
 
 def _launch(kernel: Callable, g: _Geometry, *, name: str, grid: int, inputs: dict,
-            aliased: dict, fresh: dict, views: dict, interpret: bool,
+            aliased: dict, fresh: dict, views: dict, groups: int, interpret: bool,
             poison: int | None) -> dict:
   """One ``pallas_call``; the kernel gets one dict of refs.
 
@@ -1035,8 +1035,8 @@ def _launch(kernel: Callable, g: _Geometry, *, name: str, grid: int, inputs: dic
   aliased: {name: array} updated in place (read and written through the output ref)
   fresh:   {name: ShapeDtypeStruct} new outputs; with ``poison`` (a testing aid) they
            are created filled with it and updated in place instead
-  views:   {name: elements per group} of the stacked metadata arrays: the kernel sees
-           the group's part of each (``_View``)
+  views:   {name: elements per group} of the stacked metadata arrays (``groups`` of
+           them): the kernel sees the group's part of each (``_View``)
   returns {name: array} of the aliased and fresh outputs
   """
   if poison is not None:
@@ -1050,7 +1050,8 @@ def _launch(kernel: Callable, g: _Geometry, *, name: str, grid: int, inputs: dic
   def body(*refs):
     d = dict(zip(list(inputs), refs[:len(inputs)]))
     d.update(zip(out_names, refs[len(in_names):]))
-    group = _get(d["group"], 0)
+    # A traced group is clipped to the stack: the kernels never address outside it.
+    group = jnp.clip(_get(d["group"], 0), 0, groups - 1)
     for n, size in views.items():
       if n in d:
         d[n] = _View(d[n], group * size, size)
@@ -1106,7 +1107,8 @@ def _resolve(meta: GroupMeta, group, sel_addr, sel_valid, new_addr, active, *,
   else:
     state.update(stamp=pst.stamp.reshape(-1), clock=pst.clock.reshape(-1))
   views = {n: x.shape[0] // G for n, x in state.items()}
-  launch = functools.partial(_launch, g=g, views=views, interpret=interpret, poison=poison)
+  launch = functools.partial(_launch, g=g, views=views, groups=G, interpret=interpret,
+                             poison=poison)
   n_sel, n_new = g.elem_programs(g.config.block_elems)
 
   if pb_lru and g.config.fuse:
@@ -1271,8 +1273,7 @@ def resolve_group_pallas(system: Any, meta: GroupMeta, sel_addr: jax.Array,
   if isinstance(group, (int, np.integer)) and not 0 <= group < G:
     raise ValueError(f"group={group}: expected a group of the stacked metadata, 0 <= group "
                      f"< {G}")
-  # A traced group is clipped to the stack: the kernels never address outside it.
-  at = jnp.clip(_i32_1(0 if group is None else group), 0, G - 1)
+  at = _i32_1(0 if group is None else group)
   meta, *rest = _resolve(meta, at, sel_addr, sel_valid, new_addr, active, g=g,
                          interpret=interpret, poison=poison)
   if group is None:
