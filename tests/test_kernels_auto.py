@@ -328,3 +328,48 @@ def test_the_run_summary_records_the_kernels_it_ran():
   assert engine.cfg.kernels.attention == "auto"  # the config as given (checkpoints)
   summary = engine.run([]).summary
   assert summary["kernels"] == {**REFERENCES, "fetch": "pallas"}
+
+
+def test_auto_fetch_skips_pallas_where_a_byte_pool_is_2_to_4_gib(monkeypatch):
+  """The Pallas row copy cannot index one-byte pools of 2-4 GiB: where ``auto`` chose it,
+  the engine decides again once its pools exist, without it."""
+  import dataclasses
+
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from tests.engine_util import BASE, mesh_for
+  from ula_jax import mesh as mesh_module
+  from ula_jax.config import load_config
+  from ula_jax.engine import Engine, engine as engine_module, resolve_max_context
+
+  shape = LaunchShape(rows=64, kv_layout="fp8", row_bytes=656)
+  assert auto.choose(H200, shape, ffi=True)["fetch"] == "pallas"
+  wide = dataclasses.replace(shape, wide_byte_pool=True)
+  assert auto.problem("fetch", "pallas", H200, wide) == (
+      "pallas cannot index one-byte pools of 2-4 GiB (32-bit element offsets)")
+  assert auto.choose(H200, wide, ffi=True)["fetch"] == "ffi"
+  assert auto.choose(H200, wide, ffi=False)["fetch"] == "xla"
+
+  cfg = load_config(BASE, ["model.preset=tiny", "engine.progress=false", "memory.system=ula",
+                           "memory.host_pool=1024"])
+  engine = Engine(cfg, mesh_for(1), max_context=resolve_max_context(cfg))
+  # As on a GPU where auto took the Pallas copy (this CPU takes the references).
+  engine.kernels = engine.kernels.model_copy(update={"fetch": "pallas"})
+  engine.mem.set_fetch_impl("pallas")
+  monkeypatch.setattr(engine_module, "auto_kernels", lambda cfg, device, **kw:
+                      mesh_module.auto_kernels(cfg, fake_gpu(), **kw))
+  monkeypatch.setattr(auto, "ffi_available", lambda: False)
+  sharding = NamedSharding(engine.mesh, P("dp"))
+  pools = lambda n: [jax.ShapeDtypeStruct((1, n), "uint8", sharding=sharding),
+                     jax.ShapeDtypeStruct((1, 3 * 2**30), "int32", sharding=sharding)]
+  engine._check_fetch_fits(pools(2**31 - 1))  # under 2 GiB: kept
+  assert engine.kernels.fetch == engine.mem.fetch_impl == "pallas"
+  engine._check_fetch_fits(pools(3 * 2**30))
+  assert engine.kernels.fetch == engine.mem.fetch_impl == "xla"
+  # A system that holds another hands the choice on (ula TP's host tier is a ula).
+  from ula_jax.memory import sized_system
+
+  tp = sized_system(load_config(BASE, ["model.preset=tiny", "memory.system=ula", "mesh.dp=1",
+                                       "mesh.tp=2", "memory.host_pool=1024"]))
+  tp.set_fetch_impl("ffi")
+  assert tp.fetch_impl == tp.store.ula.fetch_impl == "ffi"

@@ -123,11 +123,11 @@ def interpret_kernels(cfg: ExperimentConfig, platform: str) -> bool:
 
 
 def launch_shape(cfg: ExperimentConfig, *, rows: int | None = None,
-                 tp: int | None = None) -> LaunchShape:
+                 tp: int | None = None, wide_byte_pool: bool = False) -> LaunchShape:
   """The launch shapes ``kernels.*=auto`` is decided for (``kernels.auto.LaunchShape``):
   ``rows`` query rows per attention launch (default: a decode step's, ``engine.max_batch``
   x (1 + ``speculative.num_draft``)) and heads split over ``tp`` ranks (default
-  ``mesh.tp``)."""
+  ``mesh.tp``); ``wide_byte_pool``: a one-byte state array holds 2-4 GiB on a device."""
   m, wl = cfg.model, cfg.workload
   computed_prefill = wl.prefill == "compute" and wl.kind != "trace"
   return LaunchShape(
@@ -135,15 +135,17 @@ def launch_shape(cfg: ExperimentConfig, *, rows: int | None = None,
       heads=m.num_heads // (tp or cfg.mesh.tp), latent=m.kv_lora_rank,
       rope=m.qk_rope_head_dim, top_k=cfg.top_k, kv_dtype=m.kv_dtype, kv_layout=m.kv_layout,
       prefill_heads=m.num_heads if computed_prefill else None, index_dim=m.index_head_dim,
-      policy=cfg.memory.policy, row_bytes=m.entry_layout.row_bytes)
+      policy=cfg.memory.policy, row_bytes=m.entry_layout.row_bytes,
+      wide_byte_pool=wide_byte_pool)
 
 
 def auto_kernels(cfg: ExperimentConfig, device: Any, *, rows: int | None = None,
-                 tp: int | None = None) -> KernelsConfig:
+                 tp: int | None = None, wide_byte_pool: bool = False) -> KernelsConfig:
   """``cfg.kernels`` with ``auto`` resolved for jax device ``device`` and the config's
   launch shapes (``launch_shape``; ``kernels.auto``): what the engine and the benchmarks
   build with."""
-  return resolve_kernels(cfg.kernels, Device.of(device), launch_shape(cfg, rows=rows, tp=tp))
+  return resolve_kernels(cfg.kernels, Device.of(device),
+                         launch_shape(cfg, rows=rows, tp=tp, wide_byte_pool=wide_byte_pool))
 
 
 def build_mesh(cfg: ExperimentConfig) -> Mesh:

@@ -56,6 +56,7 @@ from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 from ula_jax.memory import (INVALID, MeshInfo, build_memory_system, local_devices,
                              memory_stats)
 from ula_jax.memory.ula.resolve import fast_path_for
+from ula_jax.kernels import byte_offsets_overflow
 from ula_jax.kernels.auto import concrete
 from ula_jax.kernels.indexer.decode import scores_mode, topk_mode
 from ula_jax.kernels.indexer.synthetic import NOTE as SELECTIONS_NOTE, SyntheticSelection
@@ -387,6 +388,7 @@ class Engine:
     # Where a run's time before its first step goes (the summary's setup_time_s):
     # allocating and filling the pools, pinned host memory included, dominates at scale.
     self.pools_time_s = time.perf_counter() - t_pools
+    self._check_fetch_fits(state)
     self._state_specs = self.mem.state_specs(state)
     # engine.pack_state: the state's small leaves travel between steps in a few buffers.
     self._packing = (StatePacking.plan(state, self._state_specs)
@@ -395,6 +397,22 @@ class Engine:
     self.workspace = None if self.synthetic else self._init_workspace()
     self._build_steps()
     self.setup_time_s = time.perf_counter() - t_setup
+
+  def _check_fetch_fits(self, state: Any) -> None:
+    """``kernels.fetch: auto`` decided again where the Pallas row copy it chose cannot
+    index a pool: a one-byte array of the state holding 2-4 GiB on a device
+    (``kernels.byte_offsets_overflow``); the choice then skips ``pallas``
+    (``kernels.auto.LaunchShape.wide_byte_pool``)."""
+    if self.cfg.kernels.fetch != "auto" or self.kernels.fetch != "pallas":
+      return
+    local = [jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype)
+             for x in jax.tree.leaves(state)]
+    if not any(byte_offsets_overflow(x) for x in local):
+      return
+    fetch = auto_kernels(self.cfg, self.mesh.devices.flat[0], tp=self.tp,
+                         wide_byte_pool=True).fetch
+    self.kernels = self.kernels.model_copy(update={"fetch": fetch})
+    self.mem.set_fetch_impl(fetch)
 
   # ``carry`` is the state as the jitted steps (``_decode``, ``_prefill``, ``_release``)
   # take and return it: the state itself, or with ``engine.pack_state`` (kept leaves,

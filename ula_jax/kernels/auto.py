@@ -23,7 +23,9 @@ systems, the model, the kernels) ever sees ``auto``. ``choose`` is the decision 
     at it, the rows per call nearest a decode step's launch (``LaunchShape.fetch_rows``;
     the ranking over every size where the entry's bytes are not known); ``ffi`` only
     when the optional ``ula_jax_ffi`` package imports with its CUDA handlers (``pip
-    install ./custom_calls``);
+    install ./custom_calls``), ``pallas`` only where no one-byte array of the state
+    holds 2-4 GiB on a device (``wide_byte_pool``: the engine decides fetch again once
+    its pools exist);
   - resolve: the ranking of ``memory.policy`` at the batch nearest the launch's;
     ``pallas_fused`` only for PB-LRU (exact LRU's resolve is four launches either way:
     where its ranking names ``pallas_fused`` it gets ``pallas``).
@@ -140,6 +142,8 @@ class LaunchShape:
   policy: ``memory.policy`` ('pb_lru' or 'lru')
   row_bytes: a stored entry's bytes (the rows fetch copies; None: not known, the
       fetch ranking over every row size measured)
+  wide_byte_pool: a one-byte array of the memory system's state holds 2-4 GiB on a
+      device, which the Pallas row copy cannot index (``kernels.byte_offsets_overflow``)
 
   A decode step's fetch launches take ``fetch_rows`` rows (``rows x (top_k + 1)``, the
   most a step can move; the rows that do not move are masked) and its resolve a batch
@@ -157,6 +161,7 @@ class LaunchShape:
   index_dim: int = 128
   policy: str = "pb_lru"
   row_bytes: int | None = None
+  wide_byte_pool: bool = False
 
   @property
   def fetch_rows(self) -> int:
@@ -203,6 +208,8 @@ def problem(op: str, impl: str, device: Device, shape: LaunchShape, *,
     return "pallas needs a power-of-2 model.index_head_dim >= 16"
   if op == "fetch" and impl == "ffi" and not (ffi_available() if ffi is None else ffi):
     return "ula_jax_ffi is not installed with CUDA handlers"
+  if op == "fetch" and impl == "pallas" and shape.wide_byte_pool:
+    return "pallas cannot index one-byte pools of 2-4 GiB (32-bit element offsets)"
   if op == "resolve" and impl == "pallas_fused" and shape.policy != "pb_lru":
     return "pallas_fused is PB-LRU's resolve (exact LRU takes pallas)"
   return None

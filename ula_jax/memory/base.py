@@ -401,6 +401,11 @@ class MemorySystem(abc.ABC):
   def validate(self) -> None:
     """Raises ValueError for sizes that can never work (called before any compute)."""
 
+  def set_fetch_impl(self, impl: str) -> None:
+    """Row copies through ``impl`` (a ``kernels.fetch`` implementation) in the steps traced
+    from now on, this system's and those of any system it holds."""
+    self.fetch_impl = impl
+
   def fetch_rows(self, host_pool: jax.Array, host_idx: jax.Array, dev_pool: jax.Array,
                  dev_idx: jax.Array) -> jax.Array:
     """host_pool[host_idx[i]] -> dev_pool[dev_idx[i]] (negative indices skip); new dev_pool."""

@@ -495,6 +495,11 @@ class UlaTP(MemorySystem):
       u.resolve_impl, u.resolve_interpret = self.resolve_impl, self.resolve_interpret
       u.resolve_fast_path = self.resolve_fast_path
 
+  def set_fetch_impl(self, impl: str) -> None:
+    super().set_fetch_impl(impl)
+    if isinstance(self.store, TieredStore):
+      self.store.ula.set_fetch_impl(impl)
+
   # -- layout ----------------------------------------------------------------------
 
   def init_buffer_meta(self) -> BufferMeta:
