@@ -200,11 +200,20 @@ def test_fetch_and_resolve_follow_the_launch_shape():
   glm5 = cfg_of(model={**GLM5, "kv_layout": "fp8"}, engine={"max_batch": 64})
   assert launch_shape(glm5).row_bytes == 656
   assert auto.choose(H200, launch_shape(glm5), ffi=True)["fetch"] == "pallas"
-  batch = {e["batch"]: e["ranking"][0] for e in h200["resolve"]["pb_lru"]["by_shape"]}
-  assert batch == {32: "pallas", 64: "pallas", 128: "pallas_fused"}
+  first = {(e["buckets"], e["batch"]): e["ranking"][0]
+           for e in h200["resolve"]["pb_lru"]["by_shape"]}
+  assert first == {(4, 32): "pallas", (4, 64): "pallas", (4, 128): "pallas_fused",
+                   (32, 32): "pallas", (32, 64): "pallas"}
+  # The ring nearest the run's first, then the batch: at the default ring of 32 the four
+  # launches at any batch (the one launch led only at batch 128 with a ring of 4).
   assert auto.choose(H200, LaunchShape(rows=58))["resolve"] == "pallas"
-  assert auto.choose(H200, LaunchShape(rows=160))["resolve"] == "pallas_fused"
-  assert auto.choose(H200, LaunchShape(rows=160, policy="lru"))["resolve"] == "pallas"
+  assert auto.choose(H200, LaunchShape(rows=160))["resolve"] == "pallas"
+  assert auto.choose(H200, LaunchShape(rows=160, buckets=4))["resolve"] == "pallas_fused"
+  assert auto.choose(H200, LaunchShape(rows=160, buckets=4, policy="lru"))["resolve"] == \
+      "pallas"
+  ring4 = cfg_of(memory={"system": "ula", "pb_lru_buckets": 4}, engine={"max_batch": 128})
+  assert launch_shape(ring4).buckets == 4
+  assert auto_kernels(ring4, fake_gpu()).resolve == "pallas_fused"
 
 
 def test_a_malformed_per_shape_ranking_is_rejected():
@@ -212,7 +221,9 @@ def test_a_malformed_per_shape_ranking_is_rejected():
   h200 = table["devices"]["NVIDIA H200"]
   h200["fetch"]["by_shape"][0]["entries"] = 0
   h200["resolve"]["pb_lru"]["by_shape"][1]["ranking"] = ["triton"]
+  h200["resolve"]["pb_lru"]["by_shape"][2]["buckets"] = "many"
   problems = auto.check_table(table)
+  assert "NVIDIA H200.resolve.pb_lru.by_shape[2]: expected buckets >= 1" in problems
   assert "NVIDIA H200.fetch.by_shape[0]: expected row_bytes, entries >= 1" in problems
   assert any(p.startswith("NVIDIA H200.resolve.pb_lru.by_shape[1]: ranking ['triton']")
              for p in problems), problems

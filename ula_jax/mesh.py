@@ -135,7 +135,8 @@ def launch_shape(cfg: ExperimentConfig, *, rows: int | None = None,
       heads=m.num_heads // (tp or cfg.mesh.tp), latent=m.kv_lora_rank,
       rope=m.qk_rope_head_dim, top_k=cfg.top_k, kv_dtype=m.kv_dtype, kv_layout=m.kv_layout,
       prefill_heads=m.num_heads if computed_prefill else None, index_dim=m.index_head_dim,
-      policy=cfg.memory.policy, row_bytes=m.entry_layout.row_bytes,
+      policy=cfg.memory.policy, buckets=cfg.memory.pb_lru_buckets,
+      row_bytes=m.entry_layout.row_bytes,
       wide_byte_pool=wide_byte_pool)
 
 

@@ -29,7 +29,8 @@ operation's implementations ranked by measured time, fastest first:
   compared settings of each implementation's time over the fastest one's there (an
   implementation never compared with another comes last); fetch and resolve also one
   such ranking per launch shape measured (``by_shape``): fetch per row size and rows per
-  call (both directions), resolve per batch (every pool and ring measured at it).
+  call (both directions), resolve per batch and, for PB-LRU, ring size (every pool
+  measured there).
 
 ``--merge TABLE`` keeps the devices of an existing table that the inputs do not measure.
 Prints the rankings and writes the table, checked by ``kernels.auto.check_table``. The
@@ -239,10 +240,12 @@ def ranked(found: dict[tuple, Measurement], device: str, op: str,
 
 
 # Per operation: the launch shape of a compared setting (its group), as the table's
-# ``by_shape`` entries name it. Fetch: the row size and rows per call; resolve: the batch.
+# ``by_shape`` entries name it. Fetch: the row size and rows per call; resolve: PB-LRU's
+# ring (where the run recorded it) and the batch, exact LRU's batch.
 SHAPES: dict[str, Any] = {
     "fetch": lambda g: None if g[3] is None else {"row_bytes": g[3], "entries": g[2]},
-    "resolve": lambda g: {"batch": g[2]},
+    "resolve": lambda g: ({"buckets": g[7], "batch": g[2]} if g[0] == "pb_lru" and g[7]
+                          else {"batch": g[2]}),
 }
 
 
@@ -325,7 +328,8 @@ def print_rankings(table: dict) -> None:
     for policy, entry in (ops.get("resolve") or {}).items():
       cells.append([device, "resolve", policy, " > ".join(entry["ranking"])])
       for e in entry.get("by_shape", []):
-        cells.append([device, "resolve", f"{policy}, batch {e['batch']}",
+        ring = f", ring of {e['buckets']}" if "buckets" in e else ""
+        cells.append([device, "resolve", f"{policy}{ring}, batch {e['batch']}",
                       " > ".join(e["ranking"])])
   print_table("kernels.*=auto: fastest first", ("device", "operation", "where", "ranking"),
               cells, left=("device", "operation", "where", "ranking"))

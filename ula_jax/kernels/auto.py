@@ -26,7 +26,8 @@ systems, the model, the kernels) ever sees ``auto``. ``choose`` is the decision 
     install ./custom_calls``), ``pallas`` only where no one-byte array of the state
     holds 2-4 GiB on a device (``wide_byte_pool``: the engine decides fetch again once
     its pools exist);
-  - resolve: the ranking of ``memory.policy`` at the batch nearest the launch's;
+  - resolve: the ranking of ``memory.policy`` measured nearest the launch (PB-LRU: the
+    nearest ring size, ``memory.pb_lru_buckets``, then the nearest batch);
     ``pallas_fused`` only for PB-LRU (exact LRU's resolve is four launches either way:
     where its ranking names ``pallas_fused`` it gets ``pallas``).
 
@@ -139,7 +140,7 @@ class LaunchShape:
   latent, rope: an entry's columns (``model.kv_lora_rank``, ``model.qk_rope_head_dim``)
   top_k: entries selected per query row; kv_dtype, kv_layout: the pool's
   index_dim: ``model.index_head_dim`` (the indexer's key width)
-  policy: ``memory.policy`` ('pb_lru' or 'lru')
+  policy: ``memory.policy`` ('pb_lru' or 'lru'); buckets: ``memory.pb_lru_buckets``
   row_bytes: a stored entry's bytes (the rows fetch copies; None: not known, the
       fetch ranking over every row size measured)
   wide_byte_pool: a one-byte array of the memory system's state holds 2-4 GiB on a
@@ -160,6 +161,7 @@ class LaunchShape:
   prefill_heads: int | None = None
   index_dim: int = 128
   policy: str = "pb_lru"
+  buckets: int = 32
   row_bytes: int | None = None
   wide_byte_pool: bool = False
 
@@ -288,6 +290,10 @@ def check_table(table: Any) -> list[str]:
         out.append(f"{kind}.resolve.{policy}: expected a policy of {list(POLICIES)}")
       ranking(f"{kind}.resolve.{policy}", entry, "resolve")
       shapes(f"{kind}.resolve.{policy}", entry, "resolve", ("batch",))
+      for j, e in enumerate(entry.get("by_shape", []) if isinstance(entry, dict) else []):
+        if isinstance(e, dict) and "buckets" in e and not (
+            isinstance(e["buckets"], int) and e["buckets"] >= 1):
+          out.append(f"{kind}.resolve.{policy}.by_shape[{j}]: expected buckets >= 1")
   return out
 
 
@@ -346,12 +352,14 @@ def _log_distance(a: int, b: int) -> float:
 def _nearest_shape(entries: list[dict], op: str, shape: LaunchShape) -> dict | None:
   """Of an operation's per-shape rankings (``by_shape``), the one measured nearest the
   launch (None: none applies): fetch the nearest row size, and at it the nearest rows
-  per call; resolve the nearest batch."""
+  per call; resolve the nearest ring (PB-LRU), and at it the nearest batch."""
   if op == "fetch" and entries and shape.row_bytes:
     return min(entries, key=lambda e: (_log_distance(e["row_bytes"], shape.row_bytes),
                                        _log_distance(e["entries"], shape.fetch_rows)))
   if op == "resolve" and entries:
-    return min(entries, key=lambda e: _log_distance(e["batch"], shape.rows))
+    return min(entries, key=lambda e: (
+        _log_distance(e["buckets"], shape.buckets) if "buckets" in e else 0.0,
+        _log_distance(e["batch"], shape.rows)))
   return None
 
 
