@@ -241,6 +241,21 @@ def check_table(table: Any) -> list[str]:
     if bad or len(set(r)) != len(r):
       out.append(f"{where}: ranking {r}: expected distinct names of {list(IMPLS[op])}")
 
+  def shapes(where: str, entry: Any, op: str, fields: tuple[str, ...]) -> None:
+    # An operation's per-shape rankings: each names its shape's fields and a ranking.
+    found = entry.get("by_shape", []) if isinstance(entry, dict) else []
+    if not isinstance(found, list):
+      out.append(f"{where}.by_shape: expected a list")
+      return
+    for j, e in enumerate(found):
+      if not (isinstance(e, dict) and all(isinstance(e.get(f), int) and e[f] >= 1
+                                          for f in fields)):
+        out.append(f"{where}.by_shape[{j}]: expected {', '.join(fields)} >= 1")
+        continue
+      if "buckets" in e and not (isinstance(e["buckets"], int) and e["buckets"] >= 1):
+        out.append(f"{where}.by_shape[{j}]: expected buckets >= 1")
+      ranking(f"{where}.by_shape[{j}]", e, op)
+
   for kind, ops in devices.items():
     if not isinstance(ops, dict):
       out.append(f"{kind}: expected an object of operations")
@@ -268,18 +283,6 @@ def check_table(table: Any) -> list[str]:
                      f"the last row only)")
           break
         lo = (hi or 0) + 1
-    def shapes(where: str, entry: Any, op: str, fields: tuple[str, ...]) -> None:
-      found = entry.get("by_shape", []) if isinstance(entry, dict) else []
-      if not isinstance(found, list):
-        out.append(f"{where}.by_shape: expected a list")
-        return
-      for j, e in enumerate(found):
-        if not (isinstance(e, dict) and all(isinstance(e.get(f), int) and e[f] >= 1
-                                            for f in fields)):
-          out.append(f"{where}.by_shape[{j}]: expected {', '.join(fields)} >= 1")
-          continue
-        ranking(f"{where}.by_shape[{j}]", e, op)
-
     for op in ("indexer", "fetch"):
       if op in ops:
         ranking(f"{kind}.{op}", ops[op], op)
@@ -290,10 +293,6 @@ def check_table(table: Any) -> list[str]:
         out.append(f"{kind}.resolve.{policy}: expected a policy of {list(POLICIES)}")
       ranking(f"{kind}.resolve.{policy}", entry, "resolve")
       shapes(f"{kind}.resolve.{policy}", entry, "resolve", ("batch",))
-      for j, e in enumerate(entry.get("by_shape", []) if isinstance(entry, dict) else []):
-        if isinstance(e, dict) and "buckets" in e and not (
-            isinstance(e["buckets"], int) and e["buckets"] >= 1):
-          out.append(f"{kind}.resolve.{policy}.by_shape[{j}]: expected buckets >= 1")
   return out
 
 
