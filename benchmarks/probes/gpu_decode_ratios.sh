@@ -17,6 +17,8 @@
 #            (bench step_cost --profile)
 #   batch1   the same at batch 1 with hisparse too (its all-hit step, not its misses);
 #            BATCH1_VARIANTS as GLM5_VARIANTS
+#            ROUNDS (default 1) is step_cost's --rounds for small, glm5 and batch1: that
+#            many timed runs per system, the systems in turn, every engine kept
 #   resolve  ula-jax bench resolve: one layer group, batch 32 and 64, top-k 2048, 1M
 #            slots, PB-LRU and exact LRU, Pallas in four launches and in one, profiled
 #            (each kernel's device time in the JSON); once per PB-LRU ring size in
@@ -39,7 +41,7 @@ wants() { [[ " ${PARTS:-small glm5 resolve fetch} " == *" $1 "* ]]; }
 if wants small; then
   STEP_TAIL=8 step small 150 $CLI bench step_cost --config experiments/quickstart/config.yaml \
     --systems resident,ula --batch 32 --prompt 1024 --output 64 --json "$OUT/step_small.json" \
-    mesh=dp1 mesh.platform=gpu model=small model.index_topk=256
+    --rounds "${ROUNDS:-1}" mesh=dp1 mesh.platform=gpu model=small model.index_topk=256
 fi
 if wants glm5; then
   b=${GLM5_BATCH:-64}
@@ -51,7 +53,8 @@ if wants glm5; then
       $CLI bench step_cost \
       --config experiments/glm5_summarization/config.yaml --systems resident,ula \
       --batch "$b" --prompt "${GLM5_PROMPT:-8192}" --output "$(tagged OUTPUT "$item" $((b + 24)))" \
-      --json "$OUT/step_glm5_$tag.json" "${prof[@]}" workload.prefill=synthetic \
+      --json "$OUT/step_glm5_$tag.json" --rounds "${ROUNDS:-1}" "${prof[@]}" \
+      workload.prefill=synthetic \
       $(tagged VAR "$item")
     rm -rf "$WORK/profile_$tag"/*/plugins  # the traces are large; the JSON keeps the counts
   done
@@ -64,7 +67,8 @@ if wants batch1; then
       $CLI bench step_cost \
       --config experiments/glm5_summarization/config.yaml --systems resident,ula,hisparse \
       --batch 1 --prompt "${GLM5_PROMPT:-8192}" --output 48 \
-      --json "$OUT/step_batch1_$tag.json" workload.prefill=synthetic $(tagged VAR "$item")
+      --json "$OUT/step_batch1_$tag.json" --rounds "${ROUNDS:-1}" workload.prefill=synthetic \
+      $(tagged VAR "$item")
   done
 fi
 if wants resolve; then

@@ -19,12 +19,20 @@ With ``engine.steps_per_dispatch = N > 1`` an engine step is one dispatch of N d
 steps; a decode step's time is then a full dispatch's (every row decoding all N steps)
 divided by N, so the ratios compare per-step costs at any N (``steps_per_dispatch`` in
 the JSON).
+
+``--rounds R > 1`` keeps every system's engine (all their pools at once) and, after each
+one's compiling run, runs the systems R times in turn (resident, ula, resident, ula,
+...), so that a drift of the machine over the run (clocks, temperature, other tenants)
+falls on every system alike. A system's median is then over the full-batch steps of all
+its rounds, and the JSON adds each round's median and ratio (``round_median_step_s``,
+``round_ratios``).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from typing import Any
 
 from ula_jax.bench.common import (environment, fmt, print_table, same_length_requests,
                                   write_json)
@@ -33,8 +41,12 @@ DEFAULT_CONFIG = "experiments/quickstart/config.yaml"
 
 
 def measure(config: str, overrides: list[str], systems: list[str], *, batch: int,
-            prompt: int, output: int, seed: int = 0, profile: str | None = None) -> dict:
-  """Median full-batch decode step time per system, and each one's ratio to resident."""
+            prompt: int, output: int, seed: int = 0, profile: str | None = None,
+            rounds: int = 1) -> dict:
+  """Median full-batch decode step time per system, and each one's ratio to resident
+  (``rounds``: timed runs of each system, in turn; see the module docstring)."""
+  if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+    raise ValueError(f"rounds={rounds!r}: expected an integer >= 1")
   import jax
   from ula_jax.config import load_config
   from ula_jax.engine import Engine
@@ -49,8 +61,8 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
   # Every entry of every running request fits on the device (and one step's selection).
   pool = max(batch * context, batch * (base.model.index_topk + 1))
   reqs = same_length_requests(batch * dp, prompt, output, base.model.vocab_size, seed)
-  rows = {}
-  for system in systems:
+
+  def build(system: str):
     sized = lambda p: load_config(config, list(overrides) + [
         f"memory.system={system}", f"memory.device_pool={p}", "memory.host_pool=0",
         f"engine.max_batch={batch}", f"engine.max_context={context}",
@@ -60,8 +72,12 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
       need = batch * (cfg.memory.hisparse.device_buffer_size + 1)
       cfg = sized(need) if need > pool else cfg
     engine = Engine(cfg, mesh, max_context=context)
-    n = cfg.engine.steps_per_dispatch
     engine.run(reqs)  # compiles
+    return engine
+
+  def timed(system: str, engine) -> tuple[list[float], Any, int]:
+    """One run's full-batch decode step times (s), the run and its misses."""
+    n = engine.cfg.engine.steps_per_dispatch
     res = engine.run(reqs)
     # decode_time_s times the decode part alone, also in steps that prefilled too; with
     # N steps per dispatch, only dispatches in which every row decoded all N steps.
@@ -76,21 +92,49 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
                          f"per rank and engine step, each step decoding "
                          f"engine.steps_per_dispatch = {n} tokens per running request)")
     misses = sum(m.extra.get("misses", 0) for m in full)
-    times = [m.decode_time_s / n for m in full]
-    rows[system] = {"median_step_s": statistics.median(times), "steps": len(full) * n,
-                    "steps_per_dispatch": n, "misses": misses,
-                    "kernels": res.summary["kernels"],
-                    "tokens": [r.output_tokens for r in res.requests]}
-    if profile:
-      rows[system]["profile"] = _profile(engine, reqs, f"{profile}/{system}", batch * dp)
-    del engine
+    return [m.decode_time_s / n for m in full], res, misses
+
+  def summary_of(engine, runs: list) -> dict:
+    n = engine.cfg.engine.steps_per_dispatch
+    times = [t for ts, _, _ in runs for t in ts]
+    res = runs[-1][1]
+    return {"median_step_s": statistics.median(times), "steps": len(times) * n,
+            "steps_per_dispatch": n, "misses": sum(m for _, _, m in runs),
+            "kernels": res.summary["kernels"],
+            "tokens": [r.output_tokens for r in res.requests],
+            "round_median_step_s": [statistics.median(ts) for ts, _, _ in runs]}
+
+  rows = {}
+  if rounds == 1:  # one engine at a time: only one system's pools are ever allocated
+    for system in systems:
+      engine = build(system)
+      rows[system] = summary_of(engine, [timed(system, engine)])
+      if profile:
+        rows[system]["profile"] = _profile(engine, reqs, f"{profile}/{system}", batch * dp)
+      del engine
+      jax.clear_caches()
+  else:  # every engine kept; the systems take turns
+    engines = {system: build(system) for system in systems}
+    runs: dict[str, list] = {system: [] for system in systems}
+    for _ in range(rounds):
+      for system, engine in engines.items():
+        runs[system].append(timed(system, engine))
+    for system, engine in engines.items():
+      rows[system] = summary_of(engine, runs[system])
+      if profile:
+        rows[system]["profile"] = _profile(engine, reqs, f"{profile}/{system}", batch * dp)
+    del engines
     jax.clear_caches()
   ref = rows.get("resident")
   for system, row in rows.items():
     row["ratio_to_resident"] = row["median_step_s"] / ref["median_step_s"] if ref else None
+    row["round_ratios"] = ([a / b for a, b in zip(row["round_median_step_s"],
+                                                  ref["round_median_step_s"])]
+                           if ref else None)
     row["tokens_equal_resident"] = (row["tokens"] == ref["tokens"]) if ref else None
   return {"environment": environment(), "config": config, "overrides": overrides,
           "batch_per_rank": batch, "dp": dp, "prompt": prompt, "output": output,
+          "rounds": rounds,
           "systems": {s: {k: v for k, v in r.items() if k != "tokens"} for s, r in rows.items()}}
 
 
@@ -121,6 +165,9 @@ def main(argv: list[str]) -> int:
   p.add_argument("--prompt", type=int, default=200)
   p.add_argument("--output", type=int, default=24)
   p.add_argument("--json", default="runs/bench/step_cost.json")
+  p.add_argument("--rounds", type=int, default=1,
+                 help="timed runs of each system, the systems in turn, every engine kept "
+                 "(default 1: one engine at a time)")
   p.add_argument("--profile", default=None, metavar="DIR",
                  help="also trace a third run per system under DIR and count, per step, "
                  "the device's operations, busy time and the host's waits")
@@ -128,14 +175,18 @@ def main(argv: list[str]) -> int:
   systems = [s.strip() for s in args.systems.split(",") if s.strip()]
   if "resident" not in systems:
     p.error(f"--systems={args.systems!r} must include resident (the reference)")
+  if args.rounds < 1:
+    p.error(f"--rounds={args.rounds}: expected an integer >= 1")
   out = measure(args.config, args.overrides, systems, batch=args.batch, prompt=args.prompt,
-                output=args.output, profile=args.profile)
+                output=args.output, profile=args.profile, rounds=args.rounds)
   rows = [[s, fmt(r["median_step_s"] * 1e3, 3), str(r["steps"]), str(r["misses"]),
-           fmt(r["ratio_to_resident"], 3), str(r["tokens_equal_resident"])]
+           fmt(r["ratio_to_resident"], 3),
+           " ".join(fmt(x, 3) for x in r["round_ratios"]), str(r["tokens_equal_resident"])]
           for s, r in out["systems"].items()]
-  print_table(f"decode step, every selection hits (batch {args.batch} x dp {out['dp']})",
+  print_table(f"decode step, every selection hits (batch {args.batch} x dp {out['dp']}"
+              + (f", {args.rounds} rounds in turn)" if args.rounds > 1 else ")"),
               ["system", "median step (ms)", "steps", "misses", "ratio to resident",
-               "tokens = resident"], rows, left=["system"])
+               "each round's ratio", "tokens = resident"], rows, left=["system"])
   prof = [(s, r["profile"]) for s, r in out["systems"].items() if r.get("profile")]
   if prof:
     n = next(iter(out["systems"].values()))["steps_per_dispatch"]
