@@ -104,18 +104,12 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
             "tokens": [r.output_tokens for r in res.requests],
             "round_median_step_s": [statistics.median(ts) for ts, _, _ in runs]}
 
+  # One engine at a time with one round (only one system's pools ever allocated); with
+  # more, every engine kept and the systems take turns.
   rows = {}
-  if rounds == 1:  # one engine at a time: only one system's pools are ever allocated
-    for system in systems:
-      engine = build(system)
-      rows[system] = summary_of(engine, [timed(system, engine)])
-      if profile:
-        rows[system]["profile"] = _profile(engine, reqs, f"{profile}/{system}", batch * dp)
-      del engine
-      jax.clear_caches()
-  else:  # every engine kept; the systems take turns
-    engines = {system: build(system) for system in systems}
-    runs: dict[str, list] = {system: [] for system in systems}
+  for names in ([[s] for s in systems] if rounds == 1 else [systems]):
+    engines = {system: build(system) for system in names}
+    runs: dict[str, list] = {system: [] for system in names}
     for _ in range(rounds):
       for system, engine in engines.items():
         runs[system].append(timed(system, engine))
@@ -123,7 +117,7 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
       rows[system] = summary_of(engine, runs[system])
       if profile:
         rows[system]["profile"] = _profile(engine, reqs, f"{profile}/{system}", batch * dp)
-    del engines
+    del engines, engine
     jax.clear_caches()
   ref = rows.get("resident")
   for system, row in rows.items():

@@ -92,9 +92,11 @@ def resolve_group(system: Any, meta: Any, sel_addr: jax.Array, sel_valid: jax.Ar
            the one passed
   """
   fn = impl_function(impl)
-  # The kernels index the stacked arrays with int32.
-  in_place = group is not None and impl.startswith("pallas") and not fast_path and all(
-      x.size < 2**31 for x in jax.tree.leaves(meta))
+  if group is not None and impl.startswith("pallas") and not fast_path:
+    from ula_jax.memory.ula.resolve.pallas import stack_indexable  # loaded with the impl
+    in_place = stack_indexable(meta)
+  else:
+    in_place = False
   if in_place:
     return fn(system, meta, sel_addr, sel_valid, new_addr, active, config=config,
               interpret=interpret, group=group)

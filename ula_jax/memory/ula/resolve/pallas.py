@@ -1215,6 +1215,12 @@ def _outputs(g: _Geometry, meta: GroupMeta, o3: dict, o4: dict):
   return meta, o4["slots"].reshape(B, k), o4["new_slot"], plan, stats
 
 
+def stack_indexable(meta: GroupMeta) -> bool:
+  """Whether the kernels can take ``meta``'s stacked arrays whole: they index them with
+  int32, so every array must hold fewer than 2^31 elements."""
+  return all(x.size < 2**31 for x in jax.tree.leaves(meta))
+
+
 def resolve_group_pallas(system: Any, meta: GroupMeta, sel_addr: jax.Array,
                          sel_valid: jax.Array, new_addr: jax.Array, active: jax.Array, *,
                          config: ResolveConfig | None = None,
@@ -1265,7 +1271,7 @@ def resolve_group_pallas(system: Any, meta: GroupMeta, sel_addr: jax.Array,
                       programs=fused_programs(config, interpret, programs) if fused else 1)
   if group is None:  # one group's metadata: a stack of one
     meta = jax.tree.map(lambda x: x[None], meta)
-  elif any(x.size >= 2**31 for x in jax.tree.leaves(meta)):
+  elif not stack_indexable(meta):
     raise ValueError(f"meta: a stacked array of {max(x.size for x in jax.tree.leaves(meta))}"
                      " elements: the kernels index the stacked arrays with int32; pass "
                      "one group's metadata (group=None)")
