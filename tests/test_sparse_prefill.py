@@ -27,7 +27,7 @@ from ula_jax.kernels.indexer.pallas import (IndexerConfig, index_scores_pallas,
                                             prefix_kth_largest_pallas)
 from ula_jax.kernels.indexer.prefill import block_rows
 from ula_jax.kernels.indexer.topk import (inclusive_count, kth_largest_key, ordered_key,
-                                          select_topk_radix)
+                                          select_topk_radix, topk_mask)
 from ula_jax.kernels.sparse_attention import sparse_mla_attention
 from ula_jax.kernels.sparse_attention.prefill import (dense_causal_attention,
                                                       sparse_attention_rows)
@@ -42,6 +42,7 @@ TOL = {jnp.dtype(jnp.float32): dict(rtol=1e-5, atol=1e-5),
 QUICKSTART = "experiments/quickstart/config.yaml"
 
 radix = jax.jit(select_topk_radix, static_argnames=("k", "radix_bits"))
+radix_mask = jax.jit(topk_mask, static_argnames=("k", "radix_bits"))
 reference_topk = jax.jit(select_topk, static_argnames=("k",))
 
 
@@ -98,6 +99,8 @@ def test_radix_topk_picks_select_topk_set(rng, case):
     got = radix(jnp.asarray(s), jnp.asarray(cand), k=k, radix_bits=bits)
     assert picked_sets(*got) == picked_sets(*want)
     assert_ascending_compact(*got)
+    mask = np.asarray(radix_mask(jnp.asarray(s), jnp.asarray(cand), k=k, radix_bits=bits))
+    assert [sorted(np.flatnonzero(row).tolist()) for row in mask] == picked_sets(*want)
 
 
 def test_radix_topk_with_fewer_positions_than_k(rng):

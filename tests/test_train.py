@@ -22,7 +22,9 @@ from ula_jax.train import cost
 from ula_jax.train.config import DataConfig, load_train_config
 from ula_jax.train.data import (BOS, ByteTokenizer, eval_windows, is_heldout, list_files,
                                 load_corpus, train_batch, unigram_log_probs, unigram_loss)
-from ula_jax.train.forward import ForwardOptions, _kl_rows, sequence_terms
+from ula_jax.kernels.indexer import index_scores, select_topk
+from ula_jax.train.forward import (ForwardOptions, IndexerInputs, _kl_rows, layer_attention,
+                                   pack_bits, selection_bits, sequence_terms, unpack_bits)
 from ula_jax.train.loop import train
 
 from tests.engine_util import run_engine
@@ -122,6 +124,89 @@ def test_kl_rows_hand_checked():
   want = 0.5 * np.log(0.5 / 0.25) + 0.5 * np.log(0.5 / 0.75)
   np.testing.assert_allclose(_kl_rows(p, log_q, mask), [want], rtol=1e-6)
   assert float(_kl_rows(p, jnp.log(p + (p == 0)), mask)[0]) == 0.0
+
+
+def test_bit_rows_round_trip(rng):
+  for T in (1, 31, 32, 70):
+    mask = rng.random((5, T)) < 0.4
+    words = pack_bits(jnp.asarray(mask))
+    assert words.shape == (5, -(-T // 32)) and words.dtype == jnp.uint32
+    np.testing.assert_array_equal(np.asarray(unpack_bits(words, T)), mask)
+
+
+def _picked_sets_from_select_topk(q_I, w, keys, k):
+  """Each query's top-k over the positions up to itself, by ``select_topk``."""
+  T = keys.shape[0]
+  cand = np.arange(T)[None, :] <= np.arange(T)[:, None]
+  pos, valid = select_topk(index_scores(q_I, w, keys), jnp.asarray(cand), k)
+  return [set(np.asarray(pos)[n][np.asarray(valid)[n]].tolist()) for n in range(T)]
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_selection_bits_are_select_topks_picks(rng, ties):
+  """The training's selection, as bit rows, is serving's ``select_topk`` set for every
+  query, by radix select and by the sort alike (ties: many equal scores, the lower
+  positions win)."""
+  T, I, K, k = 48, 2, 8, 5  # 6 blocks of 8 in 2 key segments; T not a multiple of 32
+  q_I = jnp.asarray(rng.standard_normal((T, I, K)), jnp.float32)
+  keys = rng.standard_normal((T, K)).astype(np.float32)
+  if ties:
+    keys = np.round(keys)
+  keys = jnp.asarray(keys)
+  w = jnp.asarray(rng.random((T, I)), jnp.float32)
+  want = _picked_sets_from_select_topk(q_I, w, keys, k)
+  for radix in (True, False, None):
+    bits = jax.jit(lambda q, w_, kk, r=radix: selection_bits(q, w_, kk, k, 8, radix=r))(
+        q_I, w, keys)
+    assert bits.shape == (T, 2)
+    got = np.asarray(unpack_bits(bits, T))
+    assert [set(np.flatnonzero(row).tolist()) for row in got] == want, radix
+
+
+def test_layer_attention_terms_against_a_hand_computation(rng):
+  """One layer's sparse attention, KL and captured mass, against numpy on the picked
+  positions: attention softmax over the picks, the heads' mean p, the indexer's softmax q
+  over the picks, KL(p || q) summed over queries; the dense attention's mass on the picks."""
+  cfg = ModelConfig(preset="tiny", vocab_size=257, num_layers=1, index_share=1,
+                    num_dense_layers=1, index_topk=5)
+  layer = tfm.DecoderLayer(cfg, True, rngs=nnx.Rngs(0))
+  T, k, I, K = 48, 5, 2, 8
+  attn = layer.attn
+  H, dn = attn.w_uk[...].shape[0], attn.w_uk[...].shape[2]
+  C, dr = attn.kv_lora_rank, cfg.qk_rope_head_dim
+  f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  proj = tfm.Projection(f(T, cfg.hidden_size), f(T, 4), f(T, H, dn), f(T, H, dr), f(T, C + dr))
+  q_I, w, keys = f(T, I, K), jnp.asarray(rng.random((T, I)), jnp.float32), f(T, K)
+  bits = selection_bits(q_I, w, keys, k, 8)
+  ix = IndexerInputs(q_I, w, keys, bits, k)
+  scale = cfg.softmax_scale
+  picks = _picked_sets_from_select_topk(q_I, w, keys, k)
+
+  # numpy, float64
+  e = np.asarray(proj.entry, np.float64)
+  kk = np.einsum("tc,hcd->thd", e[:, :C], np.asarray(attn.w_uk[...], np.float64))
+  s = (np.einsum("qhd,thd->hqt", np.asarray(proj.q_nope, np.float64), kk)
+       + np.einsum("qhr,tr->hqt", np.asarray(proj.q_rope, np.float64), e[:, C:])) * scale
+  iscore = np.asarray(index_scores(q_I, w, keys), np.float64)
+
+  def softmax_over(x, cols):
+    z = np.exp(x[..., cols] - x[..., cols].max(-1, keepdims=True))
+    return z / z.sum(-1, keepdims=True)
+
+  kl = mass = 0.0
+  for n in range(T):
+    sel = sorted(picks[n])
+    p = softmax_over(s[:, n], sel).mean(0)  # the heads' mean over the picks
+    q = softmax_over(iscore[n], sel)
+    kl += float(np.sum(p * np.log(p / q)))
+    p_dense = softmax_over(s[:, n], list(range(n + 1))).mean(0)
+    mass += float(p_dense[sel].sum())
+
+  sparse = layer_attention(layer, proj, ix, scale, ForwardOptions(True, 8))[1]
+  np.testing.assert_allclose(float(sparse["kl"]), kl, rtol=1e-4, atol=1e-5)
+  dense = layer_attention(layer, proj, ix, scale, ForwardOptions(False, 8, kl=False,
+                                                                 measure=True))[1]
+  np.testing.assert_allclose(float(dense["mass"]), mass, rtol=1e-5)
 
 
 def test_sparse_training_forward_is_the_served_function(seed):

@@ -7,8 +7,9 @@ selection); a block reads the positions up to the end of its segment
 (``forward.key_segments``: 5/8 of the T x T square with four segments), and each pair
 it reads costs ``2 H (dn + dr)`` for the scores and ``2 H dv`` for the values, four
 times (forward, the recomputation under ``jax.checkpoint``, backward twice). The indexer
-scores the same pairs once per group for the selection (``2 I K``, forward only) and,
-in the dense stage, once per layer for the KL with its backward (four times). With
+scores the same pairs once per group for the selection (``2 I K``, forward only; sparse
+stage) and once per layer for the KL with its backward (four times; both stages, the
+sparse one masking the scores to the picks). With
 ``train.trainable: mtp`` only the MTP block (and the LM head it passes through) has a
 backward: the main model, its attention and the KL count once (forward only).
 
@@ -64,9 +65,8 @@ def estimate(cfg: TrainConfig, peak_flops: float = 400e12,
   attn = passes * attn_pair * pairs * m.num_layers
   index_pair = 2 * m.index_n_heads * m.index_head_dim
   select = index_pair * pairs * m.num_groups
-  kl_dense = passes * index_pair * pairs * m.num_layers
-  kl_sparse = passes * index_pair * min(m.index_topk, T) * m.num_layers
-  per_token = {"dense": mm + attn + kl_dense, "sparse": mm + attn + select + kl_sparse}
+  kl = passes * index_pair * pairs * m.num_layers
+  per_token = {"dense": mm + attn + kl, "sparse": mm + attn + select + kl}
   total = tokens_per_step * (t.dense_steps * per_token["dense"]
                              + t.sparse_steps * per_token["sparse"])
   lo, hi = utilisation

@@ -14,8 +14,14 @@ Two stages, as DeepSeek-V3.2 trained its indexer:
   scores the same positions and is trained to match each layer's attention distribution
   (averaged over heads, normalised, gradient stopped) by KL(p_attn || softmax(scores)).
 * ``sparse``: each query attends over the top-k positions its group's indexer picks
-  (``kernels.indexer.select_topk``, exactly as serving picks them; every position
+  (``kernels.indexer.select_topk``'s set, exactly as serving picks them; every position
   while a query has at most k candidates). The KL is over the selected positions only.
+
+A group's selection is found once (``selection_bits``: by radix select on a GPU, no
+sort) and kept as bit rows, [T, T / 32] uint32; each layer's query block unpacks its
+rows into the mask its attention and KL are taken over, so the sparse stage costs what
+the dense one does plus the selection: no gather of the picked positions' keys, and no
+scatter of their gradients.
 
 In both, the MTP block (``models.mtp``, the speculative drafts' block) learns to predict
 the token two places ahead from each position's final hidden state and the next token's
@@ -47,6 +53,7 @@ import jax.numpy as jnp
 from jax.scipy.special import xlogy
 
 from ula_jax.kernels.indexer import index_scores, select_topk
+from ula_jax.kernels.indexer.topk import topk_mask
 from ula_jax.kernels.sparse_attention.reference import masked_softmax
 from ula_jax.models.layers import Indexer
 from ula_jax.models.mtp import mtp_logits
@@ -81,8 +88,8 @@ class IndexerInputs(NamedTuple):
   q_I: jax.Array  # [T, I, K]
   w: jax.Array  # [T, I] float32
   keys: jax.Array  # [T, K] kv_dtype
-  sel_pos: jax.Array | None  # [T, k] int32 (INVALID where not valid)
-  sel_valid: jax.Array | None  # [T, k] bool
+  sel_bits: jax.Array | None  # [T, ceil(T / 32)] uint32: ``selection_bits``
+  top_k: int = 0  # the selection's k (0 without one)
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
@@ -100,29 +107,23 @@ def key_segments(T: int, block: int) -> list[tuple[int, int]]:
   return [(i * step, (i + 1) * step) for i in range(S)]
 
 
-def select_blocks(q_I: jax.Array, w: jax.Array, keys: jax.Array, k: int, block: int
-                  ) -> tuple[jax.Array, jax.Array]:
-  """Each position's top-k among the positions up to itself, in query blocks.
+WORD = 32  # positions per word of a selection's bit rows
 
-  q_I: [T, I, K]; w: [T, I]; keys: [T, K]
-  returns positions [T, k] int32 (INVALID where not valid), valid [T, k] bool
-  """
-  T = keys.shape[0]
-  pos = jnp.arange(T, dtype=jnp.int32)
-  sel, valid = [], []
-  for r0, r1 in key_segments(T, block):
 
-    def body(_, xs, r1=r1):
-      q_blk, w_blk, p_blk = xs
-      cand = pos[None, :r1] <= p_blk[:, None]
-      return None, select_topk(index_scores(q_blk, w_blk, keys[:r1]), cand, k)
+def pack_bits(mask_nt: jax.Array) -> jax.Array:
+  """[N, T] bool -> [N, ceil(T / 32)] uint32 (position t is bit t % 32 of word t // 32)."""
+  N, T = mask_nt.shape
+  W = -(-T // WORD)
+  m = jnp.pad(mask_nt, ((0, 0), (0, W * WORD - T))).reshape(N, W, WORD)
+  return jnp.sum(m.astype(jnp.uint32) << jnp.arange(WORD, dtype=jnp.uint32), axis=-1,
+                 dtype=jnp.uint32)  # distinct bits: the sum is their OR
 
-    _, (s_, v_) = jax.lax.scan(body, None, (_blocks(q_I[r0:r1], block),
-                                            _blocks(w[r0:r1], block),
-                                            _blocks(pos[r0:r1], block)))
-    sel.append(s_.reshape(r1 - r0, -1))
-    valid.append(v_.reshape(r1 - r0, -1))
-  return jnp.concatenate(sel), jnp.concatenate(valid)
+
+def unpack_bits(words_nw: jax.Array, T: int) -> jax.Array:
+  """``pack_bits``'s inverse for the first T positions: [N, W] uint32 -> [N, T] bool."""
+  N, W = words_nw.shape
+  bits = (words_nw[:, :, None] >> jnp.arange(WORD, dtype=jnp.uint32)) & 1
+  return bits.astype(bool).reshape(N, W * WORD)[:, :T]
 
 
 def _selection_mask(sel_pos: jax.Array, sel_valid: jax.Array, T: int) -> jax.Array:
@@ -131,6 +132,52 @@ def _selection_mask(sel_pos: jax.Array, sel_valid: jax.Array, T: int) -> jax.Arr
   rows = jnp.arange(N)[:, None]
   cols = jnp.where(sel_valid, sel_pos, T)  # invalid picks land in a dropped column
   return jnp.zeros((N, T + 1), bool).at[rows, cols].set(True)[:, :T]
+
+
+def _sorted_mask(scores_nt: jax.Array, cand_nt: jax.Array, k: int) -> jax.Array:
+  """``select_topk``'s picks (``lax.top_k``) as a [N, T] mask."""
+  return _selection_mask(*select_topk(scores_nt, cand_nt, k), scores_nt.shape[1])
+
+
+def _picks(scores_nt: jax.Array, cand_nt: jax.Array, k: int, radix: bool | None
+           ) -> jax.Array:
+  """``select_topk``'s picks as a mask: by radix select (``topk_mask``: no sort, no
+  scatter) or by ``lax.top_k`` and a scatter; None: the radix select except on a CPU,
+  whose top-k is no sort and many times faster than the counting passes there."""
+  if radix is None:
+    return jax.lax.platform_dependent(
+        scores_nt, cand_nt, cpu=lambda s, c: _sorted_mask(s, c, k),
+        default=lambda s, c: topk_mask(s, c, k))
+  return topk_mask(scores_nt, cand_nt, k) if radix else _sorted_mask(scores_nt, cand_nt, k)
+
+
+def selection_bits(q_I: jax.Array, w: jax.Array, keys: jax.Array, k: int, block: int, *,
+                   radix: bool | None = None) -> jax.Array:
+  """Each position's top-k among the positions up to itself (``select_topk``'s set,
+  exactly as serving picks it), in query blocks, as bit rows.
+
+  q_I: [T, I, K]; w: [T, I]; keys: [T, K]
+  radix: as ``_picks``'s
+  returns [T, ceil(T / 32)] uint32: bit t of row n set where position t is picked for
+  query n (``pack_bits``; T^2 / 8 bytes, an eighth of the picks' [T, k] int32 at k = T / 32)
+  """
+  T = keys.shape[0]
+  W = -(-T // WORD)
+  pos = jnp.arange(T, dtype=jnp.int32)
+  out = []
+  for r0, r1 in key_segments(T, block):
+
+    def body(_, xs, r1=r1):
+      q_blk, w_blk, p_blk = xs
+      cand = pos[None, :r1] <= p_blk[:, None]
+      words = pack_bits(_picks(index_scores(q_blk, w_blk, keys[:r1]), cand, k, radix))
+      return None, jnp.pad(words, ((0, 0), (0, W - words.shape[1])))
+
+    _, bits = jax.lax.scan(body, None, (_blocks(q_I[r0:r1], block),
+                                        _blocks(w[r0:r1], block),
+                                        _blocks(pos[r0:r1], block)))
+    out.append(bits.reshape(r1 - r0, W))
+  return jnp.concatenate(out)
 
 
 def _log_softmax(z: jax.Array, mask: jax.Array) -> jax.Array:
@@ -164,7 +211,7 @@ def layer_attention(layer: DecoderLayer, proj: Projection, ix: IndexerInputs,
   pos = jnp.arange(T, dtype=jnp.int32)
   keys = ix.keys
   want_sel = opts.sparse or opts.measure
-  k = ix.sel_pos.shape[-1] if want_sel else 0
+  k = ix.top_k
 
   def segment(r0: int, r1: int):
     """The queries of rows [r0, r1) over positions < r1 (those after are all masked)."""
@@ -172,39 +219,33 @@ def layer_attention(layer: DecoderLayer, proj: Projection, ix: IndexerInputs,
 
     @jax.checkpoint
     def body(_, xs):
-      qn, qr, qpos, q_I, w, sel, valid = xs
+      qn, qr, qpos, q_I, w, bits = xs
       causal = pos_[None, :] <= qpos[:, None]  # [Bq, r1]
-      allowed = causal & _selection_mask(sel, valid, r1) if opts.sparse else causal
+      picked = unpack_bits(bits[:, :-(-r1 // WORD)], r1) if want_sel else None
+      allowed = picked if opts.sparse else causal  # the picks are causal
       s_hqt = (jnp.einsum("qhd,thd->hqt", qn, k_, preferred_element_type=F32)
                + jnp.einsum("qhr,tr->hqt", qr, kr_, preferred_element_type=F32)) * scale
       p_hqt = masked_softmax(s_hqt, allowed[None])
       o_qhv = jnp.einsum("hqt,thv->qhv", p_hqt.astype(dt), v_, preferred_element_type=F32)
       p_qt = jax.lax.stop_gradient(jnp.mean(p_hqt, axis=0))  # the heads' distribution
       kl = mass = mass_far = oracle_far = jnp.zeros((), F32)
-      if opts.kl and not opts.sparse:
-        log_q = _log_softmax(index_scores(q_I, w, keys_), causal)
-        kl = jnp.sum(_kl_rows(p_qt, log_q, causal))
-      if want_sel:
-        safe = jnp.where(valid, sel, 0)
-        p_sel = jnp.where(valid, jnp.take_along_axis(p_qt, safe, axis=-1), 0.0)  # [Bq, k]
-        if opts.kl and opts.sparse:
-          log_q = _log_softmax(index_scores(q_I, w, keys_[safe]), valid)
-          kl = jnp.sum(_kl_rows(p_sel, log_q, valid))
-        if opts.measure:
-          got = jnp.sum(p_sel, axis=-1)
-          mass = jnp.sum(got)
-          mass_far = jnp.sum(jnp.where(qpos >= k, got, 0.0))
-          # The most any k positions could hold: the attention's own top-k.
-          best = jnp.sum(jax.lax.top_k(p_qt, min(k, r1))[0], axis=-1)
-          oracle_far = jnp.sum(jnp.where(qpos >= k, best, 0.0))
+      if opts.kl:  # over the positions attended: every earlier one, or the picks
+        log_q = _log_softmax(index_scores(q_I, w, keys_), allowed)
+        kl = jnp.sum(_kl_rows(p_qt, log_q, allowed))
+      if opts.measure:
+        got = jnp.sum(jnp.where(picked, p_qt, 0.0), axis=-1)
+        mass = jnp.sum(got)
+        mass_far = jnp.sum(jnp.where(qpos >= k, got, 0.0))
+        # The most any k positions could hold: the attention's own top-k.
+        best = jnp.sum(jax.lax.top_k(p_qt, min(k, r1))[0], axis=-1)
+        oracle_far = jnp.sum(jnp.where(qpos >= k, best, 0.0))
       return None, (o_qhv.astype(dt), kl, mass, mass_far, oracle_far)
 
     b = opts.block
-    dummy = jnp.zeros((r1 - r0, 1), jnp.int32)
     rows = lambda x: _blocks(x[r0:r1], b)
+    bits = ix.sel_bits if want_sel else jnp.zeros((T, 1), jnp.uint32)
     xs = (rows(proj.q_nope), rows(proj.q_rope), rows(pos), rows(ix.q_I), rows(ix.w),
-          rows(ix.sel_pos) if want_sel else _blocks(dummy, b),
-          rows(ix.sel_valid) if want_sel else _blocks(dummy.astype(bool), b))
+          rows(bits))
     _, (o, *sums) = jax.lax.scan(body, None, xs)
     return o.reshape(r1 - r0, *o.shape[2:]), [jnp.sum(x) for x in sums]
 
@@ -279,11 +320,11 @@ def sequence_terms(model: Transformer, tokens: jax.Array, targets: jax.Array,
     h = jax.lax.stop_gradient(first.h)
     keys = indexer.key(h, pos)
     q_I, w = indexer.query(h, jax.lax.stop_gradient(first.c_q), pos)
-    sel = valid = None
-    if opts.sparse or opts.measure:
-      stop = jax.lax.stop_gradient
-      sel, valid = select_blocks(stop(q_I), stop(w), stop(keys), cfg.index_topk, opts.block)
-    return IndexerInputs(q_I, w, keys, sel, valid), c
+    if not (opts.sparse or opts.measure):
+      return IndexerInputs(q_I, w, keys, None), c
+    stop = jax.lax.stop_gradient
+    bits = selection_bits(stop(q_I), stop(w), stop(keys), cfg.index_topk, opts.block)
+    return IndexerInputs(q_I, w, keys, bits, cfg.index_topk), c
 
   def attend(l, layer: DecoderLayer, proj: Projection, ix: IndexerInputs, c):
     out, terms = layer_attention(layer, proj, ix, cfg.softmax_scale, opts)

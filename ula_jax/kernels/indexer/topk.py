@@ -20,6 +20,8 @@ float32 bit pattern instead, then keeps what lies above it:
 
 The result is ``select_topk``'s set of valid positions exactly, in ascending position
 order (``select_topk`` orders them best first): the valid picks first, then INVALID.
+``topk_mask`` stops before step 4 and returns the picks as a [N, T] mask, for callers
+that attend through a mask (the training forward).
 """
 
 from __future__ import annotations
@@ -105,22 +107,21 @@ def compact(picked_nt: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   return out.reshape(N, k), valid
 
 
-def select_topk_radix(scores_nt: jax.Array, cand_nt: jax.Array, k: int, *,
-                      radix_bits: int = RADIX_BITS, kth: jax.Array | None = None
-                      ) -> tuple[jax.Array, jax.Array]:
-  """``select_topk`` by radix select (module docstring): the same valid positions.
+def topk_mask(scores_nt: jax.Array, cand_nt: jax.Array, k: int, *,
+              radix_bits: int = RADIX_BITS, kth: jax.Array | None = None) -> jax.Array:
+  """``select_topk``'s set of valid picks as a mask, by radix select (steps 1-3 of the
+  module docstring; no compaction).
 
   scores_nt: [N, T] float32; cand_nt: [N, T] bool (positions that may be picked)
   kth: [N] uint32, each row's k-th largest key where it was found elsewhere
        (``pallas.prefix_kth_largest_pallas``); None: ``kth_largest_key`` here
-  returns positions [N, k] int32 in ascending order, valid ones first (INVALID after),
-          valid [N, k] bool
+  returns [N, T] bool with min(k, candidates) positions set per row
   """
   if k < 1:
     raise ValueError(f"k={k}: must be >= 1")
-  N, T = scores_nt.shape
+  T = scores_nt.shape[1]
   if T <= k:  # every position is among the top k: the candidates are the picks
-    return compact(cand_nt, k)
+    return cand_nt
   key = ordered_key(jnp.where(cand_nt, scores_nt, -jnp.inf))
   tau = (kth_largest_key(key, k, radix_bits=radix_bits) if kth is None else kth)[:, None]
   above, tied = key > tau, key == tau
@@ -133,9 +134,21 @@ def select_topk_radix(scores_nt: jax.Array, cand_nt: jax.Array, k: int, *,
   def lowest_ties():
     return cand_nt & (above | (tied & (inclusive_count(tied) <= need)))
 
-  picked = jax.lax.cond(jnp.any(cut), lowest_ties, lambda: cand_nt & (key >= tau))
-  return compact(picked, k)
+  return jax.lax.cond(jnp.any(cut), lowest_ties, lambda: cand_nt & (key >= tau))
+
+
+def select_topk_radix(scores_nt: jax.Array, cand_nt: jax.Array, k: int, *,
+                      radix_bits: int = RADIX_BITS, kth: jax.Array | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
+  """``select_topk`` by radix select (module docstring): the same valid positions.
+
+  scores_nt: [N, T] float32; cand_nt: [N, T] bool (positions that may be picked)
+  kth: as ``topk_mask``'s
+  returns positions [N, k] int32 in ascending order, valid ones first (INVALID after),
+          valid [N, k] bool
+  """
+  return compact(topk_mask(scores_nt, cand_nt, k, radix_bits=radix_bits, kth=kth), k)
 
 
 __all__ = ["RADIX_BITS", "compact", "inclusive_count", "kth_largest_key", "ordered_key",
-           "select_topk_radix"]
+           "select_topk_radix", "topk_mask"]
