@@ -159,7 +159,8 @@ def selection_bits(q_I: jax.Array, w: jax.Array, keys: jax.Array, k: int, block:
   q_I: [T, I, K]; w: [T, I]; keys: [T, K]
   radix: as ``_picks``'s
   returns [T, ceil(T / 32)] uint32: bit t of row n set where position t is picked for
-  query n (``pack_bits``; T^2 / 8 bytes, an eighth of the picks' [T, k] int32 at k = T / 32)
+  query n (``pack_bits``; T^2 / 8 bytes: a quarter of the picks as [T, k] int32 at
+  k = T / 8, a 16K window's top-2048)
   """
   T = keys.shape[0]
   W = -(-T // WORD)
