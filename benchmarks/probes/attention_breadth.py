@@ -1,0 +1,121 @@
+"""How broad a small trained model's attention is, layer by layer, with byte tokens or
+a BPE vocabulary: the dense stage of ``ula-jax train``'s recipe at CPU size, then the
+held-out share of each layer's attention that its own top-k holds (the most any
+selection of k positions could capture: ``attention_topk_mass_beyond_k``) and the share
+the indexer's top-k holds.
+
+    PYTHONPATH=. python benchmarks/probes/attention_breadth.py --tokenizer bytes --layers 4
+    PYTHONPATH=. python benchmarks/probes/attention_breadth.py --tokenizer bpe:4096 --layers 4
+
+The model: hidden 192, 4 heads, an MLA entry of 64 + 32, dense MLPs, one indexer of
+4 x 32 per layer, float32; 1K-token windows (the held-out files of the standard
+library, as ``ula-jax train``'s split, 6 MB of text), top-128 (the 16K / 2048 ratio of
+``experiments/train_small``), 4 windows a step, AdamW at 2e-3. ``bpe:V`` trains a
+byte-level BPE of V - 1 tokens plus a separator on the training files with the
+``tokenizers`` package (``pip install tokenizers``; nothing is fetched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ula_jax.train.config import load_train_config
+from ula_jax.train.data import BOS, eval_windows, load_corpus, train_batch
+from ula_jax.train.forward import ForwardOptions
+from ula_jax.train.loop import evaluate, init_model, make_optimizer, train_step
+
+SEQ, TOP_K = 1024, 128
+
+
+def _bpe_streams(corpus, vocab: int) -> tuple[np.ndarray, np.ndarray, float]:
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+  def documents(stream):
+    cuts = list(np.flatnonzero(stream == BOS)) + [len(stream)]
+    return [bytes(stream[a + 1:b].astype(np.uint8)).decode("utf-8", "replace")
+            for a, b in zip(cuts, cuts[1:])]
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  train_docs, held_docs = documents(corpus.train), documents(corpus.heldout)
+  tok.train_from_iterator(train_docs, trainers.BpeTrainer(
+      vocab_size=vocab - 1, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False))
+  sep = vocab - 1
+
+  def encode(docs):
+    return np.concatenate([np.concatenate([[sep], e.ids]) for e in tok.encode_batch(docs)]
+                          ).astype(np.int32)
+
+  train = encode(train_docs)
+  return train, encode(held_docs), corpus.train.size / train.size
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--tokenizer", default="bytes", help="bytes or bpe:VOCAB")
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--steps", type=int, default=400)
+  p.add_argument("--json", default=None, help="write the result here")
+  a = p.parse_args()
+  if a.tokenizer == "bytes":
+    vocab = 257
+  elif a.tokenizer.startswith("bpe:") and a.tokenizer[4:].isdigit():
+    vocab = int(a.tokenizer[4:])
+  else:
+    p.error(f"--tokenizer={a.tokenizer!r}: expected bytes or bpe:VOCAB")
+  overrides = [
+      f"model.vocab_size={vocab}", f"model.num_layers={a.layers}",
+      f"model.num_dense_layers={a.layers}", "model.index_share=1", f"model.index_topk={TOP_K}",
+      "model.max_position=2048", "model.hidden_size=192", "model.intermediate_size=512",
+      "model.num_heads=4", "model.q_lora_rank=96", "model.kv_lora_rank=64",
+      "model.qk_nope_head_dim=32", "model.qk_rope_head_dim=32", "model.v_head_dim=32",
+      "model.index_n_heads=4", "model.index_head_dim=32", "model.dtype=float32",
+      "model.kv_dtype=float32", "data.max_bytes=6000000", "data.heldout_fraction=0.03",
+      f"train.seq_len={SEQ}", "train.batch_size=4", f"train.dense_steps={a.steps}",
+      "train.sparse_steps=0", "train.lr=2e-3", "train.warmup_steps=20",
+      "train.attention_block=256", "eval.sequences=8"]
+  cfg = load_train_config("experiments/train_small/tiny.yaml", overrides)
+  corpus = load_corpus(cfg.data)
+  train, held, bytes_per_token = corpus.train.astype(np.int32), corpus.heldout.astype(np.int32), 1.0
+  if vocab != 257:
+    train, held, bytes_per_token = _bpe_streams(corpus, vocab)
+  graphdef, params = nnx.split(init_model(cfg))
+  params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+  tx, _ = make_optimizer(cfg.train)
+  opt_state = tx.init(params)
+  opts = ForwardOptions(False, cfg.block)
+  t0 = time.perf_counter()
+  for step in range(a.steps):
+    windows = train_batch(train, step, cfg.train.batch_size, SEQ, 0)
+    params, opt_state, m = train_step(graphdef, tx, opts, cfg, params, opt_state, windows)
+    if step % 100 == 0 or step == a.steps - 1:
+      print(f"step {step}: loss {float(m['lm']):.3f} ({time.perf_counter() - t0:.0f} s)",
+            flush=True)
+  ev = evaluate(graphdef, params, eval_windows(held, 8, SEQ), cfg)
+  result = {
+      "tokenizer": a.tokenizer, "vocab": vocab, "layers": a.layers, "steps": a.steps,
+      "seq_len": SEQ, "top_k": TOP_K, "bytes_per_token": bytes_per_token,
+      "heldout_loss_nats_per_token": ev["loss_dense"],
+      "heldout_bits_per_byte": ev["loss_dense"] / np.log(2) / bytes_per_token,
+      "attention_topk_mass_beyond_k_per_layer": ev["attention_topk_mass_beyond_k_per_layer"],
+      "captured_mass_beyond_k_per_layer": ev["captured_mass_beyond_k_per_layer"],
+      "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
+      "date": datetime.date.today().isoformat(), "train_s": time.perf_counter() - t0}
+  print(json.dumps(result))
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
