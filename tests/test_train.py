@@ -163,6 +163,33 @@ def test_selection_bits_are_select_topks_picks(rng, ties):
     assert [set(np.flatnonzero(row).tolist()) for row in got] == want, radix
 
 
+def test_training_step_with_the_gpus_radix_selection_equals_the_cpus(monkeypatch, seed):
+  """The sparse stage's loss and gradients, batched and jitted, are the same whether the
+  selection is the radix select (a GPU's default) or ``lax.top_k`` (a CPU's): the same
+  picks (``test_selection_bits_are_select_topks_picks``), the two programs fused apart
+  (float32 rounding)."""
+  from ula_jax.train import forward
+  cfg = ModelConfig(preset="tiny", vocab_size=257, num_layers=2, index_share=1,
+                    num_dense_layers=2, index_topk=16, param_seed=seed % 1000)
+  graphdef, params = nnx.split(tfm.Transformer(cfg))
+  windows = jnp.asarray(np.random.default_rng(seed).integers(0, 257, (2, 129)), jnp.int32)
+
+  def step():
+    def loss(p):
+      t = forward.batch_terms(nnx.merge(graphdef, p), windows, ForwardOptions(True, 32))
+      return t["lm"].sum() + t["kl"].sum()
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  want = step()
+  picks = forward._picks
+  monkeypatch.setattr(forward, "_picks", lambda s, c, k, radix: picks(s, c, k, True))
+  got = step()
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    a, b = np.asarray(a), np.asarray(b)
+    # Relative to the leaf's largest entry: another pick would move it by its own size.
+    assert np.max(np.abs(a - b), initial=0.0) <= 1e-4 * np.max(np.abs(a), initial=0.0) + 1e-7
+
+
 def test_layer_attention_terms_against_a_hand_computation(rng):
   """One layer's sparse attention, KL and captured mass, against numpy on the picked
   positions: attention softmax over the picks, the heads' mean p, the indexer's softmax q
