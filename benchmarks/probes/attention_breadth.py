@@ -24,14 +24,13 @@ import platform
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from ula_jax.train.config import load_train_config
 from ula_jax.train.data import BOS, eval_windows, load_corpus, train_batch
 from ula_jax.train.forward import ForwardOptions
-from ula_jax.train.loop import evaluate, init_model, make_optimizer, train_step
+from ula_jax.train.loop import cast, evaluate, init_model, make_optimizer, train_step
 
 SEQ, TOP_K = 1024, 128
 
@@ -90,7 +89,7 @@ def main() -> None:
   if vocab != 257:
     train, held, bytes_per_token = _bpe_streams(corpus, vocab)
   graphdef, params = nnx.split(init_model(cfg))
-  params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+  params = cast(params, "float32")  # float32 master parameters, as ``ula-jax train``
   tx, _ = make_optimizer(cfg.train)
   opt_state = tx.init(params)
   opts = ForwardOptions(False, cfg.block)
