@@ -17,10 +17,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ula_jax.core import compat
-from ula_jax.kernels.fetch import evict_rows, fetch_rows
+from ula_jax.kernels.fetch import STAGE_IMPLS, evict_rows, fetch_rows, stage_rows
 from ula_jax.kernels.fetch.hlo import host_parameter_shapes, pool_materializations
 from ula_jax.kernels.fetch.pallas import (CopyRowsConfig, copy_rows_pallas, evict_rows_pallas,
-                                          fetch_rows_pallas, unit_elements)
+                                          fetch_rows_pallas, stage_rows_pallas, unit_elements)
 from ula_jax.kernels.fetch.reference import evict_rows_reference, fetch_rows_reference
 
 # The two KV row layouts: bf16 x 576 (1152 B) and the FP8 layout as raw bytes (656 B).
@@ -167,6 +167,24 @@ def test_public_entry_points_validate_arguments():
   np.testing.assert_array_equal(out, host.at[0].set(1))
 
 
+@pytest.mark.parametrize("impl", sorted(STAGE_IMPLS))
+def test_stage_rows_entry_point(impl, rng):
+  """Every implementation stages the in-range rows; bad operands name the argument."""
+  pool = random_rows(rng, (50, 24), np.float32)
+  idx = np.array([3, -1, 49, 50, 0, 7, -4], np.int32)
+  out = np.asarray(stage_rows(jnp.asarray(pool), jnp.asarray(idx), impl=impl))
+  ok = (idx >= 0) & (idx < 50)
+  assert out.shape == (7, 24)
+  assert_same_bits(out[ok], pool[idx[ok]])
+  with pytest.raises(ValueError, match="idx"):
+    stage_rows(jnp.asarray(pool), jnp.asarray(idx, jnp.int64 if jax.config.x64_enabled
+                                              else jnp.float32), impl=impl)
+  with pytest.raises(ValueError, match="pool.shape"):
+    stage_rows(jnp.asarray(pool[0]), jnp.asarray(idx), impl=impl)
+  with pytest.raises(ValueError, match="kernels.fetch='cuda'"):
+    stage_rows(jnp.asarray(pool), jnp.asarray(idx), impl="cuda")
+
+
 def test_pallas_config_validates():
   with pytest.raises(ValueError, match=r"block_units=96: expected a power of 2"):
     CopyRowsConfig(block_units=96)
@@ -297,6 +315,23 @@ class CopyRowsPallasCases:
     out = run(self._put(dev, "device"), jnp.asarray(d_idx), self._put(host, "pinned_host"),
               jnp.asarray(h_idx))
     assert_same_bits(out, expected_copy(dev, d_idx, host, h_idx))
+
+  @pytest.mark.parametrize("layout", sorted(LAYOUTS))
+  @pytest.mark.parametrize("block_units", [16, 1024])
+  def test_stage_reads_the_in_range_rows(self, layout, block_units, rng):
+    """stage_rows: row i of the result is pool[idx[i]] for every in-range index (the
+    rest is unspecified), with many programs and a partial last one."""
+    dtype, W = LAYOUTS[layout]
+    S, N = 173, 301
+    pool = random_rows(rng, (S, W), dtype)
+    idx, _ = random_pairs(rng, N, S, N, skip=0.6)
+    run = jax.jit(functools.partial(stage_rows_pallas,
+                                    config=CopyRowsConfig(block_units=block_units),
+                                    interpret=self.INTERPRET))
+    out = np.asarray(run(self._put(pool, "device"), jnp.asarray(idx)))
+    ok = (idx >= 0) & (idx < S)
+    assert out.shape == (N, W) and out.dtype == pool.dtype and 0 < ok.sum() < N
+    assert_same_bits(out[ok], pool[idx[ok]])
 
   def test_many_programs_and_narrow_rows(self, rng):
     """Tiny blocks (many programs, a partial last one) and a row of 7 float32 values

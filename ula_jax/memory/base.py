@@ -420,6 +420,12 @@ class MemorySystem(abc.ABC):
     return evict_rows(dev_pool, dev_idx, host_pool, host_idx, impl=self.fetch_impl,
                       interpret=self.fetch_interpret)
 
+  def stage_rows(self, pool: jax.Array, idx: jax.Array) -> jax.Array:
+    """pool[idx[i]] -> a fresh [N, W] device buffer (rows of negative indices
+    unspecified), through this system's ``kernels.fetch`` implementation."""
+    from ula_jax.kernels.fetch import stage_rows
+    return stage_rows(pool, idx, impl=self.fetch_impl, interpret=self.fetch_interpret)
+
   def check_layer(self, layer: int | jax.Array, group: Any) -> None:
     """Raises where ``layer`` is not in ``group`` (the group a Resolution was planned
     for). Only concrete indices are checked: with traced ones (the model's scan) the

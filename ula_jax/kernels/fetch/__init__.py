@@ -1,7 +1,8 @@
 """Row copies between a pinned-host pool and a device pool, by index lists.
 
 ``fetch_rows`` copies host rows into device slots, ``evict_rows`` device rows into host
-slots. Only the selected rows cross between host and device: no implementation moves
+slots, ``stage_rows`` device rows into a fresh device buffer (the rows a step evicts, set
+aside before the fetch overwrites their slots). Only the selected rows cross between host and device: no implementation moves
 the whole host pool (Pallas interpret mode, a CPU debugging aid, excepted).
 
 Implementations (``impl``, the config field ``kernels.fetch``):
@@ -33,6 +34,14 @@ IMPLS: dict[str, tuple[str, str, str]] = {
     "xla": ("ula_jax.kernels.fetch.reference", "fetch_rows_reference", "evict_rows_reference"),
     "pallas": ("ula_jax.kernels.fetch.pallas", "fetch_rows_pallas", "evict_rows_pallas"),
     "ffi": ("ula_jax.kernels.fetch.ffi", "fetch_rows_ffi", "evict_rows_ffi"),
+}
+
+# impl name -> (module, stage function): the FFI package has no gather of its own; its
+# users get the Pallas one (a Triton kernel on GPU, interpret mode elsewhere).
+STAGE_IMPLS: dict[str, tuple[str, str]] = {
+    "xla": ("ula_jax.kernels.fetch.reference", "stage_rows_reference"),
+    "pallas": ("ula_jax.kernels.fetch.pallas", "stage_rows_pallas"),
+    "ffi": ("ula_jax.kernels.fetch.pallas", "stage_rows_pallas"),
 }
 
 
@@ -113,4 +122,30 @@ def evict_rows(dev_pool: jax.Array, dev_idx: jax.Array, host_pool: jax.Array,
   return evict(dev_pool, dev_idx, host_pool, host_idx, **_impl_kwargs(impl, interpret))
 
 
-__all__ = ["EVICT_NAMES", "FETCH_NAMES", "IMPLS", "check_copy_args", "evict_rows", "fetch_rows"]
+def stage_rows(pool: jax.Array, idx: jax.Array, *, impl: str = "xla",
+               interpret: bool | None = None) -> jax.Array:
+  """Gathers device rows into a fresh buffer: ``out[i] = pool[idx[i]]``.
+
+  pool: [S, W] any dtype, device memory
+  idx:  [N] int32 rows (outside [0, S): row i of the result is unspecified)
+  impl: 'xla' (a gather of all N rows) | 'pallas' (one launch that reads and writes only
+        the in-range rows) | 'ffi' (the Pallas launch)
+  returns out: [N, W], device memory
+
+  Its cost follows the in-range rows with 'pallas', the length N with 'xla': a step's
+  plan lists are sized for the worst case and mostly empty.
+  """
+  if pool.ndim != 2:
+    raise ValueError(f"pool.shape={tuple(pool.shape)}: expected a pool [S, W]")
+  if idx.ndim != 1 or idx.dtype != jnp.int32:
+    raise ValueError(f"idx: got {idx.dtype}{list(idx.shape)}, expected int32 [N]")
+  if impl not in STAGE_IMPLS:
+    raise ValueError(f"kernels.fetch={impl!r}: expected one of {sorted(STAGE_IMPLS)}")
+  module, name = STAGE_IMPLS[impl]
+  stage = getattr(importlib.import_module(module), name)
+  kwargs = {} if module.endswith("reference") else {"interpret": interpret}
+  return stage(pool, idx, **kwargs)
+
+
+__all__ = ["EVICT_NAMES", "FETCH_NAMES", "IMPLS", "STAGE_IMPLS", "check_copy_args",
+           "evict_rows", "fetch_rows", "stage_rows"]

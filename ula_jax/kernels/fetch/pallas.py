@@ -130,6 +130,65 @@ def copy_rows_pallas(src: jax.Array, src_idx: jax.Array, dst: jax.Array, dst_idx
   )(src_idx, dst_idx, src, dst)
 
 
+def _stage_rows_kernel(src_idx_ref, src_ref, out_ref, *, num_units: int,
+                       units_per_row: int, vec: int, block_units: int):
+  # src_idx_ref: [N] int32; src_ref: [Ss, W]; out_ref: [N, W], a fresh buffer: row i is
+  # written only when src_idx[i] is in range, by the programs that own its units.
+  src_rows, out_rows = src_ref.shape[0], out_ref.shape[0]
+  u = pl.program_id(0) * block_units + jnp.arange(block_units, dtype=jnp.int32)  # [U]
+  live = u < num_units
+  row = jnp.where(live, jax.lax.div(u, units_per_row), 0)
+  col = jnp.where(live, jax.lax.rem(u, units_per_row), 0)
+  s = plgpu.load(src_idx_ref.at[row], mask=live, other=-1)
+  ok = live & (s >= 0) & (s < src_rows)
+  cols = (col * vec)[:, None] + jnp.arange(vec, dtype=jnp.int32)[None, :]  # [U, vec]
+  mask = ok[:, None]
+  x = plgpu.load(src_ref.at[jnp.where(ok, s, 0)[:, None], cols], mask=mask)
+  plgpu.store(out_ref.at[jnp.where(ok, row, out_rows)[:, None], cols], x, mask=mask)
+
+
+def stage_rows_pallas(pool: jax.Array, idx: jax.Array, *,
+                      config: CopyRowsConfig = CopyRowsConfig(),
+                      interpret: bool | None = None) -> jax.Array:
+  """``out[i] = pool[idx[i]]`` for in-range indices, as one kernel launch (see
+  ``stage_rows``): only those rows are read and written; the other rows of the fresh
+  result are left as the allocation found them.
+
+  pool: [S, W] device memory; idx: [N] int32
+  returns out: [N, W] device memory
+  """
+  if interpret is None:
+    interpret = default_interpret()
+  N, W = idx.shape[0], pool.shape[1]
+  if N == 0 or W == 0 or pool.shape[0] == 0:
+    return jnp.zeros((N, W), pool.dtype)
+  if not interpret and byte_offsets_overflow(pool):
+    raise ValueError(
+        f"pool: a pool of {pool.size} one-byte elements ({pool.size / 2**30:.2f} GiB): the "
+        "Pallas row copy cannot index byte pools of 2-4 GiB (32-bit element offsets); "
+        "size memory.device_pool outside that range or use kernels.fetch='xla'")
+  vec = unit_elements(W, pool.dtype)
+  units_per_row = W // vec
+  num_units = N * units_per_row
+  if num_units >= 2**31:
+    raise ValueError(f"idx.shape[0]={N} rows of {units_per_row} units: more than 2**31 "
+                     "units per call (the kernel indexes them in int32); split the call")
+  kernel = functools.partial(_stage_rows_kernel, num_units=num_units,
+                             units_per_row=units_per_row, vec=vec,
+                             block_units=config.block_units)
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((N, W), pool.dtype),
+      grid=(pl.cdiv(num_units, config.block_units),),
+      in_specs=[any_spec] * 2,
+      out_specs=any_spec,
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+      name="ula_stage_rows",
+  )(idx, pool)
+
+
 def fetch_rows_pallas(host_pool: jax.Array, host_idx: jax.Array, dev_pool: jax.Array,
                       dev_idx: jax.Array, *, config: CopyRowsConfig = CopyRowsConfig(),
                       interpret: bool | None = None) -> jax.Array:

@@ -95,3 +95,14 @@ def evict_rows_reference(dev_pool: jax.Array, dev_idx: jax.Array, host_pool: jax
   if is_host(host_pool):
     return compat.on_host(_scatter_bits, host_pool, compat.to_host(dst), compat.to_host(rows))
   return _scatter(host_pool, dst, rows)
+
+
+def stage_rows_reference(pool: jax.Array, idx: jax.Array) -> jax.Array:
+  """``out[i] = pool[idx[i]]`` for in-range indices; the other rows hold row 0.
+
+  pool: [S, W] device memory; idx: [N] int32
+  returns out: [N, W]
+  """
+  if pool.shape[0] == 0:
+    return jnp.zeros((idx.shape[0], pool.shape[1]), pool.dtype)
+  return _gather(pool, jnp.where(in_range(idx, pool.shape[0]), idx, 0))

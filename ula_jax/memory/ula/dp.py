@@ -371,8 +371,9 @@ class Ula(MemorySystem):
     # victims' gather before the fetch writes dev, the fetch before the evict writes
     # host); without them XLA copies the pool to let the two run in either order.
     # Rows of the flat pools are offset by the layer (``layer_rows``: skips stay negative).
-    v_rows = layer * Sd + jnp.clip(p.evict_src, 0, Sd - 1)
-    victims = dev.at[v_rows].get(mode="promise_in_bounds")
+    # The staging reads only the step's victims: the lists are sized for the worst case
+    # (B * k + B rows), and a gather of all of them would move the whole length each layer.
+    victims = self.stage_rows(dev, layer_rows(layer, p.evict_src, Sd))
     victims, dev = jax.lax.optimization_barrier((victims, dev))
     dev = self.fetch_rows(host, layer_rows(layer, p.fetch_src, Hr), dev,
                           layer_rows(layer, p.fetch_dst, Sd))
