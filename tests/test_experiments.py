@@ -101,8 +101,14 @@ def test_throughput_reuses_the_systems_of_earlier_runs(out, tmp_path):
   lacking = dict(res, data=dict(res["data"], serving=dict(
       res["data"]["serving"], systems={n: e for n, e in systems.items() if n != "ula_dp"})))
   (part / "results.json").write_text(json.dumps(lacking))
-  mixed = run(f"reuse=[{part}]")["data"]["serving"]["systems"]
+  # profile=true: the measured system's capacity point is served once more under the
+  # profiler (a CPU trace has no device lines: wall times only), the reused ones untouched.
+  mixed = run(f"reuse=[{part}]", "profile=true")["data"]["serving"]["systems"]
   assert "reused_from" not in mixed["ula_dp"]
+  prof = mixed["ula_dp"]["points"][-1]["profile"]
+  assert mixed["ula_dp"]["points"][-1]["batch"] == mixed["ula_dp"]["capacity"]["requests"]
+  assert prof["steps"] >= 1 and prof["wall_us"] > 0 and "trace" not in prof
+  assert all("profile" not in p for p in mixed["ula_dp"]["points"][:-1])
   assert mixed["ula_dp"]["capacity"] == systems["ula_dp"]["capacity"]
   assert all(mixed[n]["reused_from"] == str(part) for n in systems if n != "ula_dp")
   # Points measured with other parameters are refused, naming what differs.

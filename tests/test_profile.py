@@ -57,6 +57,11 @@ def test_trace_calls_splits_the_trace_per_dispatch(tmp_path):
   # By kind: fusion_1 and fusion_2 are one kind (per call: 3 ops, 10 + 10 + 6 us / 2).
   assert out["top_kinds"][0] == ["fusion", 1.5, 13.0]
   assert [n for n, _, _ in out["host_top"]] == ["ConditionalThunk"]  # no Python frames
+  # only=: the per-call tables over the second call alone; every call still listed.
+  second_only = trace_calls(tmp_path, "decode", only=[1])
+  assert second_only["calls"] == out["calls"]
+  assert second_only["top_ops"] == [["fusion_1", 1.0, 6.0]]
+  assert second_only["top_kinds"] == [["fusion", 1.0, 6.0]] and second_only["host_top"] == []
   assert summarize_calls(out["calls"])["device_ops"] == 2
   assert summarize_calls(steps)["device_ops"] == 2
   assert summarize_calls([]) == {}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import collections.abc
 import gzip
 import json
 import pathlib
@@ -87,7 +88,8 @@ def op_kind(name: str) -> str:
 
 
 def trace_calls(trace_dir: str | pathlib.Path, functions: str | tuple[str, ...],
-                also: tuple[str, ...] = (), *, top: int = 25) -> dict:
+                also: tuple[str, ...] = (), *, top: int = 25,
+                only: collections.abc.Sequence[int] | None = None) -> dict:
   """Per-call device and host counts of the dispatches of ``functions`` in the trace.
 
   A call's window runs from its dispatch to the next dispatch of any jitted function but
@@ -97,7 +99,8 @@ def trace_calls(trace_dir: str | pathlib.Path, functions: str | tuple[str, ...],
   ``op_kind`` (names without XLA's per-program numbering, so that two programs' profiles
   compare), "host_top": [[name, count per call, us per call]] (host events in the
   windows, nested ones counted in each), "lines": {device line: events}, "trace": path};
-  times in microseconds
+  times in microseconds. ``only``: the calls (indices into "calls") that the per-call
+  tables average over (default: every call), e.g. a serving run's full-batch steps.
   """
   functions = (functions,) if isinstance(functions, str) else tuple(functions)
   path = find_trace(trace_dir)
@@ -144,13 +147,15 @@ def trace_calls(trace_dir: str | pathlib.Path, functions: str | tuple[str, ...],
       ops[i].append(e)
   host_names: dict[str, list[float]] = collections.defaultdict(list)
   waits = [0] * len(starts)
+  counted = set(range(len(starts)) if only is None else only)
   for e in host:
     if (i := window(e)) >= 0:
-      host_names[str(e.get("name", ""))].append(e["dur"])
+      if i in counted:
+        host_names[str(e.get("name", ""))].append(e["dur"])
       waits[i] += any(w in str(e.get("name", "")) for w in HOST_WAIT_WORDS)
   calls = []
   per_name: dict[str, list[float]] = collections.defaultdict(list)
-  for s, t, inside, w in zip(starts, ends, ops, waits):
+  for i, (s, t, inside, w) in enumerate(zip(starts, ends, ops, waits)):
     last = max((e["ts"] + e["dur"] for e in inside), default=s)
     calls.append({
         "wall_us": (last if t == float("inf") else t) - s,
@@ -159,9 +164,10 @@ def trace_calls(trace_dir: str | pathlib.Path, functions: str | tuple[str, ...],
         "memcpy": sum("emcpy" in str(e.get("name", "")) for e in inside),
         "host_waits": w,
     })
-    for e in inside:
-      per_name[str(e.get("name", ""))].append(e["dur"])
-  n = max(len(calls), 1)
+    if i in counted:
+      for e in inside:
+        per_name[str(e.get("name", ""))].append(e["dur"])
+  n = max(len(counted & set(range(len(calls)))), 1)
   top_ops = sorted(([name, len(d) / n, sum(d) / n] for name, d in per_name.items()),
                    key=lambda r: -r[2])[:top]
   per_kind: dict[str, list[float]] = collections.defaultdict(list)

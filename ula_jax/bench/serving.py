@@ -137,8 +137,10 @@ def capacity(args: argparse.Namespace, s: Setup) -> dict:
   return best
 
 
-def run_point(args: argparse.Namespace, s: Setup, batch: int) -> dict:
-  """Serves ``batch`` requests with ``batch / dp`` decode rows per dp rank."""
+def run_point(args: argparse.Namespace, s: Setup, batch: int,
+              profile: str | None = None) -> dict:
+  """Serves ``batch`` requests with ``batch / dp`` decode rows per dp rank; with
+  ``profile`` (a folder), serves them once more under the profiler (``profile_run``)."""
   import jax
   from ula_jax.engine import Engine
   from ula_jax.mesh import build_mesh, configure_platform
@@ -190,10 +192,33 @@ def run_point(args: argparse.Namespace, s: Setup, batch: int) -> dict:
          "wall_s": wall, "distinct_fraction": res.capacity.get("distinct_fraction"),
          "kernels": res.summary["kernels"],
          "full_batch_stats": {k: sum(m.extra.get(k, 0) for m in full) for k in keys}}
+  if profile:
+    out["profile"] = profile_run(engine, reqs, profile, batch)
   del engine, res
   gc.collect()
   jax.clear_caches()
   return out
+
+
+def profile_run(engine, reqs, trace_dir: str, batch: int, *, top: int = 40) -> dict:
+  """One more run of ``reqs`` under the profiler: the medians over its full-batch decode
+  steps (the first decode step left out) of wall, device-busy time, device operations and
+  host waits, and the device's time per kernel and per kind of kernel in those steps
+  (``top_ops`` / ``top_kinds``: [name, launches, us] per step)."""
+  import jax
+  from ula_jax.bench.profile import summarize_calls, trace_calls
+
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    res = engine.run(reqs)
+  decoding = [m for m in res.steps if m.running > 0]  # one decode dispatch each
+  full = [i for i, m in enumerate(decoding)
+          if i > 0 and m.running == batch and m.decode_tokens == batch]
+  prof = trace_calls(trace_dir, ("decode", "speculate"), also=("redo",), top=top, only=full)
+  if len(decoding) != len(prof["calls"]):
+    raise RuntimeError(f"{trace_dir}: {len(prof['calls'])} decode calls in the trace, "
+                       f"{len(decoding)} decode steps in the run")
+  return {"steps": len(full), **summarize_calls([prof["calls"][i] for i in full]),
+          **{k: prof[k] for k in ("top_ops", "top_kinds", "host_top", "trace")}}
 
 
 def batches_for(args: argparse.Namespace, s: Setup, cap: int) -> list[int]:
@@ -228,8 +253,11 @@ def measure(args: argparse.Namespace, checkpoint: Callable[[dict], Any] | None =
              "points": []}
     result["systems"][name] = entry
     for b in batches_for(args, s, cap["requests"]):
+      # The profiled run is the capacity point's (the largest batch measured).
+      prof = (f"{args.profile}/{name}" if getattr(args, "profile", None)
+              and b == cap["requests"] else None)
       try:
-        entry["points"].append(run_point(args, s, b))
+        entry["points"].append(run_point(args, s, b, prof))
       except Exception as e:  # noqa: BLE001 -- recorded; the other points still run
         entry["points"].append({"system": name, "batch": b,
                                 "error": f"{type(e).__name__}: {e}"[:500]})
@@ -299,6 +327,16 @@ def report(result: dict) -> None:
                 ["system", "reference", "batch", "ratio"],
                 [[r["system"], r["reference"], str(r["batch"]), fmt(r["ratio"], 3)] for r in rs],
                 left=["system", "reference"])
+  profiled = [(name, p) for name, e in result["systems"].items() for p in e["points"]
+              if p.get("profile")]
+  for name, p in profiled:
+    pr = p["profile"]
+    print_table(f"{name} at batch {p['batch']}, per full-batch decode step under the profiler "
+                f"(medians of {pr['steps']}): wall {fmt(pr.get('wall_us', 0) / 1e3, 3)} ms, "
+                f"device busy {fmt(pr.get('device_busy_us', 0) / 1e3, 3)} ms",
+                ["kind of kernel", "launches", "device ms"],
+                [[k, fmt(n, 1), fmt(us / 1e3, 3)] for k, n, us in pr["top_kinds"][:12]],
+                left=["kind of kernel"])
 
 
 def plot(result: dict, path: str | pathlib.Path) -> pathlib.Path:
@@ -382,6 +420,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="hisparse device_buffer_size (default: 2 x top-k)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs/bench/serving", help="output folder")
+  p.add_argument("--profile", default=None, metavar="DIR",
+                 help="serve each system's capacity point once more under the profiler "
+                 "(traces under DIR/SYSTEM) and add to it, per full-batch decode step, the "
+                 "device's time by kernel")
   p.add_argument("--merge", nargs="+", default=None,
                  help="serving.json files to combine (no measurement); FILE:sys1,sys2 takes "
                  "only those systems from FILE; a system's points are combined by batch, "

@@ -16,6 +16,7 @@ concurrency, the same-batch step time is unchanged.
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -40,6 +41,10 @@ class ThroughputParams(ServingParams):
       "measured) or the model's own prefill")
   prefill_chunk: int | None = Field(
       None, ge=1, description="engine.prefill_chunk (default: a whole prompt per step)")
+  profile: bool = Field(
+      False, description="serve each system's capacity point once more under jax's "
+      "profiler and add to it, per full-batch decode step, the device's time by kind of "
+      "kernel (the traces go to a temporary folder, removed after)")
   reuse: list[str] = Field(
       default_factory=list, description="earlier throughput run directories, run with the "
       "same parameters but systems and reuse: their systems' capacities and points are "
@@ -64,7 +69,7 @@ class ThroughputParams(ServingParams):
 
 def _comparable(params: dict) -> dict:
   """The parameters two runs must share for one's points to stand in the other's."""
-  return {k: v for k, v in params.items() if k not in ("systems", "reuse")}
+  return {k: v for k, v in params.items() if k not in ("systems", "reuse", "profile")}
 
 
 def _reused_results(i: int, d: str) -> dict:
@@ -115,13 +120,23 @@ def measure(p: ThroughputParams, ctx: Context) -> dict:
     result["systems"][name] = entry
     for b in serving.batches_for(args, s, cap["requests"]):
       try:
-        entry["points"].append(measure_point(args, s, b))
+        if p.profile and b == cap["requests"]:
+          with tempfile.TemporaryDirectory() as tmp:
+            entry["points"].append(serving.run_point(args, s, b, f"{tmp}/{name}"))
+          del entry["points"][-1]["profile"]["trace"]
+        else:
+          entry["points"].append(measure_point(args, s, b))
       except Exception as e:  # noqa: BLE001 -- recorded; the other points still run
         entry["points"].append({"system": name, "batch": b,
                                 "error": f"{type(e).__name__}: {e}"[:500]})
       pt = entry["points"][-1]
       ctx.log(f"  {name:12s} batch {b:4d}: " + (pt["error"] if pt.get("error") else
               f"{pt['median_step_s'] * 1e3:8.2f} ms/step {pt['tokens_per_s']:9.1f} tok/s"))
+      if pt.get("profile"):
+        pr = pt["profile"]
+        ctx.log(f"  {'':12s} profiled: wall {pr.get('wall_us', 0) / 1e3:.3f} ms, device "
+                f"busy {pr.get('device_busy_us', 0) / 1e3:.3f} ms; " + ", ".join(
+                    f"{k} {us / 1e3:.3f}" for k, _, us in pr["top_kinds"][:8]))
   return result
 
 
