@@ -183,6 +183,24 @@ def test_stage_rows_entry_point(impl, rng):
     stage_rows(jnp.asarray(pool[0]), jnp.asarray(idx), impl=impl)
   with pytest.raises(ValueError, match="kernels.fetch='cuda'"):
     stage_rows(jnp.asarray(pool), jnp.asarray(idx), impl="cuda")
+  counted = np.asarray(stage_rows(jnp.asarray(pool), jnp.asarray(idx), impl=impl,
+                                  count=jnp.int32(3)))
+  assert_same_bits(counted[[0, 2]], pool[idx[[0, 2]]])
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_fetch_and_evict_entry_points_honour_count(impl, rng):
+  """count through the public entry points: the pairs past it are skipped by every
+  implementation (the reference by their indices, Pallas by its programs)."""
+  host = random_rows(rng, (40, 24), np.float32)
+  dev = poison((30, 24), np.float32)
+  h_idx, d_idx = random_pairs(rng, 20, 40, 30, skip=0.0)
+  out = fetch_rows(jnp.asarray(host), jnp.asarray(h_idx), jnp.asarray(dev),
+                   jnp.asarray(d_idx), impl=impl, count=jnp.int32(7))
+  assert_same_bits(out, expected_copy(host, h_idx[:7], dev, d_idx[:7]))
+  out = evict_rows(jnp.asarray(dev.copy() * 0 + 1), jnp.asarray(d_idx), jnp.asarray(host),
+                   jnp.asarray(h_idx), impl=impl, count=jnp.int32(0))
+  assert_same_bits(out, host)
 
 
 def test_pallas_config_validates():
@@ -332,6 +350,26 @@ class CopyRowsPallasCases:
     ok = (idx >= 0) & (idx < S)
     assert out.shape == (N, W) and out.dtype == pool.dtype and 0 < ok.sum() < N
     assert_same_bits(out[ok], pool[idx[ok]])
+
+  @pytest.mark.parametrize("count", [0, 1, 29, 60])
+  def test_count_skips_the_pairs_past_it(self, count, rng):
+    """count: pairs at or past it are skipped (fetch and evict), staged rows past it
+    are not read; with blocks of 16 units many programs lie wholly past it."""
+    dtype, W = LAYOUTS["fp8x656"]
+    Ss, Sd, N = 90, 70, 60
+    src = random_rows(rng, (Ss, W), dtype)
+    s_idx, d_idx = random_pairs(rng, N, Ss, Sd, skip=0.1)
+    cfg = CopyRowsConfig(block_units=16)
+    for fn in (fetch_rows_pallas, evict_rows_pallas):
+      dst = poison((Sd, W), dtype)
+      run = jax.jit(functools.partial(fn, config=cfg, interpret=self.INTERPRET))
+      out = run(jnp.asarray(src), jnp.asarray(s_idx), jnp.asarray(dst), jnp.asarray(d_idx),
+                count=jnp.int32(count))
+      assert_same_bits(out, expected_copy(src, s_idx[:count], dst, d_idx[:count]))
+    run = jax.jit(functools.partial(stage_rows_pallas, config=cfg, interpret=self.INTERPRET))
+    out = np.asarray(run(jnp.asarray(src), jnp.asarray(s_idx), count=jnp.int32(count)))
+    ok = (s_idx >= 0) & (s_idx < Ss) & (np.arange(N) < count)
+    assert_same_bits(out[ok], src[s_idx[ok]])
 
   def test_many_programs_and_narrow_rows(self, rng):
     """Tiny blocks (many programs, a partial last one) and a row of 7 float32 values

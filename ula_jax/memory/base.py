@@ -407,24 +407,28 @@ class MemorySystem(abc.ABC):
     self.fetch_impl = impl
 
   def fetch_rows(self, host_pool: jax.Array, host_idx: jax.Array, dev_pool: jax.Array,
-                 dev_idx: jax.Array) -> jax.Array:
-    """host_pool[host_idx[i]] -> dev_pool[dev_idx[i]] (negative indices skip); new dev_pool."""
+                 dev_idx: jax.Array, count: jax.Array | None = None) -> jax.Array:
+    """host_pool[host_idx[i]] -> dev_pool[dev_idx[i]] (negative indices, and pairs at or
+    past ``count``, skip); new dev_pool."""
     from ula_jax.kernels.fetch import fetch_rows
     return fetch_rows(host_pool, host_idx, dev_pool, dev_idx, impl=self.fetch_impl,
-                      interpret=self.fetch_interpret)
+                      count=count, interpret=self.fetch_interpret)
 
   def evict_rows(self, dev_pool: jax.Array, dev_idx: jax.Array, host_pool: jax.Array,
-                 host_idx: jax.Array) -> jax.Array:
-    """dev_pool[dev_idx[i]] -> host_pool[host_idx[i]] (negative indices skip); new host_pool."""
+                 host_idx: jax.Array, count: jax.Array | None = None) -> jax.Array:
+    """dev_pool[dev_idx[i]] -> host_pool[host_idx[i]] (negative indices, and pairs at or
+    past ``count``, skip); new host_pool."""
     from ula_jax.kernels.fetch import evict_rows
     return evict_rows(dev_pool, dev_idx, host_pool, host_idx, impl=self.fetch_impl,
-                      interpret=self.fetch_interpret)
+                      count=count, interpret=self.fetch_interpret)
 
-  def stage_rows(self, pool: jax.Array, idx: jax.Array) -> jax.Array:
-    """pool[idx[i]] -> a fresh [N, W] device buffer (rows of negative indices
-    unspecified), through this system's ``kernels.fetch`` implementation."""
+  def stage_rows(self, pool: jax.Array, idx: jax.Array,
+                 count: jax.Array | None = None) -> jax.Array:
+    """pool[idx[i]] -> a fresh [N, W] device buffer (rows of negative indices, and at or
+    past ``count``, unspecified), through this system's ``kernels.fetch``."""
     from ula_jax.kernels.fetch import stage_rows
-    return stage_rows(pool, idx, impl=self.fetch_impl, interpret=self.fetch_interpret)
+    return stage_rows(pool, idx, impl=self.fetch_impl, count=count,
+                      interpret=self.fetch_interpret)
 
   def check_layer(self, layer: int | jax.Array, group: Any) -> None:
     """Raises where ``layer`` is not in ``group`` (the group a Resolution was planned

@@ -16,7 +16,7 @@ Implementations (``impl``, the config field ``kernels.fetch``):
 
 Index semantics, shared by every implementation: pair ``i`` copies
 ``src[src_idx[i]] -> dst[dst_idx[i]]``; a pair with either index outside its pool
-(negative ones included) is skipped. Valid destination indices must be distinct.
+(negative ones included), or at or past an optional ``count``, is skipped. Valid destination indices must be distinct.
 Destination pools are updated in place when the caller donates them to jit; otherwise
 XLA copies the destination first.
 """
@@ -81,13 +81,25 @@ FETCH_NAMES = ("host_pool", "host_idx", "dev_pool", "dev_idx")
 EVICT_NAMES = ("dev_pool", "dev_idx", "host_pool", "host_idx")
 
 
-def _impl_kwargs(impl: str, interpret: bool | None) -> dict:
-  # One config field (kernels.interpret) serves every kernel: only Pallas uses it.
-  return {"interpret": interpret} if impl == "pallas" else {}
+def _counted(idx: jax.Array, count: jax.Array | None) -> jax.Array:
+  """``idx`` with the entries at or past ``count`` set to -1 (skipped)."""
+  if count is None:
+    return idx
+  i = jnp.arange(idx.shape[0], dtype=jnp.int32)
+  return jnp.where(i < jnp.asarray(count, jnp.int32), idx, -1)
+
+
+def _call(fn, impl: str, src, src_idx, dst, dst_idx, count, interpret):
+  """One row copy through ``impl``: the Pallas launch takes ``count`` itself (its
+  programs past it return at once); the others skip those pairs by their indices. One
+  config field (kernels.interpret) serves every kernel: only Pallas uses it."""
+  if impl == "pallas":
+    return fn(src, src_idx, dst, dst_idx, count=count, interpret=interpret)
+  return fn(src, _counted(src_idx, count), dst, dst_idx)
 
 
 def fetch_rows(host_pool: jax.Array, host_idx: jax.Array, dev_pool: jax.Array,
-               dev_idx: jax.Array, *, impl: str = "xla",
+               dev_idx: jax.Array, *, impl: str = "xla", count: jax.Array | None = None,
                interpret: bool | None = None) -> jax.Array:
   """Copies host rows into device slots: ``dev_pool[dev_idx[i]] = host_pool[host_idx[i]]``.
 
@@ -96,16 +108,18 @@ def fetch_rows(host_pool: jax.Array, host_idx: jax.Array, dev_pool: jax.Array,
   dev_pool:  [Sd, W] same dtype, memory kind 'device' (donate it)
   dev_idx:   [N] int32 device slots (outside [0, Sd): pair skipped; valid ones distinct)
   impl:      'xla' | 'pallas' | 'ffi'
+  count:     [] int32 or None: pairs at or past it are skipped (lists that hold their
+             valid pairs first: the Pallas launch's programs past it return at once)
   interpret: Pallas interpret mode (None: on everywhere but on GPU); other impls ignore it
   returns dev_pool: [Sd, W]
   """
   check_copy_args(host_pool, host_idx, dev_pool, dev_idx, FETCH_NAMES)
   fetch, _ = _impl_functions(impl)
-  return fetch(host_pool, host_idx, dev_pool, dev_idx, **_impl_kwargs(impl, interpret))
+  return _call(fetch, impl, host_pool, host_idx, dev_pool, dev_idx, count, interpret)
 
 
 def evict_rows(dev_pool: jax.Array, dev_idx: jax.Array, host_pool: jax.Array,
-               host_idx: jax.Array, *, impl: str = "xla",
+               host_idx: jax.Array, *, impl: str = "xla", count: jax.Array | None = None,
                interpret: bool | None = None) -> jax.Array:
   """Copies device rows into host slots: ``host_pool[host_idx[i]] = dev_pool[dev_idx[i]]``.
 
@@ -114,22 +128,24 @@ def evict_rows(dev_pool: jax.Array, dev_idx: jax.Array, host_pool: jax.Array,
   host_pool: [Sh, W] same dtype, memory kind 'pinned_host' (donate it)
   host_idx:  [N] int32 host rows (outside [0, Sh): pair skipped; valid ones distinct)
   impl:      'xla' | 'pallas' | 'ffi'
+  count:     [] int32 or None: pairs at or past it are skipped (as in ``fetch_rows``)
   interpret: Pallas interpret mode (None: on everywhere but on GPU); other impls ignore it
   returns host_pool: [Sh, W], memory kind 'pinned_host'
   """
   check_copy_args(dev_pool, dev_idx, host_pool, host_idx, EVICT_NAMES)
   _, evict = _impl_functions(impl)
-  return evict(dev_pool, dev_idx, host_pool, host_idx, **_impl_kwargs(impl, interpret))
+  return _call(evict, impl, dev_pool, dev_idx, host_pool, host_idx, count, interpret)
 
 
 def stage_rows(pool: jax.Array, idx: jax.Array, *, impl: str = "xla",
-               interpret: bool | None = None) -> jax.Array:
+               count: jax.Array | None = None, interpret: bool | None = None) -> jax.Array:
   """Gathers device rows into a fresh buffer: ``out[i] = pool[idx[i]]``.
 
   pool: [S, W] any dtype, device memory
   idx:  [N] int32 rows (outside [0, S): row i of the result is unspecified)
   impl: 'xla' (a gather of all N rows) | 'pallas' (one launch that reads and writes only
         the in-range rows) | 'ffi' (the Pallas launch)
+  count: [] int32 or None: rows at or past it are unspecified too (as in ``fetch_rows``)
   returns out: [N, W], device memory
 
   Its cost follows the in-range rows with 'pallas', the length N with 'xla': a step's
@@ -143,8 +159,9 @@ def stage_rows(pool: jax.Array, idx: jax.Array, *, impl: str = "xla",
     raise ValueError(f"kernels.fetch={impl!r}: expected one of {sorted(STAGE_IMPLS)}")
   module, name = STAGE_IMPLS[impl]
   stage = getattr(importlib.import_module(module), name)
-  kwargs = {} if module.endswith("reference") else {"interpret": interpret}
-  return stage(pool, idx, **kwargs)
+  if module.endswith("reference"):
+    return stage(pool, _counted(idx, count))
+  return stage(pool, idx, count=count, interpret=interpret)
 
 
 __all__ = ["EVICT_NAMES", "FETCH_NAMES", "IMPLS", "STAGE_IMPLS", "check_copy_args",

@@ -63,14 +63,29 @@ def default_interpret() -> bool:
   return jax.default_backend() != "gpu"
 
 
-def _copy_rows_kernel(src_idx_ref, dst_idx_ref, src_ref, dst_in_ref, out_ref, *,
+def _live_units(count_ref, num_units: int, units_per_row: int, block_units: int):
+  """(this program has live units, its units [U], which are live): units past
+  ``count_ref[0]`` rows (or the list's end) are not live."""
+  n = jnp.minimum(plgpu.load(count_ref.at[jnp.int32(0)]) * units_per_row, num_units)
+  start = pl.program_id(0) * block_units
+  u = start + jnp.arange(block_units, dtype=jnp.int32)  # [U]
+  return start < n, u, u < n
+
+
+def _copy_rows_kernel(count_ref, src_idx_ref, dst_idx_ref, src_ref, dst_in_ref, out_ref, *,
                       num_units: int, units_per_row: int, vec: int, block_units: int):
-  # src_idx_ref, dst_idx_ref: [N] int32; src_ref: [Ss, W]; out_ref: [Sd, W] (aliases
-  # dst_in_ref: rows this kernel does not write keep their values).
+  # count_ref: [1] int32 (pairs past it are skipped); src_idx_ref, dst_idx_ref: [N] int32;
+  # src_ref: [Ss, W]; out_ref: [Sd, W] (aliases dst_in_ref: rows this kernel does not
+  # write keep their values). Programs past the count return at once.
   del dst_in_ref
+  any_live, u, live = _live_units(count_ref, num_units, units_per_row, block_units)
+  pl.when(any_live)(lambda: _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u,
+                                        live, units_per_row, vec))
+
+
+def _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u, live, units_per_row: int,
+                vec: int) -> None:
   src_rows, dst_rows = src_ref.shape[0], out_ref.shape[0]
-  u = pl.program_id(0) * block_units + jnp.arange(block_units, dtype=jnp.int32)  # [U]
-  live = u < num_units
   # u >= 0: truncating division is floor division, without jnp's sign fix-ups.
   row = jnp.where(live, jax.lax.div(u, units_per_row), 0)
   col = jnp.where(live, jax.lax.rem(u, units_per_row), 0)
@@ -84,13 +99,23 @@ def _copy_rows_kernel(src_idx_ref, dst_idx_ref, src_ref, dst_in_ref, out_ref, *,
   plgpu.store(out_ref.at[jnp.where(ok, d, dst_rows)[:, None], cols], x, mask=mask)
 
 
+def _count_operand(count, N: int) -> jax.Array:
+  """[1] int32: the pairs a launch looks at (``count``, default all ``N``)."""
+  if count is None:
+    return jnp.full((1,), N, jnp.int32)
+  return jnp.clip(jnp.asarray(count, jnp.int32).reshape(1), 0, N)
+
+
 def copy_rows_pallas(src: jax.Array, src_idx: jax.Array, dst: jax.Array, dst_idx: jax.Array,
-                     *, config: CopyRowsConfig = CopyRowsConfig(),
+                     *, count: jax.Array | None = None,
+                     config: CopyRowsConfig = CopyRowsConfig(),
                      interpret: bool | None = None, name: str = "ula_copy_rows") -> jax.Array:
-  """``dst[dst_idx[i]] = src[src_idx[i]]`` for in-range pairs, as one kernel launch.
+  """``dst[dst_idx[i]] = src[src_idx[i]]`` for in-range pairs ``i < count``, as one
+  kernel launch whose programs past ``count`` return at once.
 
   src: [Ss, W]; src_idx: [N] int32; dst: [Sd, W] same dtype (aliased with the result);
-  dst_idx: [N] int32. Pools of any memory kind on GPU; device memory in interpret mode.
+  dst_idx: [N] int32; count: [] int32 or None (every pair). Pools of any memory kind on
+  GPU; device memory in interpret mode.
   returns dst: [Sd, W]
   """
   if interpret is None:
@@ -121,22 +146,28 @@ def copy_rows_pallas(src: jax.Array, src_idx: jax.Array, dst: jax.Array, dst_idx
       kernel,
       out_shape=jax.ShapeDtypeStruct(dst.shape, dst.dtype),
       grid=(pl.cdiv(num_units, config.block_units),),
-      in_specs=[any_spec] * 4,
+      in_specs=[any_spec] * 5,
       out_specs=any_spec,
-      input_output_aliases={3: 0},
+      input_output_aliases={4: 0},
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
       name=name,
-  )(src_idx, dst_idx, src, dst)
+  )(_count_operand(count, N), src_idx, dst_idx, src, dst)
 
 
-def _stage_rows_kernel(src_idx_ref, src_ref, out_ref, *, num_units: int,
+def _stage_rows_kernel(count_ref, src_idx_ref, src_ref, out_ref, *, num_units: int,
                        units_per_row: int, vec: int, block_units: int):
-  # src_idx_ref: [N] int32; src_ref: [Ss, W]; out_ref: [N, W], a fresh buffer: row i is
-  # written only when src_idx[i] is in range, by the programs that own its units.
+  # count_ref: [1] int32; src_idx_ref: [N] int32; src_ref: [Ss, W]; out_ref: [N, W], a
+  # fresh buffer: row i is written only when i < count and src_idx[i] is in range, by the
+  # programs that own its units.
+  any_live, u, live = _live_units(count_ref, num_units, units_per_row, block_units)
+  pl.when(any_live)(lambda: _stage_units(src_idx_ref, src_ref, out_ref, u, live,
+                                         units_per_row, vec))
+
+
+def _stage_units(src_idx_ref, src_ref, out_ref, u, live, units_per_row: int,
+                 vec: int) -> None:
   src_rows, out_rows = src_ref.shape[0], out_ref.shape[0]
-  u = pl.program_id(0) * block_units + jnp.arange(block_units, dtype=jnp.int32)  # [U]
-  live = u < num_units
   row = jnp.where(live, jax.lax.div(u, units_per_row), 0)
   col = jnp.where(live, jax.lax.rem(u, units_per_row), 0)
   s = plgpu.load(src_idx_ref.at[row], mask=live, other=-1)
@@ -147,14 +178,14 @@ def _stage_rows_kernel(src_idx_ref, src_ref, out_ref, *, num_units: int,
   plgpu.store(out_ref.at[jnp.where(ok, row, out_rows)[:, None], cols], x, mask=mask)
 
 
-def stage_rows_pallas(pool: jax.Array, idx: jax.Array, *,
+def stage_rows_pallas(pool: jax.Array, idx: jax.Array, *, count: jax.Array | None = None,
                       config: CopyRowsConfig = CopyRowsConfig(),
                       interpret: bool | None = None) -> jax.Array:
-  """``out[i] = pool[idx[i]]`` for in-range indices, as one kernel launch (see
-  ``stage_rows``): only those rows are read and written; the other rows of the fresh
-  result are left as the allocation found them.
+  """``out[i] = pool[idx[i]]`` for in-range indices ``i < count``, as one kernel launch
+  (see ``stage_rows``): only those rows are read and written; the other rows of the
+  fresh result are left as the allocation found them.
 
-  pool: [S, W] device memory; idx: [N] int32
+  pool: [S, W] device memory; idx: [N] int32; count: [] int32 or None (every index)
   returns out: [N, W] device memory
   """
   if interpret is None:
@@ -181,16 +212,17 @@ def stage_rows_pallas(pool: jax.Array, idx: jax.Array, *,
       kernel,
       out_shape=jax.ShapeDtypeStruct((N, W), pool.dtype),
       grid=(pl.cdiv(num_units, config.block_units),),
-      in_specs=[any_spec] * 2,
+      in_specs=[any_spec] * 3,
       out_specs=any_spec,
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
       name="ula_stage_rows",
-  )(idx, pool)
+  )(_count_operand(count, N), idx, pool)
 
 
 def fetch_rows_pallas(host_pool: jax.Array, host_idx: jax.Array, dev_pool: jax.Array,
-                      dev_idx: jax.Array, *, config: CopyRowsConfig = CopyRowsConfig(),
+                      dev_idx: jax.Array, *, count: jax.Array | None = None,
+                      config: CopyRowsConfig = CopyRowsConfig(),
                       interpret: bool | None = None) -> jax.Array:
   """``dev_pool[dev_idx[i]] = host_pool[host_idx[i]]`` (see ``fetch_rows``).
 
@@ -202,12 +234,13 @@ def fetch_rows_pallas(host_pool: jax.Array, host_idx: jax.Array, dev_pool: jax.A
     interpret = default_interpret()
   if interpret and is_host(host_pool):
     host_pool = compat.to_device(host_pool)
-  return copy_rows_pallas(host_pool, host_idx, dev_pool, dev_idx, config=config,
-                          interpret=interpret, name="ula_fetch_rows")
+  return copy_rows_pallas(host_pool, host_idx, dev_pool, dev_idx, count=count,
+                          config=config, interpret=interpret, name="ula_fetch_rows")
 
 
 def evict_rows_pallas(dev_pool: jax.Array, dev_idx: jax.Array, host_pool: jax.Array,
-                      host_idx: jax.Array, *, config: CopyRowsConfig = CopyRowsConfig(),
+                      host_idx: jax.Array, *, count: jax.Array | None = None,
+                      config: CopyRowsConfig = CopyRowsConfig(),
                       interpret: bool | None = None) -> jax.Array:
   """``host_pool[host_idx[i]] = dev_pool[dev_idx[i]]`` (see ``evict_rows``).
 
@@ -220,7 +253,7 @@ def evict_rows_pallas(dev_pool: jax.Array, dev_idx: jax.Array, host_pool: jax.Ar
   on_host = is_host(host_pool)
   if interpret and on_host:
     host_pool = compat.to_device(host_pool)
-  out = copy_rows_pallas(dev_pool, dev_idx, host_pool, host_idx, config=config,
-                         interpret=interpret, name="ula_evict_rows")
+  out = copy_rows_pallas(dev_pool, dev_idx, host_pool, host_idx, count=count,
+                         config=config, interpret=interpret, name="ula_evict_rows")
   # pallas_call types every result as device memory; the buffer is the aliased host pool.
   return compat.to_host(out) if on_host else out

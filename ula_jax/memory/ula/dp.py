@@ -371,15 +371,17 @@ class Ula(MemorySystem):
     # victims' gather before the fetch writes dev, the fetch before the evict writes
     # host); without them XLA copies the pool to let the two run in either order.
     # Rows of the flat pools are offset by the layer (``layer_rows``: skips stay negative).
-    # The staging reads only the step's victims: the lists are sized for the worst case
-    # (B * k + B rows), and a gather of all of them would move the whole length each layer.
-    victims = self.stage_rows(dev, layer_rows(layer, p.evict_src, Sd))
+    # The lists are sized for the worst case (B * k + B rows) and hold the step's moves
+    # first (``n_fetch`` / ``n_evict``): every copy reads and writes only those, and the
+    # Pallas launches' programs past them return at once.
+    victims = self.stage_rows(dev, layer_rows(layer, p.evict_src, Sd), p.n_evict)
     victims, dev = jax.lax.optimization_barrier((victims, dev))
     dev = self.fetch_rows(host, layer_rows(layer, p.fetch_src, Hr), dev,
-                          layer_rows(layer, p.fetch_dst, Sd))
+                          layer_rows(layer, p.fetch_dst, Sd), p.n_fetch)
     dev, host = jax.lax.optimization_barrier((dev, host))
     staged = jnp.where(p.evict_src >= 0, jnp.arange(M, dtype=_I32), INVALID)
-    host = self.evict_rows(victims, staged, host, layer_rows(layer, p.evict_dst, Hr))
+    host = self.evict_rows(victims, staged, host, layer_rows(layer, p.evict_dst, Hr),
+                           p.n_evict)
     return state.replace(dev_pool=dev, host_pool=host)
 
   def write_token(self, state: UlaState, layer, res: Resolution, entry, active) -> UlaState:
