@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ula_jax.core import compat
 from ula_jax.kernels.fetch.pallas import fetch_rows_pallas, stage_rows_pallas
 
 
@@ -56,8 +55,9 @@ def main(argv: list[str]) -> None:
   H = S // 2
   rng = np.random.default_rng(0)
   pool = jnp.asarray(rng.integers(0, 256, (S, W), dtype=np.uint8))
-  host = pool[:H] if quick else jax.device_put(pool[:H], jax.sharding.SingleDeviceSharding(
-      jax.devices()[0], memory_kind=compat.HOST))
+  host = pool[:H] if quick else jax.device_put(
+      np.asarray(pool[:H]), jax.sharding.SingleDeviceSharding(jax.devices()[0],
+                                                              memory_kind="pinned_host"))
   dev = jnp.zeros((H, W), jnp.uint8)
   xla = jax.jit(lambda p, i: p.at[jnp.clip(i, 0, S - 1)].get(mode="promise_in_bounds"))
   stage = jax.jit(stage_rows_pallas)

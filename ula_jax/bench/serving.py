@@ -200,24 +200,48 @@ def run_point(args: argparse.Namespace, s: Setup, batch: int,
   return out
 
 
-def profile_run(engine, reqs, trace_dir: str, batch: int, *, top: int = 40) -> dict:
-  """One more run of ``reqs`` under the profiler: the medians over its full-batch decode
-  steps (the first decode step left out) of wall, device-busy time, device operations and
-  host waits, and the device's time per kernel and per kind of kernel in those steps
-  (``top_ops`` / ``top_kinds``: [name, launches, us] per step)."""
+def profile_run(engine, reqs, trace_dir: str, batch: int, *, steps: int = 6,
+                top: int = 40) -> dict:
+  """One more run of ``reqs`` with the profiler on for up to ``steps`` full-batch decode
+  steps, from the second one on (a trace of the whole run would hold every prefill and
+  every kernel of every step). Returns the medians over those steps of wall, device-busy
+  time, device operations and host waits, and the device's time per kernel and per kind
+  of kernel in them (``top_ops`` / ``top_kinds``: [name, launches, us] per step)."""
   import jax
   from ula_jax.bench.profile import summarize_calls, trace_calls
 
-  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-    res = engine.run(reqs)
-  decoding = [m for m in res.steps if m.running > 0]  # one decode dispatch each
-  full = [i for i, m in enumerate(decoding)
-          if i > 0 and m.running == batch and m.decode_tokens == batch]
-  prof = trace_calls(trace_dir, ("decode", "speculate"), also=("redo",), top=top, only=full)
-  if len(decoding) != len(prof["calls"]):
+  st = {"on": False, "done": False}
+  during: list = []  # the decoding steps that ran with the profiler on
+
+  def on_step(m) -> None:
+    full = m.running == batch and m.decode_tokens == batch
+    if st["on"]:
+      if m.running > 0:
+        during.append(m)
+      if not full or sum(_full(x) for x in during) >= steps:
+        jax.profiler.stop_trace()
+        st.update(on=False, done=True)
+    elif full and not st["done"]:
+      jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+      st["on"] = True
+
+  def _full(m) -> bool:
+    return m.running == batch and m.decode_tokens == batch
+
+  try:
+    engine.run(reqs, on_step)
+  finally:
+    if st["on"]:
+      jax.profiler.stop_trace()
+  keep = [i for i, m in enumerate(during) if _full(m)]
+  if not keep:
+    raise RuntimeError(f"profile at batch {batch}: no full-batch decode step ran with the "
+                       "profiler on (raise --decode-steps)")
+  prof = trace_calls(trace_dir, ("decode", "speculate"), also=("redo",), top=top, only=keep)
+  if len(prof["calls"]) != len(during):
     raise RuntimeError(f"{trace_dir}: {len(prof['calls'])} decode calls in the trace, "
-                       f"{len(decoding)} decode steps in the run")
-  return {"steps": len(full), **summarize_calls([prof["calls"][i] for i in full]),
+                       f"{len(during)} decoding steps ran with the profiler on")
+  return {"steps": len(keep), **summarize_calls([prof["calls"][i] for i in keep]),
           **{k: prof[k] for k in ("top_ops", "top_kinds", "host_top", "trace")}}
 
 
