@@ -34,14 +34,15 @@ Per decode step and layer group ``g`` the model calls, in this order::
     state = write_index_keys(state, g, new_addr, key)         # first layer of g
     sel_pos, sel_valid = select(state, g, q_I, w, ...)         # indexer top-k
     state, res = resolve(state, g, sel_addr, sel_valid, new_addr, active)
-    for l in layers(g): state = move_layer(state, l, res)      # exact layer-wise prefetch
+    state = move_group(state, first layer of g, layers in g, res)  # move_layer per layer
     for l in layers(g):
         state = write_token(state, l, res, entry_l)            # the new token's KV
         pool, base = read_pool(state, l)
         out   = attention(pool, base + res.slots, res.valid)
 
 ``resolve`` only plans (dedupe, hit detection, victims, table update); ``move_layer``
-moves the data for one layer (write back victims, fetch misses). The copy for a later
+moves the data for one layer (write back victims, fetch misses), ``move_group`` for all
+of a group's layers (by default ``move_layer`` for each). The copy for a later
 layer of the group depends on nothing the current layer computes and can overlap it.
 Attention reads a slot only through ``res.slots``, which is data-dependent on the
 copies: it never sees a half-moved entry.
@@ -299,6 +300,15 @@ class MemorySystem(abc.ABC):
     """Moves the data that ``res`` planned for one layer (default: nothing moves)."""
     del layer, res
     return state
+
+  def move_group(self, state: Any, first_layer: int | jax.Array, num_layers: int,
+                 res: Resolution) -> Any:
+    """Moves the data that ``res`` planned for the group's layers ``first_layer`` ..
+    ``first_layer + num_layers - 1`` (``num_layers`` a Python int), which is what the
+    model calls once the group is resolved. Default: ``move_layer`` for each in a loop;
+    a system may move them all in fewer, larger copies."""
+    return jax.lax.fori_loop(0, num_layers,
+                             lambda i, st: self.move_layer(st, first_layer + i, res), state)
 
   @abc.abstractmethod
   def write_token(self, state: Any, layer: int | jax.Array, res: Resolution, entry: jax.Array,

@@ -420,8 +420,8 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
     if set(res.stats) != set(stat_keys):
       raise ValueError(f"{type(mem).__name__}.resolve returned stats {sorted(res.stats)}; "
                        f"its stat_keys() declares {sorted(stat_keys)}")
-    # Exact layer-wise prefetch: every layer's moves are known now.
-    st = jax.lax.fori_loop(0, n, lambda i, st: mem.move_layer(st, l0 + i, res), st)
+    # Every layer's moves are known now.
+    st = mem.move_group(st, l0, n, res)
     c = {**c, "mem": st, "stats": _add_stats(c["stats"], res.stats)}
     if return_selection:
       c["sel_addr"] = c["sel_addr"].at[g].set(sel_addr)
@@ -541,7 +541,7 @@ def verify_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
     if set(res.stats) != set(stat_keys):
       raise ValueError(f"{type(mem).__name__}.resolve_rows returned stats "
                        f"{sorted(res.stats)}; its stat_keys() declares {sorted(stat_keys)}")
-    st = jax.lax.fori_loop(0, n, lambda i, st: mem.move_layer(st, l0 + i, res), st)
+    st = mem.move_group(st, l0, n, res)
     # Each row's entries, in its own selection order, at the union's slots.
     slots = jnp.take_along_axis(res.slots, rep, axis=1).reshape(N, k)
     res = res.replace(slots=jnp.where(sel_valid, slots, INVALID), valid=sel_valid)

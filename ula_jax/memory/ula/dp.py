@@ -38,9 +38,10 @@ Per decode step and group, ``resolve`` plans (stage/dedupe -> mark hits -> pick 
 ``sel_addr``; ``resolve_meta`` in jnp, or the fused Pallas kernels of
 ``kernels.resolve`` when ``resolve_impl == 'pallas'``, with identical results; with
 ``resolve_fast_path``, a step that moves nothing takes the all-hit fast path of
-``kernels.resolve.fastpath``, again with identical results) and ``move_layer`` copies
-one layer's rows through ``kernels.fetch`` (``fetch_rows`` / ``evict_rows``,
-implementation ``self.fetch_impl``). Every shape is static: a step moves at most
+``kernels.resolve.fastpath``, again with identical results) and ``move_group`` copies
+the group's rows through ``kernels.fetch`` (``stage_rows`` / ``fetch_rows`` /
+``evict_rows``, implementation ``self.fetch_impl``), one launch each for all its
+layers (``move_layer`` does one layer's). Every shape is static: a step moves at most
 ``M = B * k + B`` entries each way, as fixed-size lists compacted to the front, with
 counts (``UlaPlan``).
 """
@@ -382,6 +383,38 @@ class Ula(MemorySystem):
     staged = jnp.where(p.evict_src >= 0, jnp.arange(M, dtype=_I32), INVALID)
     host = self.evict_rows(victims, staged, host, layer_rows(layer, p.evict_dst, Hr),
                            p.n_evict)
+    return state.replace(dev_pool=dev, host_pool=host)
+
+  def move_group(self, state: UlaState, first_layer, num_layers: int,
+                 res: Resolution) -> UlaState:
+    """``move_layer`` for the group's ``num_layers`` layers at once: one stage, one fetch
+    and one evict launch move every layer's rows (each plan row once per layer), so a
+    launch copies the group's thousands of rows rather than a layer's hundreds, and the
+    launches a step issues do not grow with the layers."""
+    if num_layers == 1 or not self.host_slots or self.speculate:
+      return super().move_group(state, first_layer, num_layers, res)
+    p: UlaPlan = res.plan
+    Sd, Hr, M, n = self.device_slots, self.host_rows, p.evict_src.shape[0], num_layers
+    dev, host = state.dev_pool, state.host_pool
+    layer = jnp.asarray(first_layer, _I32) + jnp.arange(n, dtype=_I32)
+
+    def rows(slots: jax.Array, per_layer: int) -> jax.Array:
+      # [M] -> [M * n]: entry j * n + i is plan row j in layer first + i, so a plan's
+      # first c rows are the lists' first c * n entries.
+      s = slots[:, None]
+      return jnp.where(s >= 0, s + layer[None, :] * per_layer, s).reshape(M * n).astype(_I32)
+
+    # As in move_layer: the victims set aside, the misses fetched over their slots, then
+    # the victims written back, with barriers ordering each in-place write after the
+    # reads of the same pool.
+    v_src = rows(p.evict_src, Sd)
+    victims = self.stage_rows(dev, v_src, p.n_evict * n)
+    victims, dev = jax.lax.optimization_barrier((victims, dev))
+    dev = self.fetch_rows(host, rows(p.fetch_src, Hr), dev, rows(p.fetch_dst, Sd),
+                          p.n_fetch * n)
+    dev, host = jax.lax.optimization_barrier((dev, host))
+    staged = jnp.where(v_src >= 0, jnp.arange(M * n, dtype=_I32), INVALID)
+    host = self.evict_rows(victims, staged, host, rows(p.evict_dst, Hr), p.n_evict * n)
     return state.replace(dev_pool=dev, host_pool=host)
 
   def write_token(self, state: UlaState, layer, res: Resolution, entry, active) -> UlaState:
