@@ -2,8 +2,9 @@
 
 ``fetch_rows`` copies host rows into device slots, ``evict_rows`` device rows into host
 slots, ``stage_rows`` device rows into a fresh device buffer (the rows a step evicts, set
-aside before the fetch overwrites their slots). Only the selected rows cross between host and device: no implementation moves
-the whole host pool (Pallas interpret mode, a CPU debugging aid, excepted).
+aside before the fetch overwrites their slots). Only the selected rows cross between
+host and device: no implementation moves the whole host pool (Pallas interpret mode, a
+CPU debugging aid, excepted).
 
 Implementations (``impl``, the config field ``kernels.fetch``):
 
@@ -16,7 +17,8 @@ Implementations (``impl``, the config field ``kernels.fetch``):
 
 Index semantics, shared by every implementation: pair ``i`` copies
 ``src[src_idx[i]] -> dst[dst_idx[i]]``; a pair with either index outside its pool
-(negative ones included), or at or past an optional ``count``, is skipped. Valid destination indices must be distinct.
+(negative ones included), or at or past an optional ``count``, is skipped. Valid
+destination indices must be distinct.
 Destination pools are updated in place when the caller donates them to jit; otherwise
 XLA copies the destination first.
 """

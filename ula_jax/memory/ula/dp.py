@@ -389,8 +389,8 @@ class Ula(MemorySystem):
                  res: Resolution) -> UlaState:
     """``move_layer`` for the group's ``num_layers`` layers at once: one stage, one fetch
     and one evict launch move every layer's rows (each plan row once per layer), so a
-    launch copies the group's thousands of rows rather than a layer's hundreds, and the
-    launches a step issues do not grow with the layers."""
+    launch copies the group's thousands of rows rather than a layer's hundreds, and a
+    step issues one launch of each kind per group, not per layer."""
     if num_layers == 1 or not self.host_slots or self.speculate:
       return super().move_group(state, first_layer, num_layers, res)
     p: UlaPlan = res.plan
