@@ -1,7 +1,7 @@
 """The engine's compiled decode step never copies a pool (GPU).
 
 The layer stack is a loop over layer groups with the pools in its carry, so one copy
-would be paid per group and step. ``ula``'s ``move_layer`` reads a pool (the victims' rows, the misses' host rows) and
+would be paid per group and step. ``ula``'s ``move_group`` reads a pool (the victims' rows, the misses' host rows) and
 writes the same pool in place (the fetched rows, the written-back victims). Unless each
 write is ordered after the reads, XLA copies the whole pool per layer and step to let
 them run in either order: on an H200 with a 128K-token host pool that was 70 ms of a
@@ -11,6 +11,8 @@ pool (``kernels.fetch.hlo.pool_materializations``). On CPU the layout changes of
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -35,6 +37,13 @@ def test_ula_decode_step_copies_no_pool(fetch):
   assert shapes == {(4 * 1216, 48), (4 * 4160, 48)}
   found = [line for s in shapes for line in pool_materializations(text, s)]
   assert not found, found[:4]
+  # Nor does it gather a whole worst-case plan list of rows (B * (k + 1) per layer of a
+  # group): the Pallas stage touches the step's victims alone. (kernels.fetch=xla's
+  # reference does gather them: 6 such gathers on a CPU.)
+  M = cfg.engine.max_batch * (cfg.model.index_topk + 1)
+  lists = re.compile(rf"\[({M}|{M * cfg.model.index_share})(,1)?,48\]\S*\s+gather\(")
+  gathers = [line for line in text.splitlines() if lists.search(line)]
+  assert not gathers, gathers[:4]
 
 
 # Every program that carries the state, for each system with a host or far pool: a pool
@@ -67,3 +76,10 @@ def test_programs_copy_no_pool(system, program):
   assert shapes, "no pool found in the state"
   found = [line for s in shapes for line in pool_materializations(text, s)]
   assert not found, found[:4]
+  # Nor does it gather a whole worst-case plan list of rows (B * (k + 1) per layer of a
+  # group): the Pallas stage touches the step's victims alone. (kernels.fetch=xla's
+  # reference does gather them: 6 such gathers on a CPU.)
+  M = cfg.engine.max_batch * (cfg.model.index_topk + 1)
+  lists = re.compile(rf"\[({M}|{M * cfg.model.index_share})(,1)?,48\]\S*\s+gather\(")
+  gathers = [line for line in text.splitlines() if lists.search(line)]
+  assert not gathers, gathers[:4]
