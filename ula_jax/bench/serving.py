@@ -213,20 +213,19 @@ def profile_run(engine, reqs, trace_dir: str, batch: int, *, steps: int = 6,
   st = {"on": False, "done": False}
   during: list = []  # the decoding steps that ran with the profiler on
 
+  def _full(m) -> bool:
+    return m.running == batch and m.decode_tokens == batch
+
   def on_step(m) -> None:
-    full = m.running == batch and m.decode_tokens == batch
     if st["on"]:
       if m.running > 0:
         during.append(m)
-      if not full or sum(_full(x) for x in during) >= steps:
+      if not _full(m) or sum(map(_full, during)) >= steps:
         jax.profiler.stop_trace()
         st.update(on=False, done=True)
-    elif full and not st["done"]:
+    elif _full(m) and not st["done"]:
       jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
       st["on"] = True
-
-  def _full(m) -> bool:
-    return m.running == batch and m.decode_tokens == batch
 
   try:
     engine.run(reqs, on_step)

@@ -63,40 +63,82 @@ def default_interpret() -> bool:
   return jax.default_backend() != "gpu"
 
 
-def _live_units(count_ref, num_units: int, units_per_row: int, block_units: int):
-  """(this program has live units, its units [U], which are live): units past
-  ``count_ref[0]`` rows (or the list's end) are not live."""
+def _rows_kernel(*refs, staged: bool, num_units: int, units_per_row: int, vec: int,
+                 block_units: int):
+  # Copy (staged=False): count_ref [1] int32 (pairs past it are skipped), src_idx_ref,
+  # dst_idx_ref [N] int32, src_ref [Ss, W], dst_in_ref, out_ref [Sd, W] (aliases
+  # dst_in_ref: rows this kernel does not write keep their values).
+  # Stage (staged=True): count_ref, src_idx_ref, src_ref, out_ref [N, W], a fresh buffer
+  # whose row i is the pair's destination: written only when i < count and src_idx[i]
+  # is in range, by the programs that own its units.
+  # Programs past the count return at once.
+  if staged:
+    count_ref, src_idx_ref, src_ref, out_ref = refs
+    dst_idx_ref = None
+  else:
+    count_ref, src_idx_ref, dst_idx_ref, src_ref, _, out_ref = refs
   n = jnp.minimum(plgpu.load(count_ref.at[jnp.int32(0)]) * units_per_row, num_units)
   start = pl.program_id(0) * block_units
   u = start + jnp.arange(block_units, dtype=jnp.int32)  # [U]
-  return start < n, u, u < n
-
-
-def _copy_rows_kernel(count_ref, src_idx_ref, dst_idx_ref, src_ref, dst_in_ref, out_ref, *,
-                      num_units: int, units_per_row: int, vec: int, block_units: int):
-  # count_ref: [1] int32 (pairs past it are skipped); src_idx_ref, dst_idx_ref: [N] int32;
-  # src_ref: [Ss, W]; out_ref: [Sd, W] (aliases dst_in_ref: rows this kernel does not
-  # write keep their values). Programs past the count return at once.
-  del dst_in_ref
-  any_live, u, live = _live_units(count_ref, num_units, units_per_row, block_units)
-  pl.when(any_live)(lambda: _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u,
-                                        live, units_per_row, vec))
+  pl.when(start < n)(lambda: _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u,
+                                         u < n, units_per_row, vec))
 
 
 def _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u, live, units_per_row: int,
                 vec: int) -> None:
+  # dst_idx_ref None: each pair's destination is its own row of the list.
   src_rows, dst_rows = src_ref.shape[0], out_ref.shape[0]
   # u >= 0: truncating division is floor division, without jnp's sign fix-ups.
   row = jnp.where(live, jax.lax.div(u, units_per_row), 0)
   col = jnp.where(live, jax.lax.rem(u, units_per_row), 0)
   s = plgpu.load(src_idx_ref.at[row], mask=live, other=-1)
-  d = plgpu.load(dst_idx_ref.at[row], mask=live, other=-1)
+  d = row if dst_idx_ref is None else plgpu.load(dst_idx_ref.at[row], mask=live, other=-1)
   ok = live & (s >= 0) & (s < src_rows) & (d >= 0) & (d < dst_rows)
   cols = (col * vec)[:, None] + jnp.arange(vec, dtype=jnp.int32)[None, :]  # [U, vec]
   mask = ok[:, None]
   x = plgpu.load(src_ref.at[jnp.where(ok, s, 0)[:, None], cols], mask=mask)
   # Skipped units point one past the last row: masked on GPU, dropped when interpreted.
   plgpu.store(out_ref.at[jnp.where(ok, d, dst_rows)[:, None], cols], x, mask=mask)
+
+
+def _launch_rows(operands: tuple, out_shape: jax.ShapeDtypeStruct, *, staged: bool,
+                 count, idx_name: str, pools: tuple, pool_hint: str,
+                 config: CopyRowsConfig, interpret: bool, name: str) -> jax.Array:
+  """One launch of ``_rows_kernel`` over the ``N`` pairs of ``operands`` (index lists
+  first, then the pools; the copy's destination last, aliased with the result), after
+  the checks both forms share: byte pools of 2-4 GiB (named in ``pools``) on a GPU, and
+  at most 2**31 units."""
+  N, src = operands[0].shape[0], operands[1 if staged else 2]
+  W = src.shape[1]
+  if not interpret:
+    for what, pool in pools:
+      if byte_offsets_overflow(pool):  # wrong rows would be read
+        raise ValueError(
+            f"{what}: a pool of {pool.size} one-byte elements ({pool.size / 2**30:.2f} "
+            "GiB): the Pallas row copy cannot index byte pools of 2-4 GiB (32-bit element "
+            f"offsets); size {pool_hint} outside that range or use kernels.fetch='xla'")
+  vec = unit_elements(W, src.dtype)
+  units_per_row = W // vec
+  num_units = N * units_per_row
+  if num_units >= 2**31:
+    raise ValueError(f"{idx_name}.shape[0]={N} rows of {units_per_row} units: more than "
+                     "2**31 units per call (the kernel indexes them in int32); split the "
+                     "call")
+  kernel = functools.partial(_rows_kernel, staged=staged, num_units=num_units,
+                             units_per_row=units_per_row, vec=vec,
+                             block_units=config.block_units)
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  return pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(pl.cdiv(num_units, config.block_units),),
+      in_specs=[any_spec] * (len(operands) + 1),
+      out_specs=any_spec,
+      input_output_aliases={} if staged else {len(operands): 0},
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
+      name=name,
+  )(_count_operand(count, N), *operands)
 
 
 def _count_operand(count, N: int) -> jax.Array:
@@ -120,62 +162,13 @@ def copy_rows_pallas(src: jax.Array, src_idx: jax.Array, dst: jax.Array, dst_idx
   """
   if interpret is None:
     interpret = default_interpret()
-  N = src_idx.shape[0]
-  W = src.shape[1]
-  if N == 0 or W == 0 or src.shape[0] == 0 or dst.shape[0] == 0:
+  if src_idx.shape[0] == 0 or src.shape[1] == 0 or src.shape[0] == 0 or dst.shape[0] == 0:
     return dst
-  if not interpret:
-    for what, pool in (("src", src), ("dst", dst)):
-      if byte_offsets_overflow(pool):  # wrong rows would be read
-        raise ValueError(
-            f"{what}: a pool of {pool.size} one-byte elements ({pool.size / 2**30:.2f} "
-            "GiB): the Pallas row copy cannot index byte pools of 2-4 GiB (32-bit element "
-            "offsets); size memory.device_pool / memory.host_pool outside that range or "
-            "use kernels.fetch='xla'")
-  vec = unit_elements(W, src.dtype)
-  units_per_row = W // vec
-  num_units = N * units_per_row
-  if num_units >= 2**31:
-    raise ValueError(f"src_idx.shape[0]={N} rows of {units_per_row} units: more than 2**31 "
-                     "units per call (the kernel indexes them in int32); split the call")
-  kernel = functools.partial(_copy_rows_kernel, num_units=num_units,
-                             units_per_row=units_per_row, vec=vec,
-                             block_units=config.block_units)
-  any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  return pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct(dst.shape, dst.dtype),
-      grid=(pl.cdiv(num_units, config.block_units),),
-      in_specs=[any_spec] * 5,
-      out_specs=any_spec,
-      input_output_aliases={4: 0},
-      interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
-      name=name,
-  )(_count_operand(count, N), src_idx, dst_idx, src, dst)
-
-
-def _stage_rows_kernel(count_ref, src_idx_ref, src_ref, out_ref, *, num_units: int,
-                       units_per_row: int, vec: int, block_units: int):
-  # count_ref: [1] int32; src_idx_ref: [N] int32; src_ref: [Ss, W]; out_ref: [N, W], a
-  # fresh buffer: row i is written only when i < count and src_idx[i] is in range, by the
-  # programs that own its units.
-  any_live, u, live = _live_units(count_ref, num_units, units_per_row, block_units)
-  pl.when(any_live)(lambda: _stage_units(src_idx_ref, src_ref, out_ref, u, live,
-                                         units_per_row, vec))
-
-
-def _stage_units(src_idx_ref, src_ref, out_ref, u, live, units_per_row: int,
-                 vec: int) -> None:
-  src_rows, out_rows = src_ref.shape[0], out_ref.shape[0]
-  row = jnp.where(live, jax.lax.div(u, units_per_row), 0)
-  col = jnp.where(live, jax.lax.rem(u, units_per_row), 0)
-  s = plgpu.load(src_idx_ref.at[row], mask=live, other=-1)
-  ok = live & (s >= 0) & (s < src_rows)
-  cols = (col * vec)[:, None] + jnp.arange(vec, dtype=jnp.int32)[None, :]  # [U, vec]
-  mask = ok[:, None]
-  x = plgpu.load(src_ref.at[jnp.where(ok, s, 0)[:, None], cols], mask=mask)
-  plgpu.store(out_ref.at[jnp.where(ok, row, out_rows)[:, None], cols], x, mask=mask)
+  return _launch_rows((src_idx, dst_idx, src, dst), jax.ShapeDtypeStruct(dst.shape, dst.dtype),
+                      staged=False, count=count, idx_name="src_idx",
+                      pools=(("src", src), ("dst", dst)),
+                      pool_hint="memory.device_pool / memory.host_pool", config=config,
+                      interpret=interpret, name=name)
 
 
 def stage_rows_pallas(pool: jax.Array, idx: jax.Array, *, count: jax.Array | None = None,
@@ -193,31 +186,10 @@ def stage_rows_pallas(pool: jax.Array, idx: jax.Array, *, count: jax.Array | Non
   N, W = idx.shape[0], pool.shape[1]
   if N == 0 or W == 0 or pool.shape[0] == 0:
     return jnp.zeros((N, W), pool.dtype)
-  if not interpret and byte_offsets_overflow(pool):
-    raise ValueError(
-        f"pool: a pool of {pool.size} one-byte elements ({pool.size / 2**30:.2f} GiB): the "
-        "Pallas row copy cannot index byte pools of 2-4 GiB (32-bit element offsets); "
-        "size memory.device_pool outside that range or use kernels.fetch='xla'")
-  vec = unit_elements(W, pool.dtype)
-  units_per_row = W // vec
-  num_units = N * units_per_row
-  if num_units >= 2**31:
-    raise ValueError(f"idx.shape[0]={N} rows of {units_per_row} units: more than 2**31 "
-                     "units per call (the kernel indexes them in int32); split the call")
-  kernel = functools.partial(_stage_rows_kernel, num_units=num_units,
-                             units_per_row=units_per_row, vec=vec,
-                             block_units=config.block_units)
-  any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  return pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((N, W), pool.dtype),
-      grid=(pl.cdiv(num_units, config.block_units),),
-      in_specs=[any_spec] * 3,
-      out_specs=any_spec,
-      interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=1),
-      name="ula_stage_rows",
-  )(_count_operand(count, N), idx, pool)
+  return _launch_rows((idx, pool), jax.ShapeDtypeStruct((N, W), pool.dtype), staged=True,
+                      count=count, idx_name="idx", pools=(("pool", pool),),
+                      pool_hint="memory.device_pool", config=config, interpret=interpret,
+                      name="ula_stage_rows")
 
 
 def fetch_rows_pallas(host_pool: jax.Array, host_idx: jax.Array, dev_pool: jax.Array,

@@ -360,30 +360,7 @@ class Ula(MemorySystem):
                              stats=stats)
 
   def move_layer(self, state: UlaState, layer, res: Resolution) -> UlaState:
-    if not self.host_slots or self.speculate:
-      return state  # one tier, or a speculative step: nothing moves
-    p: UlaPlan = res.plan
-    Sd, Hr, M = self.device_slots, self.host_rows, p.evict_src.shape[0]
-    dev, host = state.dev_pool, state.host_pool
-    # Both sides are read before either is written: a victim may take the host slot a
-    # miss vacates, and a miss the device slot a victim vacates. The victims' rows are
-    # set aside on the device, the misses fetched over their slots, then written back.
-    # The barriers order each in-place write after the reads of the same pool (the
-    # victims' gather before the fetch writes dev, the fetch before the evict writes
-    # host); without them XLA copies the pool to let the two run in either order.
-    # Rows of the flat pools are offset by the layer (``layer_rows``: skips stay negative).
-    # The lists are sized for the worst case (B * k + B rows) and hold the step's moves
-    # first (``n_fetch`` / ``n_evict``): every copy reads and writes only those, and the
-    # Pallas launches' programs past them return at once.
-    victims = self.stage_rows(dev, layer_rows(layer, p.evict_src, Sd), p.n_evict)
-    victims, dev = jax.lax.optimization_barrier((victims, dev))
-    dev = self.fetch_rows(host, layer_rows(layer, p.fetch_src, Hr), dev,
-                          layer_rows(layer, p.fetch_dst, Sd), p.n_fetch)
-    dev, host = jax.lax.optimization_barrier((dev, host))
-    staged = jnp.where(p.evict_src >= 0, jnp.arange(M, dtype=_I32), INVALID)
-    host = self.evict_rows(victims, staged, host, layer_rows(layer, p.evict_dst, Hr),
-                           p.n_evict)
-    return state.replace(dev_pool=dev, host_pool=host)
+    return self._move(state, layer, 1, res)
 
   def move_group(self, state: UlaState, first_layer, num_layers: int,
                  res: Resolution) -> UlaState:
@@ -391,22 +368,33 @@ class Ula(MemorySystem):
     and one evict launch move every layer's rows (each plan row once per layer), so a
     launch copies the group's thousands of rows rather than a layer's hundreds, and a
     step issues one launch of each kind per group, not per layer."""
-    if num_layers == 1 or not self.host_slots or self.speculate:
-      return super().move_group(state, first_layer, num_layers, res)
+    return self._move(state, first_layer, num_layers, res)
+
+  def _move(self, state: UlaState, first_layer, n: int, res: Resolution) -> UlaState:
+    """The planned copies of layers ``first_layer .. first_layer + n - 1``."""
+    if not self.host_slots or self.speculate:
+      return state  # one tier, or a speculative step: nothing moves
     p: UlaPlan = res.plan
-    Sd, Hr, M, n = self.device_slots, self.host_rows, p.evict_src.shape[0], num_layers
+    Sd, Hr, M = self.device_slots, self.host_rows, p.evict_src.shape[0]
     dev, host = state.dev_pool, state.host_pool
     layer = jnp.asarray(first_layer, _I32) + jnp.arange(n, dtype=_I32)
 
     def rows(slots: jax.Array, per_layer: int) -> jax.Array:
-      # [M] -> [M * n]: entry j * n + i is plan row j in layer first + i, so a plan's
-      # first c rows are the lists' first c * n entries.
+      # [M] -> [M * n] rows of the flat pools (``layer_rows`` for each layer: skips stay
+      # negative): entry j * n + i is plan row j in layer first + i, so a plan's first c
+      # rows are the lists' first c * n entries.
       s = slots[:, None]
       return jnp.where(s >= 0, s + layer[None, :] * per_layer, s).reshape(M * n).astype(_I32)
 
-    # As in move_layer: the victims set aside, the misses fetched over their slots, then
-    # the victims written back, with barriers ordering each in-place write after the
-    # reads of the same pool.
+    # Both sides are read before either is written: a victim may take the host slot a
+    # miss vacates, and a miss the device slot a victim vacates. The victims' rows are
+    # set aside on the device, the misses fetched over their slots, then written back.
+    # The barriers order each in-place write after the reads of the same pool (the
+    # victims' staging before the fetch writes dev, the fetch before the evict writes
+    # host); without them XLA copies the pool to let the two run in either order.
+    # The lists are sized for the worst case (B * k + B rows) and hold the step's moves
+    # first (``n_fetch`` / ``n_evict``): every copy reads and writes only those, and the
+    # Pallas launches' programs past them return at once.
     v_src = rows(p.evict_src, Sd)
     victims = self.stage_rows(dev, v_src, p.n_evict * n)
     victims, dev = jax.lax.optimization_barrier((victims, dev))
