@@ -62,6 +62,25 @@ def test_fetch_benchmark_sweeps_pallas_configurations(tmp_path):
   assert impls == ["contiguous[jax]", "pallas[u64,w4]", "pallas[u256,w4]"]
 
 
+def test_fetch_benchmark_passes_worst_case_lists_with_a_count(tmp_path):
+  """--list-factor 5: lists five times the entries, the rest skipped, a count naming
+  the entries; every implementation still moves exactly those rows (checked bit for
+  bit), and the Pallas sweep over programs per launch labels each launch."""
+  out = tmp_path / "fetch.json"
+  rc = fetch.main(["--quick", "--layouts", "fp8x656", "--impls", "xla,pallas",
+                   "--entries", "37", "--list-factor", "5", "--pallas-block-units", "16",
+                   "--pallas-programs", "2,2048", "--ceilings", "jax", "--out", str(out)])
+  assert rc == 0
+  result = json.loads(out.read_text())
+  assert result["list_factor"] == 5
+  kernels = [r for r in result["rows"] if not r["impl"].startswith("contiguous")]
+  assert [r["impl"] for r in kernels if r["direction"] == "fetch"] == [
+      "xla", "pallas[u16,w4][p2]", "pallas[u16,w4][p2048]"]
+  assert all(r["ok"] is True and r["error"] is None for r in kernels)
+  with pytest.raises(ValueError, match=r"--list-factor=0: expected >= 1"):
+    fetch.main(["--quick", "--list-factor", "0"])
+
+
 @pytest.mark.parametrize("direction", ["fetch", "evict"])
 def test_fetch_benchmark_check_catches_a_copy_that_moves_nothing(direction, rng):
   """Every check first changes what the call must overwrite, so an implementation that

@@ -208,6 +208,8 @@ def test_pallas_config_validates():
     CopyRowsConfig(block_units=96)
   with pytest.raises(ValueError, match=r"num_warps=3: expected a power of 2"):
     CopyRowsConfig(num_warps=3)
+  with pytest.raises(ValueError, match=r"max_programs=0: expected at least 1"):
+    CopyRowsConfig(max_programs=0)
 
 
 def test_pallas_copy_refuses_more_units_than_int32_can_index():
@@ -352,14 +354,16 @@ class CopyRowsPallasCases:
     assert_same_bits(out[ok], pool[idx[ok]])
 
   @pytest.mark.parametrize("count", [0, 1, 29, 60])
-  def test_count_skips_the_pairs_past_it(self, count, rng):
+  @pytest.mark.parametrize("max_programs", [3, 2048])
+  def test_count_skips_the_pairs_past_it(self, count, max_programs, rng):
     """count: pairs at or past it are skipped (fetch and evict), staged rows past it
-    are not read; with blocks of 16 units many programs lie wholly past it."""
+    are not read; with blocks of 16 units many blocks lie wholly past it, and with 3
+    programs each loops over every third block below it."""
     dtype, W = LAYOUTS["fp8x656"]
     Ss, Sd, N = 90, 70, 60
     src = random_rows(rng, (Ss, W), dtype)
     s_idx, d_idx = random_pairs(rng, N, Ss, Sd, skip=0.1)
-    cfg = CopyRowsConfig(block_units=16)
+    cfg = CopyRowsConfig(block_units=16, max_programs=max_programs)
     for fn in (fetch_rows_pallas, evict_rows_pallas):
       dst = poison((Sd, W), dtype)
       run = jax.jit(functools.partial(fn, config=cfg, interpret=self.INTERPRET))
@@ -371,14 +375,16 @@ class CopyRowsPallasCases:
     ok = (s_idx >= 0) & (s_idx < Ss) & (np.arange(N) < count)
     assert_same_bits(out[ok], src[s_idx[ok]])
 
-  def test_many_programs_and_narrow_rows(self, rng):
-    """Tiny blocks (many programs, a partial last one) and a row of 7 float32 values
-    (units of one element)."""
+  @pytest.mark.parametrize("max_programs", [2, 2048])
+  def test_many_blocks_and_narrow_rows(self, max_programs, rng):
+    """Tiny blocks (many of them, a partial last one; one program each, or two programs
+    looping over them) and a row of 7 float32 values (units of one element)."""
     Ss, Sd, W, N = 40, 30, 7, 25
     src = random_rows(rng, (Ss, W), np.float32)
     dst = poison((Sd, W), np.float32)
     s_idx, d_idx = random_pairs(rng, N, Ss, Sd)
-    run = jax.jit(functools.partial(copy_rows_pallas, config=CopyRowsConfig(block_units=16),
+    cfg = CopyRowsConfig(block_units=16, max_programs=max_programs)
+    run = jax.jit(functools.partial(copy_rows_pallas, config=cfg,
                                     interpret=self.INTERPRET))
     out = run(jnp.asarray(src), jnp.asarray(s_idx), jnp.asarray(dst), jnp.asarray(d_idx))
     assert_same_bits(out, expected_copy(src, s_idx, dst, d_idx))

@@ -86,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--pallas-block-units", default="1024",
                  help="Pallas sweep: 16-byte units per program, comma list")
   p.add_argument("--pallas-warps", default="4", help="Pallas sweep: warps per program")
+  p.add_argument("--pallas-programs", default=str(CopyRowsConfig().max_programs),
+                 help="Pallas sweep: programs per launch at most, comma list")
+  p.add_argument("--list-factor", type=int, default=1,
+                 help="index lists F times the entries long, the entries first and a "
+                      "count naming them (as a plan sized for the worst case passes "
+                      "them); 1: lists of the entries alone, no count")
   add_timing_args(p, max_iters=500, target_ms=100.0)
   p.add_argument("--warmup", type=int, default=1)
   p.add_argument("--seed", type=int, default=0)
@@ -119,19 +125,28 @@ def _impls(names: list[str], args) -> list[tuple[str, str, dict]]:
       continue
     units = parse_sizes(args.pallas_block_units)
     warps = parse_sizes(args.pallas_warps)
-    for u, w in itertools.product(units, warps):
-      label = "pallas" if len(units) * len(warps) == 1 else f"pallas[u{u},w{w}]"
-      out.append((label, "pallas", {"config": CopyRowsConfig(block_units=u, num_warps=w)}))
+    programs = parse_sizes(args.pallas_programs)
+    for u, w, p in itertools.product(units, warps, programs):
+      if len(units) * len(warps) * len(programs) == 1:
+        label = "pallas"
+      else:
+        label = f"pallas[u{u},w{w}]" + (f"[p{p}]" if len(programs) > 1 else "")
+      out.append((label, "pallas",
+                  {"config": CopyRowsConfig(block_units=u, num_warps=w, max_programs=p)}))
   return out
 
 
-def _call(direction: str, impl: str, kwargs: dict):
+def _call(direction: str, impl: str, kwargs: dict, count: int | None = None):
+  """The copy of ``direction`` through ``impl``; ``count``: pairs the lists hold first
+  (passed as the kernels' ``count`` operand), or None (every pair)."""
+  if count is not None:
+    kwargs = {**kwargs, "count": jnp.int32(count)}
   if impl == "pallas":
     from ula_jax.kernels.fetch.pallas import evict_rows_pallas, fetch_rows_pallas
     fn = fetch_rows_pallas if direction == "fetch" else evict_rows_pallas
     return functools.partial(fn, **kwargs)
   fn = fetch_rows if direction == "fetch" else evict_rows
-  return functools.partial(fn, impl=impl)
+  return functools.partial(fn, impl=impl, **kwargs)
 
 
 def _bytes_equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -229,6 +244,8 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   ceilings = parse_list(args.ceilings, CEILINGS, flag="--ceilings")
   if args.reps < 1:
     raise ValueError(f"--reps={args.reps}: expected >= 1")
+  if args.list_factor < 1:
+    raise ValueError(f"--list-factor={args.list_factor}: expected >= 1")
   skipped: dict[str, str] = {}
   if "ffi" in names and not fetch_ffi.available():
     names = [n for n in names if n != "ffi"]
@@ -245,6 +262,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
 
   def result() -> dict[str, Any]:
     return {"benchmark": "fetch", "environment": environment(), "host_rows": Sh,
+            "list_factor": args.list_factor,
             "device_rows": Sd, "reps": args.reps, "skipped": skipped,
             "rows": [dataclasses.asdict(r) for r in rows]}
 
@@ -264,7 +282,12 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
     for N in entries:
       h_idx = rng.choice(Sh, N, replace=False).astype(np.int32)
       d_idx = rng.permutation(Sd)[:N].astype(np.int32)
-      hi, di = jax.device_put(h_idx, dev_s), jax.device_put(d_idx, dev_s)
+      # With --list-factor F: lists of F * N entries, the N pairs first and skipped
+      # (-1) ones after them, and a count of N (a worst-case plan's lists).
+      pad = np.full((args.list_factor - 1) * N, -1, np.int32)
+      hi = jax.device_put(np.concatenate([h_idx, pad]), dev_s)
+      di = jax.device_put(np.concatenate([d_idx, pad]), dev_s)
+      count = None if args.list_factor == 1 else N
       nbytes = N * row_bytes
       for direction in directions:
         measured: list[_Measured] = []
@@ -290,7 +313,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
           row = Row(direction, layout, row_bytes, N, label)
           rows.append(row)
           try:
-            fn = jax.jit(_call(direction, impl, kwargs), donate_argnums=2)
+            fn = jax.jit(_call(direction, impl, kwargs, count), donate_argnums=2)
             if direction == "fetch":
               args_of = lambda state: (pools["host"], hi, state, di)
             else:

@@ -93,7 +93,7 @@ def _counted(idx: jax.Array, count: jax.Array | None) -> jax.Array:
 
 def _call(fn, impl: str, src, src_idx, dst, dst_idx, count, interpret):
   """One row copy through ``impl``: the Pallas launch takes ``count`` itself (its
-  programs past it return at once); the others skip those pairs by their indices. One
+  programs loop over the blocks below it); the others skip those pairs by their indices. One
   config field (kernels.interpret) serves every kernel: only Pallas uses it."""
   if impl == "pallas":
     return fn(src, src_idx, dst, dst_idx, count=count, interpret=interpret)
@@ -111,7 +111,8 @@ def fetch_rows(host_pool: jax.Array, host_idx: jax.Array, dev_pool: jax.Array,
   dev_idx:   [N] int32 device slots (outside [0, Sd): pair skipped; valid ones distinct)
   impl:      'xla' | 'pallas' | 'ffi'
   count:     [] int32 or None: pairs at or past it are skipped (lists that hold their
-             valid pairs first: the Pallas launch's programs past it return at once)
+             valid pairs first: the Pallas launch's programs copy only the blocks below
+             it, however long the lists)
   interpret: Pallas interpret mode (None: on everywhere but on GPU); other impls ignore it
   returns dev_pool: [Sd, W]
   """

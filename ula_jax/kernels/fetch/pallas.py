@@ -6,11 +6,15 @@ pointer, so device threads load the selected host rows straight over PCIe (HiSpa
 ``tests/test_fetch.py`` checks the compiled HLO for a whole-pool copy on GPU, and
 ``impl='xla'`` is the fallback.
 
-The copy is flattened into units of ``vec`` elements (16 bytes when the row allows):
-program ``p`` copies units ``[p * block_units, (p + 1) * block_units)`` of the
-concatenated selected rows, so consecutive lanes read consecutive 16-byte words across
-row boundaries and rows that are not a multiple of 512 B (the 656-B FP8 layout) keep
-every lane busy. In interpret mode (CPU) the same kernel runs on device-memory arrays;
+The copy is flattened into units of ``vec`` elements (16 bytes when the row allows),
+``block_units`` units a block: block ``b`` is units ``[b * block_units, (b + 1) *
+block_units)`` of the concatenated selected rows, so consecutive lanes read consecutive
+16-byte words across row boundaries and rows that are not a multiple of 512 B (the
+656-B FP8 layout) keep every lane busy. A launch has at most ``max_programs`` programs,
+and program ``p`` copies blocks ``p, p + P, p + 2P, ...`` up to the pairs' ``count``:
+index lists sized for a worst case (a plan's ``B * k + B`` rows a layer) cost a launch
+of ``P`` programs, not one program per block of the whole list, and a launch with
+nothing to copy is one short wave. In interpret mode (CPU) the same kernel runs on device-memory arrays;
 host pools are staged through device memory there, which costs nothing on CPU where both
 are plain RAM.
 """
@@ -34,19 +38,24 @@ from ula_jax.kernels.fetch.reference import is_host
 class CopyRowsConfig:
   """Tuning of the Pallas row copy (static and hashable).
 
-  block_units: units (``vec`` elements, 16 B for the pools used here) per program; a
-               power of 2
-  num_warps:   warps per program (Triton)
+  block_units:  units (``vec`` elements, 16 B for the pools used here) per block, the
+                work of one loop iteration of a program; a power of 2
+  num_warps:    warps per program (Triton)
+  max_programs: programs per launch at most (each loops over every P-th block); about
+                one wave of programs of 4 warps on an H100 / H200 (132 SMs)
   """
 
   block_units: int = 1024
   num_warps: int = 4
+  max_programs: int = 2048
 
   def __post_init__(self):
     if self.block_units < 1 or self.block_units & (self.block_units - 1):
       raise ValueError(f"block_units={self.block_units}: expected a power of 2")
     if self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
       raise ValueError(f"num_warps={self.num_warps}: expected a power of 2")
+    if self.max_programs < 1:
+      raise ValueError(f"max_programs={self.max_programs}: expected at least 1")
 
 
 def unit_elements(width: int, dtype) -> int:
@@ -64,24 +73,31 @@ def default_interpret() -> bool:
 
 
 def _rows_kernel(*refs, staged: bool, num_units: int, units_per_row: int, vec: int,
-                 block_units: int):
+                 block_units: int, num_programs: int):
   # Copy (staged=False): count_ref [1] int32 (pairs past it are skipped), src_idx_ref,
   # dst_idx_ref [N] int32, src_ref [Ss, W], dst_in_ref, out_ref [Sd, W] (aliases
   # dst_in_ref: rows this kernel does not write keep their values).
   # Stage (staged=True): count_ref, src_idx_ref, src_ref, out_ref [N, W], a fresh buffer
   # whose row i is the pair's destination: written only when i < count and src_idx[i]
   # is in range, by the programs that own its units.
-  # Programs past the count return at once.
+  # Program p copies blocks p, p + P, ... (P = num_programs) below the count's units;
+  # a program with no such block returns at once.
   if staged:
     count_ref, src_idx_ref, src_ref, out_ref = refs
     dst_idx_ref = None
   else:
     count_ref, src_idx_ref, dst_idx_ref, src_ref, _, out_ref = refs
   n = jnp.minimum(plgpu.load(count_ref.at[jnp.int32(0)]) * units_per_row, num_units)
-  start = pl.program_id(0) * block_units
-  u = start + jnp.arange(block_units, dtype=jnp.int32)  # [U]
-  pl.when(start < n)(lambda: _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u,
-                                         u < n, units_per_row, vec))
+  pid = pl.program_id(0)
+  blocks = (n + (block_units - 1)) // block_units  # n >= 0: floor division
+  trips = (blocks - pid + (num_programs - 1)) // num_programs  # >= 0 as pid < P
+
+  def block(i, carry):
+    u = (pid + i * num_programs) * block_units + jnp.arange(block_units, dtype=jnp.int32)
+    _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u, u < n, units_per_row, vec)
+    return carry
+
+  jax.lax.fori_loop(jnp.int32(0), trips, block, jnp.int32(0))
 
 
 def _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u, live, units_per_row: int,
@@ -124,14 +140,15 @@ def _launch_rows(operands: tuple, out_shape: jax.ShapeDtypeStruct, *, staged: bo
     raise ValueError(f"{idx_name}.shape[0]={N} rows of {units_per_row} units: more than "
                      "2**31 units per call (the kernel indexes them in int32); split the "
                      "call")
+  num_programs = min(pl.cdiv(num_units, config.block_units), config.max_programs)
   kernel = functools.partial(_rows_kernel, staged=staged, num_units=num_units,
                              units_per_row=units_per_row, vec=vec,
-                             block_units=config.block_units)
+                             block_units=config.block_units, num_programs=num_programs)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   return pl.pallas_call(
       kernel,
       out_shape=out_shape,
-      grid=(pl.cdiv(num_units, config.block_units),),
+      grid=(num_programs,),
       in_specs=[any_spec] * (len(operands) + 1),
       out_specs=any_spec,
       input_output_aliases={} if staged else {len(operands): 0},
@@ -153,7 +170,8 @@ def copy_rows_pallas(src: jax.Array, src_idx: jax.Array, dst: jax.Array, dst_idx
                      config: CopyRowsConfig = CopyRowsConfig(),
                      interpret: bool | None = None, name: str = "ula_copy_rows") -> jax.Array:
   """``dst[dst_idx[i]] = src[src_idx[i]]`` for in-range pairs ``i < count``, as one
-  kernel launch whose programs past ``count`` return at once.
+  kernel launch of at most ``config.max_programs`` programs that loop over the blocks
+  below ``count``.
 
   src: [Ss, W]; src_idx: [N] int32; dst: [Sd, W] same dtype (aliased with the result);
   dst_idx: [N] int32; count: [] int32 or None (every pair). Pools of any memory kind on
