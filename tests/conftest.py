@@ -66,24 +66,16 @@ def _legacy_cpu_fusion_emitters() -> None:
   operations computed are the same; XLA groups some of them into other fusions (the two
   emitters support different kinds), so, as with the setting above, the machine code
   and float results in the last bits may differ from a default build's (every comparison
-  here is between programs of one session). CPU sessions only, and only where this
-  jaxlib knows the flag (XLA stops a process that sets a flag it does not know); the
-  environment variable reaches the xdist workers and the processes runs start."""
+  here is between programs of one session). CPU sessions only, and only on jaxlib 0.10
+  (XLA stops a process that sets a flag it does not know: jaxlib 0.11's XLA no longer
+  knows this one, although its name is still in the library); the environment variable
+  reaches the xdist workers and the processes runs start."""
   flags = os.environ.get("XLA_FLAGS", "")
   if os.environ["JAX_PLATFORMS"] != "cpu" or "xla_cpu_use_fusion_emitters" in flags:
     return
-  import mmap
-  import pathlib
-
   import jaxlib
 
-  lib = pathlib.Path(jaxlib.__file__).parent / "libjax_common.so"
-  try:
-    with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-      known = m.find(_LEGACY_EMITTERS[2:].split("=")[0].encode()) >= 0
-  except (OSError, ValueError):
-    known = False
-  if known:
+  if jaxlib.__version__.startswith("0.10."):
     os.environ["XLA_FLAGS"] = f"{flags} {_LEGACY_EMITTERS}".strip()
 
 
