@@ -28,7 +28,16 @@
 #            calls (./custom_calls, CUDA handlers for sm_90) and measures them too;
 #            FETCH_UNITS / FETCH_WARPS (comma lists) sweep the Pallas launch (16-byte
 #            units per program, warps per program; the default launch is 1024 and 4,
-#            list them to keep it in the sweep)
+#            list them to keep it in the sweep); FETCH_HOST_ROWS (space list of host
+#            pool rows, default none) adds a run at 4K rows per pool size: rows
+#            scattered over a pinned pool as large as a serving run's (100 GiB) against
+#            the bench's small one
+#   serving  ula-jax bench serving at the throughput experiment's settings (GLM-5
+#            geometry, 32K contexts, synthetic prefill and selections, Pallas fetch,
+#            fused resolve), SERVING_SYSTEMS (default ula_dp) at SERVING_BATCHES (default
+#            48), device budget SERVING_DEVICE (default 60GiB; 40GiB fits an H100), host
+#            100GiB, each system's capacity point profiled (device ms per kernel kind a
+#            step); SERVING_VARIANTS as GLM5_VARIANTS (XLA_TAG flags, VAR_TAG overrides)
 # Results under $OUT: one JSON per part and logs.tgz; a short table last.
 set -u
 cd "$(dirname "$0")/../.."
@@ -92,6 +101,27 @@ if wants fetch; then
   STEP_TAIL=30 step fetch 240 $CLI bench fetch --layouts fp8x656 --entries 4K,16K,64K \
     --impls "$impls" --directions fetch,evict --ceilings memcpy ${sweep[@]+"${sweep[@]}"} \
     --out "$OUT/fetch.json"
+  for h in ${FETCH_HOST_ROWS:-}; do
+    STEP_TAIL=6 step "fetch_host$h" 120 $CLI bench fetch --layouts fp8x656 --entries 4K \
+      --impls pallas --directions fetch,evict --ceilings memcpy --host-rows "$h" \
+      --out "$OUT/fetch_host$h.json"
+  done
+fi
+if wants serving; then
+  for item in ${SERVING_VARIANTS:-base}; do
+    tag=${item#*@}; [ "$tag" = "$item" ] && tag=$item
+    # shellcheck disable=SC2046
+    XLA_FLAGS="${XLA_FLAGS:-} $(tagged XLA "$item")" STEP_TAIL=24 step "serving_$tag" 300 \
+      $CLI bench serving --systems "${SERVING_SYSTEMS:-ula_dp}" \
+      --context 32768 --device-budget "${SERVING_DEVICE:-60GiB}" \
+      --host-budget 100GiB --batches "${SERVING_BATCHES:-48}" --hisparse-buffer 4096 \
+      --max-rows 64 --out "$WORK/serving_$tag" --profile "$WORK/profile_serving_$tag" \
+      model=glm5_narrow mesh.platform=gpu engine.page_size=64 kernels.fetch=pallas \
+      kernels.resolve=pallas_fused workload.selections=synthetic \
+      workload.prefill=synthetic $(tagged VAR "$item")
+    cp "$WORK/serving_$tag/serving.json" "$OUT/serving_$tag.json" 2>/dev/null
+    rm -rf "$WORK/profile_serving_$tag"  # the traces are large; the JSON keeps the kernels
+  done
 fi
 print_steps | tee "$WORK/steps.txt"
 tar czf "$OUT/logs.tgz" -C "$WORK" .
