@@ -93,8 +93,9 @@ def _counted(idx: jax.Array, count: jax.Array | None) -> jax.Array:
 
 def _call(fn, impl: str, src, src_idx, dst, dst_idx, count, interpret):
   """One row copy through ``impl``: the Pallas launch takes ``count`` itself (its
-  programs loop over the blocks below it); the others skip those pairs by their indices. One
-  config field (kernels.interpret) serves every kernel: only Pallas uses it."""
+  programs loop over the blocks below it); the others skip those pairs by their
+  indices. One config field (kernels.interpret) serves every kernel: only Pallas uses
+  it."""
   if impl == "pallas":
     return fn(src, src_idx, dst, dst_idx, count=count, interpret=interpret)
   return fn(src, _counted(src_idx, count), dst, dst_idx)
