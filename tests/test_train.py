@@ -379,6 +379,18 @@ def test_bad_config_fields_are_named(override, message):
     load_train_config(TINY, [override])
 
 
+@pytest.mark.parametrize("name, layers", [("train", 4), ("train_start", 4), ("train_deep", 8),
+                                          ("train_mtp", 4)])
+def test_the_shipped_training_configs_validate(name, layers):
+  """Every training run of experiments/train_small loads: the real MLA entry and top-k,
+  16K windows except the MTP block's, one indexer per layer."""
+  cfg = load_train_config(TINY.parent / f"{name}.yaml")
+  m = cfg.model
+  assert (m.num_layers, m.num_dense_layers, m.index_share) == (layers, layers, 1)
+  assert (m.kv_lora_rank + m.qk_rope_head_dim, m.index_topk) == (576, 2048)
+  assert cfg.train.seq_len == (1024 if name == "train_mtp" else 16384)
+
+
 # ----------------------------------------------------------------------------------
 # model.checkpoint: serving the trained model
 # ----------------------------------------------------------------------------------
