@@ -21,8 +21,10 @@ SMALL_POOL = int(1.5 * TOP_K * ROWS)  # about 1.5 x top-k per running request
 SYSTEMS = {
     "ula_pb_lru_small": ["memory.system=ula", "memory.policy=pb_lru",
                          f"memory.device_pool={SMALL_POOL}", "memory.host_pool=1024"],
-    "ula_lru_small": ["memory.system=ula", "memory.policy=lru",
-                      f"memory.device_pool={SMALL_POOL}", "memory.host_pool=1024"],
+    # Exact LRU, with the host pool's rows entry by entry (memory.host_layout).
+    "ula_lru_small_entry_major": ["memory.system=ula", "memory.policy=lru",
+                                  f"memory.device_pool={SMALL_POOL}", "memory.host_pool=1024",
+                                  "memory.host_layout=entry_major", "kernels.fetch=pallas"],
     "ula_generous": ["memory.system=ula", "memory.device_pool=2048", "memory.host_pool=0"],
     # Every kernel choice decodes the same tokens (Pallas in interpret mode on CPU).
     "ula_small_pallas_kernels": ["memory.system=ula", f"memory.device_pool={SMALL_POOL}",

@@ -56,9 +56,10 @@ def rows(rng, n, L=3, W=4):
 
 
 def layer_view(pool_base, size):
-  """``read_pool``'s / ``read_host_pool``'s ``(pool, base)`` -> that layer's [size, W]."""
-  pool, base = pool_base
-  return np.asarray(pool)[int(base):int(base) + size]
+  """``read_pool``'s ``(pool, base)`` / ``read_host_pool``'s ``(pool, base, stride)`` ->
+  that layer's [size, W]."""
+  pool, base, stride = (*pool_base, 1)[:3]
+  return np.asarray(pool)[int(base) + stride * np.arange(size)]
 
 
 def gather(pool_base, slots):
@@ -68,9 +69,9 @@ def gather(pool_base, slots):
 
 
 @functools.lru_cache(maxsize=None)
-def default_system() -> Ula:
-  """One shared instance, so tests share its compiled functions."""
-  return build()
+def default_system(host_layout: str = "layer_major") -> Ula:
+  """One shared instance per host layout, so tests share its compiled functions."""
+  return build(make_cfg(host_layout=host_layout))
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,7 +185,7 @@ def test_init_state_layout_and_memory_kinds():
 # ----------------------------------------------------------------------------------
 
 
-def _scenario():
+def _scenario(host_layout: str = "layer_major"):
   """Prefill addresses 0..11 (device 0..8, host 0..2), then one decode step of group 0.
 
   Selection [[10, 11, 0], [1, 2, 12]], new tokens [12, 13]: hits 0, 1, 2; misses 10, 11
@@ -192,7 +193,7 @@ def _scenario():
   non-selected slots 3..6 (PB-LRU: the recent bucket written by prefill) go to host
   slots 1, 2 (vacated by the misses) and 3, 4.
   """
-  s = default_system()
+  s = default_system(host_layout)
   f = jitted(s)
   rng = np.random.default_rng(0)
   state = local(s.init_state(one_device_mesh()))
@@ -205,8 +206,9 @@ def _scenario():
   return s, f, state, res, data, rng
 
 
-def test_hand_checked_step():
-  s, f, state, res, data, rng = _scenario()
+@pytest.mark.parametrize("host_layout", ["layer_major", "entry_major"])
+def test_hand_checked_step(host_layout):
+  s, f, state, res, data, rng = _scenario(host_layout)
   np.testing.assert_array_equal(np.asarray(res.slots), [[3, 4, 0], [1, 2, 5]])
   np.testing.assert_array_equal(np.asarray(res.new_slot), [5, 6])
   assert {k: int(v) for k, v in res.stats.items()} == {"hits": 3, "misses": 2,
@@ -246,19 +248,21 @@ def test_hand_checked_step():
   np.testing.assert_array_equal(layer_view(s.read_host_pool(state, 2), 7)[:3], data[2][9:])
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_move_group_moves_what_move_layer_moves_layer_by_layer(impl):
+@pytest.mark.parametrize("impl, host_layout", [("xla", "layer_major"), ("pallas", "layer_major"),
+                                               ("pallas", "entry_major")])
+def test_move_group_moves_what_move_layer_moves_layer_by_layer(impl, host_layout):
   """move_group (one stage, fetch and evict launch for the group's layers, its first
   layer traced) leaves both pools bit for bit as move_layer for each layer does, in the
   hand-checked step where victims take the host slots the misses vacate."""
-  s = build()  # its own instance: the kernels' implementation is set below
+  # Its own instance: the kernels' implementation is set below.
+  s = build(make_cfg(host_layout=host_layout))
   s.set_fetch_impl(impl)
-  _, _, state, res, _, _ = _scenario()
+  _, _, state, res, _, _ = _scenario(host_layout)
   # Off the one-device mesh (the engine runs moves inside shard_map, where arrays carry
   # no mesh axes; Pallas' interpret mode takes none), each leaf in its own memory.
   own = lambda x: jax.sharding.SingleDeviceSharding(jax.devices()[0],
                                                     memory_kind=x.sharding.memory_kind)
-  state = jax.tree.map(lambda x: jax.device_put(np.asarray(x), own(x)), state)
+  state, res = jax.tree.map(lambda x: jax.device_put(np.asarray(x), own(x)), (state, res))
   by_layer = state
   for l in (0, 1):
     by_layer = jax.jit(s.move_layer, static_argnums=1)(by_layer, l, res)

@@ -41,9 +41,9 @@ from ula_jax.memory.ula.state import UlaState
 
 def make_system(*, policy: str, buckets: int = 2, device: int, host: int, max_batch: int,
                 top_k: int, page_size: int, num_layers: int = 3, group_size: int = 2,
-                width: int = 4) -> Ula:
+                width: int = 4, host_layout: str = "layer_major") -> Ula:
   cfg = MemoryConfig(system="ula", device_pool=device, host_pool=host, policy=policy,
-                     pb_lru_buckets=buckets)
+                     pb_lru_buckets=buckets, host_layout=host_layout)
   geo = KVGeometry(num_layers=num_layers, group_size=group_size, entry_width=width,
                    index_dim=2, top_k=top_k, kv_dtype="float32")
   system = Ula(cfg, geo, MeshInfo(1, 1), max_batch=max_batch, page_size=page_size,
@@ -220,7 +220,7 @@ class Harness:
       # Bytes: pools equal the reference's, and every live entry reads back as written.
       for l in sys_.geo.group_layers(g):
         dev = dev_pool[l * Sd:(l + 1) * Sd]
-        host = host_pool[l * Hr:l * Hr + Sh]
+        host = host_pool[np.asarray(sys_.host_row(l, jnp.arange(Sh, dtype=jnp.int32)))]
         np.testing.assert_array_equal(dev, self.ref.dev_pools[l])
         np.testing.assert_array_equal(host, self.ref.host_pools[l])
         for a, loc in zip(live, locs):
@@ -308,7 +308,8 @@ class Workload:
 SMALL = dict(device=9, host=7, max_batch=2, top_k=3, page_size=4)  # M = 8, N = 16
 SYSTEMS = {
     "pb_lru": make_system(policy="pb_lru", buckets=2, **SMALL),
-    "lru": make_system(policy="lru", **SMALL),
+    # Exact LRU with the other host layout: an entry's layers side by side.
+    "lru": make_system(policy="lru", host_layout="entry_major", **SMALL),
 }
 
 
@@ -745,7 +746,10 @@ def check_dp_lanes(system: Ula, scripts: list[Script], xs: dict, ys, tally: Tall
           same(view[key], v, f"{at} group {g}: policy {key}")
       same(states.dev_pool[lane, t], np.concatenate(ref.dev_pools), f"{at}: device pool")
       if Sh:
-        same(states.host_pool[lane, t], np.concatenate(ref.host_pools), f"{at}: host pool")
+        # The reference keeps a host pool per layer: [L][Sh, W] -> the system's layout.
+        axis = 1 if system.host_layout == "entry_major" else 0
+        want = np.stack(ref.host_pools, axis=axis).reshape(-1, ref.host_pools[0].shape[-1])
+        same(states.host_pool[lane, t], want, f"{at}: host pool")
     # Every sequence ends with all of its requests released: nothing stays stored.
     assert not sc.live()
     assert (states.meta.table[lane, -1] == INVALID).all()
@@ -759,7 +763,7 @@ LANE_SYSTEMS = {
     "pb_lru": make_system(policy="pb_lru", buckets=2, device=6, host=6, max_batch=2,
                           top_k=2, page_size=4, **LANE_GEO),  # N = 12
     "lru": make_system(policy="lru", device=6, host=6, max_batch=2, top_k=2, page_size=2,
-                       **LANE_GEO),  # N = 12
+                       host_layout="entry_major", **LANE_GEO),  # N = 12
 }
 # Per parametrisation under the ``ci`` profile: examples x LANES sequences (320), and how
 # often the run must have missed and evicted at least (a run reaches about 2x the misses

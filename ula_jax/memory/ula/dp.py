@@ -13,8 +13,9 @@ Each dp rank serves its own requests from its own memory. Per layer group it kee
 
 State is stacked (``state.py``): one device pool ``[L * Sd, W]`` (memory kind ``device``)
 and one host pool ``[L * Hr, W]`` (memory kind ``pinned_host``) over all layers, layer
-``l``'s slot ``s`` at row ``l * Sd + s`` (``l * Hr + h``; ``Hr = max(Sh, 1)``: an empty
-host tier keeps one unused row per layer so every gather has a shape), and one
+``l``'s slot ``s`` at row ``l * Sd + s`` (host slot ``h`` at ``l * Hr + h``, or at
+``h * L + l`` with ``memory.host_layout = 'entry_major'``: ``host_row``; ``Hr = max(Sh,
+1)``: an empty host tier keeps one unused row per layer so every gather has a shape), and one
 ``GroupMeta`` whose leaves have a leading group axis ``[G, ...]``. The layers of a group
 store an entry at the same slot. ``group`` and ``layer`` may be traced int32 scalars:
 ``resolve`` hands the stacked metadata and the group to ``resolve_group`` (the Pallas
@@ -80,6 +81,7 @@ class Ula(MemorySystem):
     self.num_logical = self.capacity_tokens
     # A host pool of 0 tokens still gets one (never used) row so every gather has a shape.
     self.host_rows = max(self.host_slots, 1)
+    self.host_layout = self.cfg.host_layout
     self.policy = make_policy(self.policy_name, self.device_slots, buckets=self.buckets)
     # Row-copy implementation for fetch and write-back (``kernels.fetch``: 'xla',
     # 'pallas' or 'ffi'); the memory section does not name it, so the builder may set it.
@@ -133,6 +135,17 @@ class Ula(MemorySystem):
           f"raise memory.host_pool or memory.device_pool")
 
   # -- layout ----------------------------------------------------------------------
+
+  def host_row(self, layer, slots: jax.Array) -> jax.Array:
+    """Rows of the host pool holding host slots ``slots`` of ``layer`` (broadcast
+    together; negative slots stay negative, so row copies skip them): ``layer * Hr +
+    slot`` with ``memory.host_layout = 'layer_major'``, ``slot * L + layer`` with
+    ``'entry_major'`` (an entry's layers side by side: a group's rows of one entry are
+    one stretch of host memory)."""
+    if self.host_layout == "entry_major":
+      L = self.geo.num_layers
+      return jnp.where(slots >= 0, slots * L + layer, slots).astype(_I32)
+    return layer_rows(layer, slots, self.host_rows)
 
   def init_group_meta(self) -> GroupMeta:
     """One group's empty address space (local arrays, no dp axis)."""
@@ -299,7 +312,7 @@ class Ula(MemorySystem):
     per pool."""
     del row  # one pool shared by every request of the rank
     L, C = entries.shape[0], entries.shape[1]
-    Sd, Hr = self.device_slots, self.host_rows
+    Sd = self.device_slots
     def place(m, _):
       m, dev, host = self.prefill_meta(m, addrs, valid)
       return m, (dev, host)
@@ -313,7 +326,7 @@ class Ula(MemorySystem):
     dev_pool = set_rows(state.dev_pool, d_rows, rows)
     host_pool = state.host_pool
     if self.host_slots:
-      h_rows = layer_rows(layer, host_dst[of_layer], Hr).reshape(-1)
+      h_rows = self.host_row(layer, host_dst[of_layer]).reshape(-1)
       host_pool = self.evict_rows(rows, jnp.arange(L * C, dtype=_I32), host_pool, h_rows)
     return state.replace(dev_pool=dev_pool, host_pool=host_pool, meta=meta)
 
@@ -375,16 +388,19 @@ class Ula(MemorySystem):
     if not self.host_slots or self.speculate:
       return state  # one tier, or a speculative step: nothing moves
     p: UlaPlan = res.plan
-    Sd, Hr, M = self.device_slots, self.host_rows, p.evict_src.shape[0]
+    Sd, M = self.device_slots, p.evict_src.shape[0]
     dev, host = state.dev_pool, state.host_pool
     layer = jnp.asarray(first_layer, _I32) + jnp.arange(n, dtype=_I32)
 
-    def rows(slots: jax.Array, per_layer: int) -> jax.Array:
-      # [M] -> [M * n] rows of the flat pools (``layer_rows`` for each layer: skips stay
-      # negative): entry j * n + i is plan row j in layer first + i, so a plan's first c
-      # rows are the lists' first c * n entries.
-      s = slots[:, None]
-      return jnp.where(s >= 0, s + layer[None, :] * per_layer, s).reshape(M * n).astype(_I32)
+    def dev_rows(slots: jax.Array) -> jax.Array:
+      # [M] -> [M * n] rows of the flat device pool (``layer_rows`` for each layer: skips
+      # stay negative): entry j * n + i is plan row j in layer first + i, so a plan's
+      # first c rows are the lists' first c * n entries.
+      return layer_rows(layer[None, :], slots[:, None], Sd).reshape(M * n)
+
+    def host_rows(slots: jax.Array) -> jax.Array:
+      # The same for host slots (``host_row``), in the same order.
+      return self.host_row(layer[None, :], slots[:, None]).reshape(M * n)
 
     # Both sides are read before either is written: a victim may take the host slot a
     # miss vacates, and a miss the device slot a victim vacates. The victims' rows are
@@ -394,15 +410,15 @@ class Ula(MemorySystem):
     # host); without them XLA copies the pool to let the two run in either order.
     # The lists are sized for the worst case (B * k + B rows) and hold the step's moves
     # first (``n_fetch`` / ``n_evict``): every copy reads and writes only those, and the
-    # Pallas launches' programs past them return at once.
-    v_src = rows(p.evict_src, Sd)
+    # Pallas launches copy only the blocks that hold them.
+    v_src = dev_rows(p.evict_src)
     victims = self.stage_rows(dev, v_src, p.n_evict * n)
     victims, dev = jax.lax.optimization_barrier((victims, dev))
-    dev = self.fetch_rows(host, rows(p.fetch_src, Hr), dev, rows(p.fetch_dst, Sd),
+    dev = self.fetch_rows(host, host_rows(p.fetch_src), dev, dev_rows(p.fetch_dst),
                           p.n_fetch * n)
     dev, host = jax.lax.optimization_barrier((dev, host))
     staged = jnp.where(v_src >= 0, jnp.arange(M * n, dtype=_I32), INVALID)
-    host = self.evict_rows(victims, staged, host, rows(p.evict_dst, Hr), p.n_evict * n)
+    host = self.evict_rows(victims, staged, host, host_rows(p.evict_dst), p.n_evict * n)
     return state.replace(dev_pool=dev, host_pool=host)
 
   def write_token(self, state: UlaState, layer, res: Resolution, entry, active) -> UlaState:
@@ -414,10 +430,13 @@ class Ula(MemorySystem):
     """(dev_pool [L * Sd, W], base [] int32): layer ``layer``'s slot s is row base + s."""
     return state.dev_pool, jnp.asarray(layer, _I32) * self.device_slots
 
-  def read_host_pool(self, state: UlaState, layer) -> tuple[jax.Array, jax.Array]:
-    """(host_pool [L * Hr, W] memory kind ``pinned_host``, base [] int32): layer
-    ``layer``'s host slot h is row base + h (tests, tools)."""
-    return state.host_pool, jnp.asarray(layer, _I32) * self.host_rows
+  def read_host_pool(self, state: UlaState, layer
+                     ) -> tuple[jax.Array, jax.Array, int]:
+    """(host_pool [L * Hr, W] memory kind ``pinned_host``, base [] int32, stride):
+    layer ``layer``'s host slot h is row base + h * stride (``host_row``; tests,
+    tools)."""
+    stride = self.geo.num_layers if self.host_layout == "entry_major" else 1
+    return state.host_pool, self.host_row(jnp.asarray(layer, _I32), jnp.int32(0)), stride
 
   def release(self, state: UlaState, addrs, valid, row) -> UlaState:
     del row
