@@ -24,7 +24,7 @@ SYSTEMS = {
     # Exact LRU, with the host pool's rows entry by entry (memory.host_layout).
     "ula_lru_small_entry_major": ["memory.system=ula", "memory.policy=lru",
                                   f"memory.device_pool={SMALL_POOL}", "memory.host_pool=1024",
-                                  "memory.host_layout=entry_major", "kernels.fetch=pallas"],
+                                  "memory.host_layout=entry_major"],
     "ula_generous": ["memory.system=ula", "memory.device_pool=2048", "memory.host_pool=0"],
     # Every kernel choice decodes the same tokens (Pallas in interpret mode on CPU).
     "ula_small_pallas_kernels": ["memory.system=ula", f"memory.device_pool={SMALL_POOL}",

@@ -89,15 +89,22 @@ def _rows_kernel(*refs, staged: bool, num_units: int, units_per_row: int, vec: i
     count_ref, src_idx_ref, dst_idx_ref, src_ref, _, out_ref = refs
   n = jnp.minimum(plgpu.load(count_ref.at[jnp.int32(0)]) * units_per_row, num_units)
   pid = pl.program_id(0)
+
+  def block(b):
+    u = b * block_units + jnp.arange(block_units, dtype=jnp.int32)
+    _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u, u < n, units_per_row, vec)
+
+  if num_programs * block_units >= num_units:  # a block per program at most: no loop
+    pl.when(pid * block_units < n)(lambda: block(pid))
+    return
   blocks = (n + (block_units - 1)) // block_units  # n >= 0: floor division
   trips = (blocks - pid + (num_programs - 1)) // num_programs  # >= 0 as pid < P
 
-  def block(i, carry):
-    u = (pid + i * num_programs) * block_units + jnp.arange(block_units, dtype=jnp.int32)
-    _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u, u < n, units_per_row, vec)
+  def step(i, carry):
+    block(pid + i * num_programs)
     return carry
 
-  jax.lax.fori_loop(jnp.int32(0), trips, block, jnp.int32(0))
+  jax.lax.fori_loop(jnp.int32(0), trips, step, jnp.int32(0))
 
 
 def _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u, live, units_per_row: int,
