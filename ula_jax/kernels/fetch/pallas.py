@@ -14,7 +14,8 @@ block_units)`` of the concatenated selected rows, so consecutive lanes read cons
 and program ``p`` copies blocks ``p, p + P, p + 2P, ...`` up to the pairs' ``count``:
 index lists sized for a worst case (a plan's ``B * k + B`` rows a layer) cost a launch
 of ``P`` programs, not one program per block of the whole list, and a launch with
-nothing to copy is one short wave. In interpret mode (CPU) the same kernel runs on
+nothing to copy is one short wave (lists of at most ``P`` blocks: a block per program,
+no loop). In interpret mode (CPU) the same kernel runs on
 device-memory arrays; host pools are staged through device memory there, which costs
 nothing on CPU where both are plain RAM.
 """
