@@ -14,12 +14,12 @@ Each dp rank serves its own requests from its own memory. Per layer group it kee
 State is stacked (``state.py``): one device pool ``[L * Sd, W]`` (memory kind ``device``)
 and one host pool ``[L * Hr, W]`` (memory kind ``pinned_host``) over all layers, layer
 ``l``'s slot ``s`` at row ``l * Sd + s`` (host slot ``h`` at ``l * Hr + h``, or at
-``h * L + l`` with ``memory.host_layout = 'entry_major'``: ``host_row``; ``Hr = max(Sh,
-1)``: an empty host tier keeps one unused row per layer so every gather has a shape), and one
-``GroupMeta`` whose leaves have a leading group axis ``[G, ...]``. The layers of a group
-store an entry at the same slot. ``group`` and ``layer`` may be traced int32 scalars:
-``resolve`` hands the stacked metadata and the group to ``resolve_group`` (the Pallas
-kernels update the group's part in place; the other forms take it out with
+``h * L + l`` with ``memory.host_layout = 'entry_major'``: ``host_row``; ``Hr =
+max(Sh, 1)``: an empty host tier keeps one unused row per layer so every gather has a
+shape), and one ``GroupMeta`` whose leaves have a leading group axis ``[G, ...]``. The
+layers of a group store an entry at the same slot. ``group`` and ``layer`` may be traced
+int32 scalars: ``resolve`` hands the stacked metadata and the group to ``resolve_group``
+(the Pallas kernels update the group's part in place; the other forms take it out with
 ``group_slice`` and write it back with ``group_update``); ``move_layer`` /
 ``write_token`` / ``read_pool`` address rows at ``layer * Sd + slot``.
 Tiers are exclusive: an entry is on the device or on the host, never both. Fetching a
