@@ -13,8 +13,8 @@ from tests.engine_util import ROWS, TIGHT_SYSTEMS, make_requests, run_engine
 from ula_jax.config import load_config
 from ula_jax.models import transformer as tfm
 
-# 22 layers, 3 dense, groups of 4: [D D D M] [M M M M] x 4 [M M]: three segments.
-DEEP = ["model.num_layers=22", "model.num_dense_layers=3", "model.index_share=4"]
+# 14 layers, 3 dense, groups of 4: [D D D M] [M M M M] x 2 [M M]: three segments.
+DEEP = ["model.num_layers=14", "model.num_dense_layers=3", "model.index_share=4"]
 SYSTEMS = {
     "ula_pb_lru": TIGHT_SYSTEMS["ula"],
     "ula_tp_mod": ["memory.system=ula", "mesh.tp=2", "memory.layout=mod"],
@@ -45,7 +45,7 @@ def test_deep_model_has_a_mixed_first_and_a_short_last_group():
   cfg = load_config("experiments/quickstart/config.yaml", ["model.preset=tiny", *DEEP]).model
   segs = tfm.group_segments(cfg)
   assert [(s.num_groups, s.dense) for s in segs] == [
-      (1, (True, True, True, False)), (4, (False,) * 4), (1, (False, False))]
+      (1, (True, True, True, False)), (2, (False,) * 4), (1, (False, False))]
 
 
 def test_resident_matches_the_dense_reference():
