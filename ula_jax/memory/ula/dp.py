@@ -136,16 +136,21 @@ class Ula(MemorySystem):
 
   # -- layout ----------------------------------------------------------------------
 
+  def host_base_stride(self, layer) -> tuple[jax.Array, int]:
+    """(base, stride): layer ``layer``'s host slot h is row ``base + h * stride`` of the
+    host pool: ``(layer * Hr, 1)`` with ``memory.host_layout = 'layer_major'``,
+    ``(layer, L)`` with ``'entry_major'`` (an entry's layers side by side: a group's
+    rows of one entry are one stretch of host memory)."""
+    layer = jnp.asarray(layer, _I32)
+    if self.host_layout == "entry_major":
+      return layer, self.geo.num_layers
+    return layer * self.host_rows, 1
+
   def host_row(self, layer, slots: jax.Array) -> jax.Array:
     """Rows of the host pool holding host slots ``slots`` of ``layer`` (broadcast
-    together; negative slots stay negative, so row copies skip them): ``layer * Hr +
-    slot`` with ``memory.host_layout = 'layer_major'``, ``slot * L + layer`` with
-    ``'entry_major'`` (an entry's layers side by side: a group's rows of one entry are
-    one stretch of host memory)."""
-    if self.host_layout == "entry_major":
-      L = self.geo.num_layers
-      return jnp.where(slots >= 0, slots * L + layer, slots).astype(_I32)
-    return layer_rows(layer, slots, self.host_rows)
+    together; negative slots stay negative, so row copies skip them)."""
+    base, stride = self.host_base_stride(layer)
+    return jnp.where(slots >= 0, base + slots * stride, slots).astype(_I32)
 
   def init_group_meta(self) -> GroupMeta:
     """One group's empty address space (local arrays, no dp axis)."""
@@ -433,10 +438,9 @@ class Ula(MemorySystem):
   def read_host_pool(self, state: UlaState, layer
                      ) -> tuple[jax.Array, jax.Array, int]:
     """(host_pool [L * Hr, W] memory kind ``pinned_host``, base [] int32, stride):
-    layer ``layer``'s host slot h is row base + h * stride (``host_row``; tests,
-    tools)."""
-    stride = self.geo.num_layers if self.host_layout == "entry_major" else 1
-    return state.host_pool, self.host_row(jnp.asarray(layer, _I32), jnp.int32(0)), stride
+    layer ``layer``'s host slot h is row base + h * stride (``host_base_stride``;
+    tests, tools)."""
+    return (state.host_pool, *self.host_base_stride(layer))
 
   def release(self, state: UlaState, addrs, valid, row) -> UlaState:
     del row
