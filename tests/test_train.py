@@ -220,17 +220,20 @@ def test_layer_attention_terms_against_a_hand_computation(rng):
     z = np.exp(x[..., cols] - x[..., cols].max(-1, keepdims=True))
     return z / z.sum(-1, keepdims=True)
 
-  kl = mass = 0.0
+  kl = mass = spill = 0.0
   for n in range(T):
     sel = sorted(picks[n])
     p = softmax_over(s[:, n], sel).mean(0)  # the heads' mean over the picks
     q = softmax_over(iscore[n], sel)
     kl += float(np.sum(p * np.log(p / q)))
-    p_dense = softmax_over(s[:, n], list(range(n + 1))).mean(0)
-    mass += float(p_dense[sel].sum())
+    p_heads = softmax_over(s[:, n], list(range(n + 1)))  # [H, n + 1] dense, per head
+    mass += float(p_heads.mean(0)[sel].sum())
+    spill += float(np.mean(-np.log(p_heads[:, sel].sum(-1))))  # 0 while n < k
+  assert spill > 0
 
-  sparse = layer_attention(layer, proj, ix, scale, ForwardOptions(True, 8))[1]
+  sparse = layer_attention(layer, proj, ix, scale, ForwardOptions(True, 8, spill=True))[1]
   np.testing.assert_allclose(float(sparse["kl"]), kl, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(float(sparse["spill"]), spill, rtol=1e-4)
   dense = layer_attention(layer, proj, ix, scale, ForwardOptions(False, 8, kl=False,
                                                                  measure=True))[1]
   np.testing.assert_allclose(float(dense["mass"]), mass, rtol=1e-5)
@@ -270,23 +273,29 @@ def test_indexer_learns_only_from_the_kl_and_the_model_only_from_the_lm_loss(spa
                     num_dense_layers=1, index_topk=4, param_seed=seed % 1000)
   graphdef, params = nnx.split(tfm.Transformer(cfg))
   tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 257, 17), jnp.int32)
-  opts = ForwardOptions(sparse, 16)
+  opts = ForwardOptions(sparse, 16, spill=sparse)
+  names = ("lm", "kl", "mtp") + (("spill",) if sparse else ())
 
   def term(name):
     return lambda p: sequence_terms(nnx.merge(graphdef, p), tokens[:-1], tokens[1:],
                                     opts)[name].sum()
 
-  g_lm, g_kl, g_mtp = jax.jit(lambda p: tuple(jax.grad(term(t))(p)
-                                             for t in ("lm", "kl", "mtp")))(params)
-  for (path, lm), kl, mtp in zip(jax.tree_util.tree_leaves_with_path(g_lm),
-                                 jax.tree.leaves(g_kl), jax.tree.leaves(g_mtp)):
+  g_lm, g_kl, g_mtp, *g_spill = jax.jit(lambda p: tuple(jax.grad(term(t))(p)
+                                                       for t in names))(params)
+  spills = jax.tree.leaves(g_spill[0]) if sparse else [None] * len(jax.tree.leaves(g_lm))
+  for (path, lm), kl, mtp, spill in zip(jax.tree_util.tree_leaves_with_path(g_lm),
+                                        jax.tree.leaves(g_kl), jax.tree.leaves(g_mtp),
+                                        spills):
     name = jax.tree_util.keystr(path)
     if "indexer" in name:
       assert not np.any(np.asarray(lm)), name
       assert np.any(np.asarray(kl)), name
       assert not np.any(np.asarray(mtp)), name
+      assert spill is None or not np.any(np.asarray(spill)), name  # the main model's term
     else:
       assert not np.any(np.asarray(kl)), name
+    if spill is not None and re.search(r"w_uk|w_kr|w_uq", name):  # the attention's scores
+      assert np.any(np.asarray(spill)), name
     if "mtp" in name:  # the MTP block learns from its own loss only
       assert not np.any(np.asarray(lm)), name
       assert np.any(np.asarray(mtp)), name
@@ -373,6 +382,7 @@ def test_cli_train_and_its_refusals(trained, tmp_path, capsys):
     ("data.heldout_fraction=1.5", r"data.heldout_fraction=1.5: must be < 1"),
     ("train.dense_steps=true", r"train.dense_steps=True: expected an integer, not a boolean"),
     ("train.seq_len=512", r"train.seq_len=512 is beyond model.max_position=256"),
+    ("train.concentration_weight=-1", r"train.concentration_weight=-1: must be >= 0"),
 ])
 def test_bad_config_fields_are_named(override, message):
   with pytest.raises(ConfigError, match=message):
@@ -380,7 +390,7 @@ def test_bad_config_fields_are_named(override, message):
 
 
 @pytest.mark.parametrize("name, layers", [("train", 4), ("train_start", 4), ("train_deep", 8),
-                                          ("train_mtp", 4)])
+                                          ("train_mtp", 4), ("train_conc", 4)])
 def test_the_shipped_training_configs_validate(name, layers):
   """Every training run of experiments/train_small loads: the real MLA entry and top-k,
   16K windows except the MTP block's, one indexer per layer."""

@@ -6,6 +6,13 @@ the indexer's top-k holds.
 
     PYTHONPATH=. python benchmarks/probes/attention_breadth.py --tokenizer bytes --layers 4
     PYTHONPATH=. python benchmarks/probes/attention_breadth.py --tokenizer bpe:4096 --layers 4
+    PYTHONPATH=. python benchmarks/probes/attention_breadth.py --steps 200 --sparse-steps 200 \
+        --concentration 0 1
+
+With ``--sparse-steps N`` the dense stage is followed by N sparse steps (attention over
+the indexer's top-k), once for each ``--concentration`` weight
+(``train.concentration_weight``), every branch from the same dense-stage state, and each
+branch is evaluated.
 
 The model: hidden 192, 4 heads, an MLA entry of 64 + 32, dense MLPs, one indexer of
 4 x 32 per layer, float32; 1K-token windows (the held-out files of the standard
@@ -18,6 +25,7 @@ byte-level BPE of V - 1 tokens plus a separator on the training files with the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -64,6 +72,9 @@ def main() -> None:
   p.add_argument("--tokenizer", default="bytes", help="bytes or bpe:VOCAB")
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--steps", type=int, default=400)
+  p.add_argument("--sparse-steps", type=int, default=0)
+  p.add_argument("--concentration", type=float, nargs="+", default=[0.0],
+                 help="train.concentration_weight of each sparse branch")
   p.add_argument("--json", default=None, help="write the result here")
   a = p.parse_args()
   if a.tokenizer == "bytes":
@@ -81,7 +92,7 @@ def main() -> None:
       "model.index_n_heads=4", "model.index_head_dim=32", "model.dtype=float32",
       "model.kv_dtype=float32", "data.max_bytes=6000000", "data.heldout_fraction=0.03",
       f"train.seq_len={SEQ}", "train.batch_size=4", f"train.dense_steps={a.steps}",
-      "train.sparse_steps=0", "train.lr=2e-3", "train.warmup_steps=20",
+      f"train.sparse_steps={a.sparse_steps}", "train.lr=2e-3", f"train.warmup_steps={min(20, a.steps + a.sparse_steps)}",
       "train.attention_block=256", "eval.sequences=8"]
   cfg = load_train_config("experiments/train_small/tiny.yaml", overrides)
   corpus = load_corpus(cfg.data)
@@ -100,16 +111,48 @@ def main() -> None:
     if step % 100 == 0 or step == a.steps - 1:
       print(f"step {step}: loss {float(m['lm']):.3f} ({time.perf_counter() - t0:.0f} s)",
             flush=True)
-  ev = evaluate(graphdef, params, eval_windows(held, 8, SEQ), cfg)
+  held_windows = eval_windows(held, 8, SEQ)
+
+  def measured(ev: dict, loss: str) -> dict:
+    return {
+        "heldout_loss_nats_per_token": ev[loss],
+        "heldout_bits_per_byte": ev[loss] / np.log(2) / bytes_per_token,
+        "attention_topk_mass_beyond_k_per_layer": ev["attention_topk_mass_beyond_k_per_layer"],
+        "captured_mass_beyond_k_per_layer": ev["captured_mass_beyond_k_per_layer"],
+        "captured_mass_beyond_k": ev["captured_mass_beyond_k"],
+        "captured_mass": ev["captured_mass"]}
+
+  ev = evaluate(graphdef, params, held_windows, cfg)
   result = {
       "tokenizer": a.tokenizer, "vocab": vocab, "layers": a.layers, "steps": a.steps,
       "seq_len": SEQ, "top_k": TOP_K, "bytes_per_token": bytes_per_token,
-      "heldout_loss_nats_per_token": ev["loss_dense"],
-      "heldout_bits_per_byte": ev["loss_dense"] / np.log(2) / bytes_per_token,
-      "attention_topk_mass_beyond_k_per_layer": ev["attention_topk_mass_beyond_k_per_layer"],
-      "captured_mass_beyond_k_per_layer": ev["captured_mass_beyond_k_per_layer"],
-      "machine": platform.processor() or platform.machine(), "jax": jax.__version__,
-      "date": datetime.date.today().isoformat(), "train_s": time.perf_counter() - t0}
+      **measured(ev, "loss_dense"), "train_s": time.perf_counter() - t0}
+  if a.sparse_steps:
+    # Every branch starts from the dense stage's state (the step donates its inputs).
+    start = jax.tree.map(np.asarray, jax.device_get((params, opt_state)))
+    sparse = ForwardOptions(True, cfg.block)
+    result["sparse_steps"], result["branches"] = a.sparse_steps, []
+    for weight in a.concentration:
+      bcfg = load_train_config("experiments/train_small/tiny.yaml", overrides + [
+          f"train.concentration_weight={weight}"])
+      opts = dataclasses.replace(sparse, spill=weight > 0)
+      p_, s_ = jax.tree.map(jax.numpy.asarray, start)
+      t1 = time.perf_counter()
+      for step in range(a.steps, a.steps + a.sparse_steps):
+        windows = train_batch(train, step, cfg.train.batch_size, SEQ, 0)
+        p_, s_, m = train_step(graphdef, tx, opts, bcfg, p_, s_, windows)
+        if (step - a.steps) % 100 == 0 or step == a.steps + a.sparse_steps - 1:
+          spill = f", spill {float(m['spill']):.3f}" if "spill" in m else ""
+          print(f"weight {weight} step {step}: loss {float(m['lm']):.3f}{spill} "
+                f"({time.perf_counter() - t1:.0f} s)", flush=True)
+      ev = evaluate(graphdef, p_, held_windows, bcfg)
+      result["branches"].append({
+          "concentration_weight": weight, **measured(ev, "loss_sparse"),
+          "heldout_loss_dense_nats_per_token": ev["loss_dense"],
+          "train_s": time.perf_counter() - t1})
+      print(json.dumps(result["branches"][-1]), flush=True)
+  result.update({"machine": platform.processor() or platform.machine(), "jax": jax.__version__,
+                 "date": datetime.date.today().isoformat()})
   print(json.dumps(result))
   if a.json:
     with open(a.json, "w") as f:

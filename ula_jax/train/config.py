@@ -90,6 +90,15 @@ class TrainSection(Section):
       "cross-entropy of predicting the token two places ahead from the final hidden state "
       "and the next token's embedding; the speculative drafts' block (speculative.num_draft) "
       "learns from it, and the model through it as well; 0 = the block is not trained")
+  concentration_weight: float = Field(
+      0.0, ge=0, description="sparse stage: weight of the attention's spill, the part of "
+      "each head's dense attention (over every earlier position) that falls outside the "
+      "indexer's picks, as -log of the share the picks hold, per query and head. The "
+      "positions not picked carry no language-model gradient in the sparse stage, so "
+      "nothing else shapes how much of the dense attention they would take; this term "
+      "asks the attention to keep its mass where the indexer looks (the KL asks the "
+      "reverse). It reaches the main model only, not the indexer; 0 = off, DeepSeek-V3.2's "
+      "recipe")
   attention_block: int = Field(
       512, ge=1, description="query rows per attention block: the [heads, block, seq_len] "
       "scores of one block are what the attention holds at once")

@@ -72,6 +72,8 @@ class ForwardOptions:
   measure: the share of each layer's dense attention that the top-k captures (with
            ``sparse=False``; evaluation)
   mtp:     the MTP block's loss
+  spill:   (with ``sparse``) the share of each head's dense attention outside the picks,
+           as -log of the share inside (``train.concentration_weight``)
   """
 
   sparse: bool
@@ -79,6 +81,7 @@ class ForwardOptions:
   kl: bool = True
   measure: bool = False
   mtp: bool = True
+  spill: bool = False
 
 
 class IndexerInputs(NamedTuple):
@@ -199,8 +202,9 @@ def layer_attention(layer: DecoderLayer, proj: Projection, ix: IndexerInputs,
 
   returns (output [T, D], {"kl": [] KL summed over queries, "mass": [] captured
   attention summed over queries, "mass_far": the same over queries with more than k
-  candidates, "oracle_far": what the attention's own top-k holds over those queries});
-  the sums are 0 where ``opts`` does not ask for them.
+  candidates, "oracle_far": what the attention's own top-k holds over those queries,
+  "spill": -log of the share of each head's dense attention that the picks hold, the
+  heads' mean summed over queries}); the sums are 0 where ``opts`` does not ask for them.
   """
   attn = layer.attn
   dt = attn.w_uk[...].dtype
@@ -229,7 +233,10 @@ def layer_attention(layer: DecoderLayer, proj: Projection, ix: IndexerInputs,
       p_hqt = masked_softmax(s_hqt, allowed[None])
       o_qhv = jnp.einsum("hqt,thv->qhv", p_hqt.astype(dt), v_, preferred_element_type=F32)
       p_qt = jax.lax.stop_gradient(jnp.mean(p_hqt, axis=0))  # the heads' distribution
-      kl = mass = mass_far = oracle_far = jnp.zeros((), F32)
+      kl = mass = mass_far = oracle_far = spill = jnp.zeros((), F32)
+      if opts.sparse and opts.spill:  # log-sum-exp over every earlier position - the picks'
+        lse = lambda m: jax.nn.logsumexp(jnp.where(m[None], s_hqt, -jnp.inf), axis=-1)
+        spill = jnp.sum(jnp.mean(lse(causal) - lse(picked), axis=0))
       if opts.kl:  # over the positions attended: every earlier one, or the picks
         log_q = _log_softmax(index_scores(q_I, w, keys_), allowed)
         kl = jnp.sum(_kl_rows(p_qt, log_q, allowed))
@@ -240,7 +247,7 @@ def layer_attention(layer: DecoderLayer, proj: Projection, ix: IndexerInputs,
         # The most any k positions could hold: the attention's own top-k.
         best = jnp.sum(jax.lax.top_k(p_qt, min(k, r1))[0], axis=-1)
         oracle_far = jnp.sum(jnp.where(qpos >= k, best, 0.0))
-      return None, (o_qhv.astype(dt), kl, mass, mass_far, oracle_far)
+      return None, (o_qhv.astype(dt), kl, mass, mass_far, oracle_far, spill)
 
     b = opts.block
     rows = lambda x: _blocks(x[r0:r1], b)
@@ -252,9 +259,10 @@ def layer_attention(layer: DecoderLayer, proj: Projection, ix: IndexerInputs,
 
   parts = [segment(r0, r1) for r0, r1 in key_segments(T, opts.block)]
   o_thv = jnp.concatenate([p[0] for p in parts])
-  kl, mass, mass_far, oracle_far = (sum(p[1][i] for p in parts) for i in range(4))
+  kl, mass, mass_far, oracle_far, spill = (sum(p[1][i] for p in parts) for i in range(5))
   out = jnp.einsum("thv,hvd->td", o_thv, attn.w_o[...])
-  return out, {"kl": kl, "mass": mass, "mass_far": mass_far, "oracle_far": oracle_far}
+  return out, {"kl": kl, "mass": mass, "mass_far": mass_far, "oracle_far": oracle_far,
+               "spill": spill}
 
 
 def lm_loss_sum(model: Transformer, x_td: jax.Array, targets: jax.Array, block: int
@@ -308,13 +316,15 @@ def sequence_terms(model: Transformer, tokens: jax.Array, targets: jax.Array,
   ``opts.mtp``), "kl": [L] per layer KL summed over
   queries, "mass": [L], "mass_far": [L] captured attention summed over queries (all, and
   those with more than k candidates), "oracle_far": [L] the attention's own top-k mass
-  over the latter}
+  over the latter, "spill": [L] the attention's spill outside the picks summed over
+  queries (``layer_attention``)}
   """
   cfg = model.cfg
   T, L = tokens.shape[0], cfg.num_layers
   pos = jnp.arange(T, dtype=jnp.int32)
   zeros = jnp.zeros((L,), F32)
-  carry = {"kl": zeros, "mass": zeros, "mass_far": zeros, "oracle_far": zeros}
+  carry = {"kl": zeros, "mass": zeros, "mass_far": zeros, "oracle_far": zeros,
+           "spill": zeros}
 
   def select(g, layers, first: Projection, indexer: Indexer, c):
     del g, layers
@@ -348,13 +358,15 @@ def batch_terms(model: Transformer, windows: jax.Array, opts: ForwardOptions
 def terms_summary(terms: dict[str, Any], seq_len: int, top_k: int) -> dict[str, Any]:
   """Per-token means of ``batch_terms`` (summed over the batch first): ``lm`` nats per
   token, ``mtp`` nats per predicted token (T - 1 per window), ``kl`` per query and
-  layer, ``mass`` / ``mass_far`` per query, per layer [L]."""
+  layer, ``mass`` / ``mass_far`` per query, per layer [L], ``spill`` per query and
+  layer [L]."""
   B = terms["lm"].shape[0]
   far = B * max(seq_len - top_k, 0)
   return {
       "lm": jnp.sum(terms["lm"]) / (B * seq_len),
       "mtp": jnp.sum(terms["mtp"]) / (B * max(seq_len - 1, 1)),
       "kl": jnp.sum(terms["kl"], axis=0) / (B * seq_len),
+      "spill": jnp.sum(terms["spill"], axis=0) / (B * seq_len),
       "mass": jnp.sum(terms["mass"], axis=0) / (B * seq_len),
       "mass_far": jnp.sum(terms["mass_far"], axis=0) / max(far, 1),
       "oracle_far": jnp.sum(terms["oracle_far"], axis=0) / max(far, 1),

@@ -129,9 +129,11 @@ def _loss(params, graphdef, windows, opts: ForwardOptions, cfg: TrainConfig):
   model = nnx.merge(graphdef, cast(params, cfg.model.dtype))
   s = terms_summary(batch_terms(model, windows, opts), cfg.train.seq_len,
                     cfg.model.index_topk)
-  kl = jnp.mean(s["kl"])
-  loss = s["lm"] + cfg.train.kl_weight * kl + cfg.train.mtp_weight * s["mtp"]
-  return loss, {"lm": s["lm"], "kl": kl, "mtp": s["mtp"]}
+  kl, spill = jnp.mean(s["kl"]), jnp.mean(s["spill"])
+  loss = (s["lm"] + cfg.train.kl_weight * kl + cfg.train.mtp_weight * s["mtp"]
+          + cfg.train.concentration_weight * spill)
+  aux = {"lm": s["lm"], "kl": kl, "mtp": s["mtp"]}
+  return loss, {**aux, "spill": spill} if opts.spill else aux
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(4, 5))
@@ -369,7 +371,8 @@ def _train(cfg: TrainConfig, corpus: Corpus, heldout: np.ndarray, run_dir: Path,
   unigram = unigram_loss(log_p, heldout)
   estimate = cost.estimate(cfg)
   tokens_per_step = t.batch_size * t.seq_len
-  opts = {s: ForwardOptions(s == "sparse", cfg.block, kl=True, mtp=t.mtp_weight > 0)
+  opts = {s: ForwardOptions(s == "sparse", cfg.block, kl=True, mtp=t.mtp_weight > 0,
+                            spill=s == "sparse" and t.concentration_weight > 0)
           for s in ("dense", "sparse")}
   timing = {"dense": [], "sparse": []}  # seconds of each step after the first of a stage
   first_step_s: dict[str, float] = {}
@@ -416,7 +419,8 @@ def _train(cfg: TrainConfig, corpus: Corpus, heldout: np.ndarray, run_dir: Path,
                   "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
         _append(metrics_path, record)
         history.append(record)
-        line = (f"{stage}  loss {m['lm']:.3f}  kl {m['kl']:.3f}  mtp {m['mtp']:.3f}  "
+        spill = f"  spill {m['spill']:.3f}" if "spill" in m else ""
+        line = (f"{stage}  loss {m['lm']:.3f}  kl {m['kl']:.3f}  mtp {m['mtp']:.3f}{spill}  "
                 f"{tokens_per_step / dt:,.0f} tok/s")
         bar.update(task, completed=step, status=line)
         stage_end = step == t.dense_steps or step == t.steps
