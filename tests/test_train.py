@@ -24,7 +24,8 @@ from ula_jax.train.data import (BOS, ByteTokenizer, eval_windows, is_heldout, li
                                 load_corpus, train_batch, unigram_log_probs, unigram_loss)
 from ula_jax.kernels.indexer import index_scores, select_topk
 from ula_jax.train.forward import (ForwardOptions, IndexerInputs, _kl_rows, layer_attention,
-                                   pack_bits, selection_bits, sequence_terms, unpack_bits)
+                                   pack_bits, read_selections, selection_bits, sequence_terms,
+                                   unpack_bits)
 from ula_jax.train.loop import train
 
 from tests.engine_util import run_engine
@@ -299,6 +300,41 @@ def test_indexer_learns_only_from_the_kl_and_the_model_only_from_the_lm_loss(spa
     if "mtp" in name:  # the MTP block learns from its own loss only
       assert not np.any(np.asarray(lm)), name
       assert np.any(np.asarray(mtp)), name
+
+
+def test_read_selections_are_each_positions_top_k_and_import_as_a_trace(tmp_path, seed):
+  """Teacher-forced selections: each position's picks are min(k, p + 1) distinct earlier
+  positions (all of them while p < k), and the rows import as SGLang arrays into a trace
+  whose locality statistics count every decode step."""
+  from ula_jax.memory.traces.format import load_traces
+  from ula_jax.memory.traces.sglang import import_sglang
+  from ula_jax.memory.traces.stats import locality_stats
+
+  cfg = ModelConfig(preset="tiny", vocab_size=257, num_layers=2, index_share=1,
+                    num_dense_layers=2, index_topk=6, param_seed=seed % 1000)
+  model = tfm.Transformer(cfg)
+  T, first, k = 32, 0, cfg.index_topk
+  tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 257, T), jnp.int32)
+  sel = np.asarray(jax.jit(lambda t: read_selections(model, t, first, 8))(tokens))
+  assert sel.shape == (T - first, cfg.num_groups, k)
+  for j in range(T - first):
+    p = first + j
+    for g in range(cfg.num_groups):
+      got = sel[j, g][sel[j, g] >= 0]
+      assert len(got) == min(k, p + 1) == len(set(got.tolist())) and got.max() <= p
+      if p < k:
+        assert set(got.tolist()) == set(range(p + 1))
+  assert np.array_equal(sel[8:], np.asarray(read_selections(model, tokens, 8, 8)))
+
+  prompt = 16
+  np.save(tmp_path / "r0.npy", sel[prompt:])
+  (tmp_path / "manifest.json").write_text(json.dumps({"requests": [
+      {"id": "r0", "file": "r0.npy", "prompt_len": prompt, "first_position": prompt}]}))
+  out = import_sglang(tmp_path, tmp_path / "trace.npz", cfg.kv_geometry(), page_size=8,
+                      prefill_chunk=16)
+  stats = locality_stats(load_traces(out))
+  assert stats["trace"]["steps"] == T - prompt
+  assert 0 <= stats["overlap"]["mean"] <= 1
 
 
 def test_cost_counts_every_parameter():

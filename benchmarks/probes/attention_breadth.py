@@ -12,7 +12,12 @@ the indexer's top-k holds.
 With ``--sparse-steps N`` the dense stage is followed by N sparse steps (attention over
 the indexer's top-k), once for each ``--concentration`` weight
 (``train.concentration_weight``), every branch from the same dense-stage state, and each
-branch is evaluated.
+branch is evaluated. ``--locality`` adds, for the dense stage's model and each branch's,
+the locality of its selections while it reads the 8 held-out windows (teacher forced,
+``train.forward.read_selections``; positions 256-1023 as decode steps of a 256-token
+prompt), imported as SGLang ``indexer_topk`` arrays and measured by ``ula-jax trace
+stats``'s ``locality_stats``: the overlap of consecutive steps' top-k and the miss rate of
+an exact-LRU buffer of k / 2k / 4k entries per request.
 
 The model: hidden 192, 4 heads, an MLA entry of 64 + 32, dense MLPs, one indexer of
 4 x 32 per layer, float32; 1K-token windows (the held-out files of the standard
@@ -29,18 +34,23 @@ import dataclasses
 import datetime
 import json
 import platform
+import tempfile
 import time
 
 import jax
 import numpy as np
 from flax import nnx
 
+from ula_jax.memory.traces.format import load_traces
+from ula_jax.memory.traces.sglang import import_sglang
+from ula_jax.memory.traces.stats import locality_stats
 from ula_jax.train.config import load_train_config
 from ula_jax.train.data import BOS, eval_windows, load_corpus, train_batch
-from ula_jax.train.forward import ForwardOptions
+from ula_jax.train.forward import ForwardOptions, read_selections
 from ula_jax.train.loop import cast, evaluate, init_model, make_optimizer, train_step
 
 SEQ, TOP_K = 1024, 128
+PROMPT = 256  # --locality: the held-out windows' first 256 tokens are the prompt
 
 
 def _bpe_streams(corpus, vocab: int) -> tuple[np.ndarray, np.ndarray, float]:
@@ -75,6 +85,8 @@ def main() -> None:
   p.add_argument("--sparse-steps", type=int, default=0)
   p.add_argument("--concentration", type=float, nargs="+", default=[0.0],
                  help="train.concentration_weight of each sparse branch")
+  p.add_argument("--locality", action="store_true",
+                 help="the selections' locality on the held-out windows (module docstring)")
   p.add_argument("--json", default=None, help="write the result here")
   a = p.parse_args()
   if a.tokenizer == "bytes":
@@ -122,11 +134,33 @@ def main() -> None:
         "captured_mass_beyond_k": ev["captured_mass_beyond_k"],
         "captured_mass": ev["captured_mass"]}
 
+  def locality(params_) -> dict:
+    """The held-out windows' teacher-forced selections as a trace, and its statistics."""
+    model = nnx.merge(graphdef, params_)
+    read = jax.jit(lambda t: read_selections(model, t, PROMPT, cfg.block))
+    with tempfile.TemporaryDirectory() as tmp:
+      entries = []
+      for i, w in enumerate(held_windows):
+        np.save(f"{tmp}/w{i}.npy", np.asarray(read(jax.numpy.asarray(w[:SEQ]))))
+        entries.append({"id": f"w{i}", "file": f"w{i}.npy", "prompt_len": PROMPT,
+                        "first_position": PROMPT})
+      with open(f"{tmp}/manifest.json", "w") as f:
+        json.dump({"requests": entries}, f)
+      trace = import_sglang(tmp, f"{tmp}/trace.npz", cfg.model.kv_geometry(),
+                            page_size=64, prefill_chunk=PROMPT)
+      st = locality_stats(load_traces(trace))
+    return {"overlap": st["overlap"]["mean"], "overlap_per_layer": st["overlap"]["per_group"],
+            "lru_miss_rate": {name: v["miss_rate"] for name, v in st["lru_buffer"].items()},
+            "decode_steps": st["trace"]["steps"]}
+
   ev = evaluate(graphdef, params, held_windows, cfg)
   result = {
       "tokenizer": a.tokenizer, "vocab": vocab, "layers": a.layers, "steps": a.steps,
       "seq_len": SEQ, "top_k": TOP_K, "bytes_per_token": bytes_per_token,
       **measured(ev, "loss_dense"), "train_s": time.perf_counter() - t0}
+  if a.locality:
+    result["locality"] = locality(params)
+    print("dense stage:", json.dumps(result["locality"]), flush=True)
   if a.sparse_steps:
     # Every branch starts from the dense stage's state (the step donates its inputs).
     start = jax.tree.map(np.asarray, jax.device_get((params, opt_state)))
@@ -150,6 +184,8 @@ def main() -> None:
           "concentration_weight": weight, **measured(ev, "loss_sparse"),
           "heldout_loss_dense_nats_per_token": ev["loss_dense"],
           "train_s": time.perf_counter() - t1})
+      if a.locality:
+        result["branches"][-1]["locality"] = locality(p_)
       print(json.dumps(result["branches"][-1]), flush=True)
   result.update({"machine": platform.processor() or platform.machine(), "jax": jax.__version__,
                  "date": datetime.date.today().isoformat()})

@@ -348,6 +348,54 @@ def sequence_terms(model: Transformer, tokens: jax.Array, targets: jax.Array,
   return {"lm": lm_loss_sum(model, x, targets, opts.block), "mtp": mtp, **carry}
 
 
+def read_selections(model: Transformer, tokens: jax.Array, first: int, block: int
+                    ) -> jax.Array:
+  """What each layer group's indexer selects at every position from ``first`` on while
+  the model reads ``tokens`` [T] int32 (teacher forcing: the text in place of generated
+  tokens), with attention over the picks, as served: ``select_topk``'s picks in its
+  order.
+
+  first: the first position whose selections are returned ((T - first) a multiple of
+    ``block``); block: query rows per block
+  returns [T - first, G, k] int32 positions, -1 past a position's candidates; row j is
+  position first + j, as the rows of SGLang's ``indexer_topk`` (one indexer layer per
+  group), which ``ula-jax trace import`` reads
+  """
+  cfg = model.cfg
+  T, k, G = tokens.shape[0], cfg.index_topk, cfg.num_groups
+  if not 0 <= first < T or (T - first) % block:
+    raise ValueError(f"read_selections: first={first} must be in [0, {T}) with T - first "
+                     f"a multiple of block={block}")
+  pos = jnp.arange(T, dtype=jnp.int32)
+  opts = ForwardOptions(True, block, kl=False, mtp=False)
+
+  def select(g, layers, first_proj: Projection, indexer: Indexer, c):
+    del layers
+    keys = indexer.key(first_proj.h, pos)
+    q_I, w = indexer.query(first_proj.h, first_proj.c_q, pos)
+
+    def body(_, xs):
+      q_blk, w_blk, p_blk = xs
+      picks, valid = select_topk(index_scores(q_blk, w_blk, keys),
+                                 pos[None, :] <= p_blk[:, None], k)
+      return None, jnp.where(valid, picks, -1).astype(jnp.int32)
+
+    _, picks = jax.lax.scan(body, None, (_blocks(q_I[first:], block),
+                                         _blocks(w[first:], block),
+                                         _blocks(pos[first:], block)))
+    bits = selection_bits(q_I, w, keys, k, block)
+    return IndexerInputs(q_I, w, keys, bits, k), c.at[g].set(picks.reshape(T - first, k))
+
+  def attend(l, layer: DecoderLayer, proj: Projection, ix: IndexerInputs, c):
+    del l
+    return layer_attention(layer, proj, ix, cfg.softmax_scale, opts)[0], c
+
+  _, sel = _run_layers(model, model.embed_tokens(tokens), pos,
+                       jnp.full((G, T - first, k), -1, jnp.int32), select=select,
+                       attend=attend)
+  return jnp.transpose(sel, (1, 0, 2))
+
+
 def batch_terms(model: Transformer, windows: jax.Array, opts: ForwardOptions
                 ) -> dict[str, jax.Array]:
   """``sequence_terms`` of every window of [B, T + 1] int32 tokens, each with a leading
