@@ -337,6 +337,21 @@ def test_read_selections_are_each_positions_top_k_and_import_as_a_trace(tmp_path
   assert 0 <= stats["overlap"]["mean"] <= 1
 
 
+def test_concentration_term_enters_the_sparse_steps_loss(tmp_path):
+  """``train.concentration_weight``: sparse steps log the spill and add it to the loss
+  with its weight; dense steps have none."""
+  cfg = load_train_config(TINY, ["train.concentration_weight=2.5", "train.dense_steps=1",
+                                 "train.sparse_steps=2", "experiment.plots=false"])
+  train(cfg, tmp_path / "run", progress=False)
+  steps = _metrics(tmp_path / "run")
+  assert [("spill" in r) for r in steps] == [False, True, True]
+  t = cfg.train
+  for r in steps[1:]:
+    assert r["spill"] > 0
+    want = r["lm"] + t.kl_weight * r["kl"] + t.mtp_weight * r["mtp"] + 2.5 * r["spill"]
+    assert r["loss"] == pytest.approx(want, rel=1e-5)
+
+
 def test_cost_counts_every_parameter():
   for m in (ModelConfig(preset="tiny"), ModelConfig(preset="small", vocab_size=257)):
     model = nnx.eval_shape(lambda m=m: tfm.Transformer(m))
