@@ -16,6 +16,8 @@ Two stages, as DeepSeek-V3.2 trained its indexer:
 * ``sparse``: each query attends over the top-k positions its group's indexer picks
   (``kernels.indexer.select_topk``'s set, exactly as serving picks them; every position
   while a query has at most k candidates). The KL is over the selected positions only.
+  With ``train.concentration_weight`` (not DeepSeek-V3.2's recipe) each head's dense
+  attention is also asked to keep its mass on the picks (``ForwardOptions.spill``).
 
 A group's selection is found once (``selection_bits``: by radix select on a GPU, no
 sort) and kept as bit rows, [T, T / 32] uint32; each layer's query block unpacks its
