@@ -30,7 +30,6 @@ byte-level BPE of V - 1 tokens plus a separator on the training files with the
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import platform
@@ -104,7 +103,8 @@ def main() -> None:
       "model.index_n_heads=4", "model.index_head_dim=32", "model.dtype=float32",
       "model.kv_dtype=float32", "data.max_bytes=6000000", "data.heldout_fraction=0.03",
       f"train.seq_len={SEQ}", "train.batch_size=4", f"train.dense_steps={a.steps}",
-      f"train.sparse_steps={a.sparse_steps}", "train.lr=2e-3", f"train.warmup_steps={min(20, a.steps + a.sparse_steps)}",
+      f"train.sparse_steps={a.sparse_steps}", "train.lr=2e-3",
+      f"train.warmup_steps={min(20, a.steps + a.sparse_steps)}",
       "train.attention_block=256", "eval.sequences=8"]
   cfg = load_train_config("experiments/train_small/tiny.yaml", overrides)
   corpus = load_corpus(cfg.data)
@@ -164,12 +164,11 @@ def main() -> None:
   if a.sparse_steps:
     # Every branch starts from the dense stage's state (the step donates its inputs).
     start = jax.tree.map(np.asarray, jax.device_get((params, opt_state)))
-    sparse = ForwardOptions(True, cfg.block)
     result["sparse_steps"], result["branches"] = a.sparse_steps, []
     for weight in a.concentration:
       bcfg = load_train_config("experiments/train_small/tiny.yaml", overrides + [
           f"train.concentration_weight={weight}"])
-      opts = dataclasses.replace(sparse, spill=weight > 0)
+      opts = ForwardOptions(True, cfg.block, spill=weight > 0)
       p_, s_ = jax.tree.map(jax.numpy.asarray, start)
       t1 = time.perf_counter()
       for step in range(a.steps, a.steps + a.sparse_steps):

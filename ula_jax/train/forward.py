@@ -376,17 +376,17 @@ def read_selections(model: Transformer, tokens: jax.Array, first: int, block: in
     keys = indexer.key(first_proj.h, pos)
     q_I, w = indexer.query(first_proj.h, first_proj.c_q, pos)
 
-    def body(_, xs):
+    def body(_, xs):  # one selection per query: its picks, and its bit row for attention
       q_blk, w_blk, p_blk = xs
       picks, valid = select_topk(index_scores(q_blk, w_blk, keys),
                                  pos[None, :] <= p_blk[:, None], k)
-      return None, jnp.where(valid, picks, -1).astype(jnp.int32)
+      return None, (jnp.where(valid, picks, -1).astype(jnp.int32),
+                    pack_bits(_selection_mask(picks, valid, T)))
 
-    _, picks = jax.lax.scan(body, None, (_blocks(q_I[first:], block),
-                                         _blocks(w[first:], block),
-                                         _blocks(pos[first:], block)))
-    bits = selection_bits(q_I, w, keys, k, block)
-    return IndexerInputs(q_I, w, keys, bits, k), c.at[g].set(picks.reshape(T - first, k))
+    _, (picks, bits) = jax.lax.scan(body, None, (_blocks(q_I, block), _blocks(w, block),
+                                                 _blocks(pos, block)))
+    picks = picks.reshape(T, k)[first:]
+    return IndexerInputs(q_I, w, keys, bits.reshape(T, -1), k), c.at[g].set(picks)
 
   def attend(l, layer: DecoderLayer, proj: Projection, ix: IndexerInputs, c):
     del l
