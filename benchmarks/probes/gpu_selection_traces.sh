@@ -17,6 +17,8 @@
 #                      a k and a 2k buffer, ula DP (pb_lru, a host tier for the rest), ula
 #                      TP over 2 ranks (mod layout; its smallest pool with a host tier:
 #                      a local buffer of 4 x 2049 and 8196 owner slots per rank)
+# MODELS (default "trained random") picks the models; CHECKPOINT (default the committed
+# model) names the trained model's checkpoint, e.g. CHECKPOINT=runs/train_small_conc/model.
 # steps.txt is printed last; summary.txt holds the side-by-side table.
 set -u
 cd "$(dirname "$0")/../.."
@@ -36,10 +38,17 @@ with open("experiments/train_small/requests.jsonl") as f, open(sys.argv[1], "w")
 EOF
 SERVE="experiments/train_small/config.yaml workload.path=$WORK/requests.jsonl
        engine.max_batch=4 engine.record_trace=true experiment.plots=false"
-# shellcheck disable=SC2086
-step trained 200 $CLI run $SERVE --no-progress --out "$WORK/trained"
-# shellcheck disable=SC2086
-step random 200 $CLI run $SERVE model.checkpoint=null --no-progress --out "$WORK/random"
+MODELS=${MODELS:-trained random}
+TRAINED=()
+[ -n "${CHECKPOINT:-}" ] && TRAINED=("model.checkpoint=$CHECKPOINT")
+if [[ " $MODELS " == *" trained "* ]]; then
+  # shellcheck disable=SC2086
+  step trained 200 $CLI run $SERVE ${TRAINED[@]+"${TRAINED[@]}"} --no-progress --out "$WORK/trained"
+fi
+if [[ " $MODELS " == *" random "* ]]; then
+  # shellcheck disable=SC2086
+  step random 200 $CLI run $SERVE model.checkpoint=null --no-progress --out "$WORK/random"
+fi
 
 export JAX_PLATFORMS=cpu
 export XLA_FLAGS="--xla_force_host_platform_device_count=8"

@@ -45,7 +45,10 @@ from ula_jax.kernels.fetch import ffi as fetch_ffi
 from ula_jax.kernels.fetch.hlo import pool_materializations
 from ula_jax.kernels.fetch.pallas import CopyRowsConfig
 
-LAYOUTS = {"bf16x576": (jnp.bfloat16, 576), "fp8x656": (jnp.uint8, 656)}
+# bf16x576 and fp8x656: the MLA entry's two layouts; u8x640 and u8x768: rows of whole
+# 128-byte lines (5 and 6), the alignment controls of the 656-byte row (which spans 6).
+LAYOUTS = {"bf16x576": (jnp.bfloat16, 576), "fp8x656": (jnp.uint8, 656),
+           "u8x640": (jnp.uint8, 640), "u8x768": (jnp.uint8, 768)}
 IMPLS = ("xla", "pallas", "ffi")
 DIRECTIONS = ("fetch", "evict")
 CEILINGS = ("jax", "memcpy")
@@ -76,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="ula-jax bench fetch", description=__doc__.split("\n\n")[0])
   p.add_argument("--entries", default="64,256,1K,4K,16K,64K",
                  help="entries per call, comma list (K = 1024)")
-  p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of {list(LAYOUTS)}")
+  p.add_argument("--layouts", default="bf16x576,fp8x656",
+                 help=f"comma list of {list(LAYOUTS)}")
   p.add_argument("--impls", default=",".join(IMPLS), help=f"of {list(IMPLS)}")
   p.add_argument("--directions", default=",".join(DIRECTIONS), help=f"of {list(DIRECTIONS)}")
   p.add_argument("--ceilings", default=",".join(CEILINGS),
