@@ -441,7 +441,7 @@ def test_bad_config_fields_are_named(override, message):
 
 
 @pytest.mark.parametrize("name, layers", [("train", 4), ("train_start", 4), ("train_deep", 8),
-                                          ("train_mtp", 4), ("train_conc", 4)])
+                                          ("train_mtp", 4), ("train_v32", 4)])
 def test_the_shipped_training_configs_validate(name, layers):
   """Every training run of experiments/train_small loads: the real MLA entry and top-k,
   16K windows except the MTP block's, one indexer per layer."""
