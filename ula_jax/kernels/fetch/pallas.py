@@ -73,30 +73,37 @@ def default_interpret() -> bool:
   return jax.default_backend() != "gpu"
 
 
-def _rows_kernel(*refs, staged: bool, num_units: int, units_per_row: int, vec: int,
-                 block_units: int, num_programs: int):
+def _rows_kernel(*refs, staged: bool, counted: bool, num_units: int, units_per_row: int,
+                 vec: int, block_units: int, num_programs: int):
   # Copy (staged=False): count_ref [1] int32 (pairs past it are skipped), src_idx_ref,
   # dst_idx_ref [N] int32, src_ref [Ss, W], dst_in_ref, out_ref [Sd, W] (aliases
   # dst_in_ref: rows this kernel does not write keep their values).
   # Stage (staged=True): count_ref, src_idx_ref, src_ref, out_ref [N, W], a fresh buffer
   # whose row i is the pair's destination: written only when i < count and src_idx[i]
   # is in range, by the programs that own its units.
-  # Program p copies blocks p, p + P, ... (P = num_programs) below the count's units;
-  # a program with no such block returns at once.
+  # Program p copies blocks p, p + P, ... (P = num_programs) below the count's units.
+  # Without a count (counted=False) every pair is copied and count_ref is not read; with
+  # one, a program of a single block reads its indices while the count is on its way
+  # (the indices of a list's N pairs are always in range to read), so a launch waits for
+  # one device-memory round trip before its rows' reads, not two.
   if staged:
     count_ref, src_idx_ref, src_ref, out_ref = refs
     dst_idx_ref = None
   else:
     count_ref, src_idx_ref, dst_idx_ref, src_ref, _, out_ref = refs
-  n = jnp.minimum(plgpu.load(count_ref.at[jnp.int32(0)]) * units_per_row, num_units)
+  if counted:
+    n = jnp.minimum(plgpu.load(count_ref.at[jnp.int32(0)]) * units_per_row, num_units)
+  else:
+    n = jnp.int32(num_units)
   pid = pl.program_id(0)
 
   def block(b):
     u = b * block_units + jnp.arange(block_units, dtype=jnp.int32)
-    _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u, u < n, units_per_row, vec)
+    _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u, u < num_units, u < n,
+                units_per_row, vec)
 
   if num_programs * block_units >= num_units:  # a block per program at most: no loop
-    pl.when(pid * block_units < n)(lambda: block(pid))
+    block(pid)
     return
   blocks = (n + (block_units - 1)) // block_units  # n >= 0: floor division
   trips = (blocks - pid + (num_programs - 1)) // num_programs  # >= 0 as pid < P
@@ -108,15 +115,16 @@ def _rows_kernel(*refs, staged: bool, num_units: int, units_per_row: int, vec: i
   jax.lax.fori_loop(jnp.int32(0), trips, step, jnp.int32(0))
 
 
-def _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u, live, units_per_row: int,
-                vec: int) -> None:
-  # dst_idx_ref None: each pair's destination is its own row of the list.
+def _copy_units(src_idx_ref, dst_idx_ref, src_ref, out_ref, u, listed, live,
+                units_per_row: int, vec: int) -> None:
+  # listed: units of the list's N pairs (their indices may be read); live: those below
+  # the count (copied). dst_idx_ref None: each pair's destination is its own list row.
   src_rows, dst_rows = src_ref.shape[0], out_ref.shape[0]
   # u >= 0: truncating division is floor division, without jnp's sign fix-ups.
-  row = jnp.where(live, jax.lax.div(u, units_per_row), 0)
-  col = jnp.where(live, jax.lax.rem(u, units_per_row), 0)
-  s = plgpu.load(src_idx_ref.at[row], mask=live, other=-1)
-  d = row if dst_idx_ref is None else plgpu.load(dst_idx_ref.at[row], mask=live, other=-1)
+  row = jnp.where(listed, jax.lax.div(u, units_per_row), 0)
+  col = jnp.where(listed, jax.lax.rem(u, units_per_row), 0)
+  s = plgpu.load(src_idx_ref.at[row], mask=listed, other=-1)
+  d = row if dst_idx_ref is None else plgpu.load(dst_idx_ref.at[row], mask=listed, other=-1)
   ok = live & (s >= 0) & (s < src_rows) & (d >= 0) & (d < dst_rows)
   cols = (col * vec)[:, None] + jnp.arange(vec, dtype=jnp.int32)[None, :]  # [U, vec]
   mask = ok[:, None]
@@ -149,8 +157,8 @@ def _launch_rows(operands: tuple, out_shape: jax.ShapeDtypeStruct, *, staged: bo
                      "2**31 units per call (the kernel indexes them in int32); split the "
                      "call")
   num_programs = min(pl.cdiv(num_units, config.block_units), config.max_programs)
-  kernel = functools.partial(_rows_kernel, staged=staged, num_units=num_units,
-                             units_per_row=units_per_row, vec=vec,
+  kernel = functools.partial(_rows_kernel, staged=staged, counted=count is not None,
+                             num_units=num_units, units_per_row=units_per_row, vec=vec,
                              block_units=config.block_units, num_programs=num_programs)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   return pl.pallas_call(
