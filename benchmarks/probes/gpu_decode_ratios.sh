@@ -18,7 +18,9 @@
 #   batch1   the same at batch 1 with hisparse too (its all-hit step, not its misses);
 #            BATCH1_VARIANTS as GLM5_VARIANTS
 #            ROUNDS (default 1) is step_cost's --rounds for small, glm5 and batch1: that
-#            many timed runs per system, the systems in turn, every engine kept
+#            many timed runs per system, the systems in turn, every engine kept (at
+#            batch 64 and 8K prompts two 44.56 GiB pools do not fit one H200: with
+#            ROUNDS > 1 use GLM5_PROMPT=4096)
 #   resolve  ula-jax bench resolve: one layer group, batch 32 and 64, top-k 2048, 1M
 #            slots, PB-LRU and exact LRU, Pallas in four launches and in one, profiled
 #            (each kernel's device time in the JSON); once per PB-LRU ring size in
