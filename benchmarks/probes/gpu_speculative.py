@@ -32,14 +32,18 @@ import time
 CONFIG = "experiments/train_small/config.yaml"
 
 
-def windows(num: int, prompt: int, output: int):
+def windows(num: int, prompt: int, output: int, start_token: bool = False):
   """``num`` requests: evenly spaced ``prompt``-token windows of the held-out standard-
-  library source the model was not trained on (``train.yaml``'s split)."""
+  library source the model was not trained on (``train.yaml``'s split); with
+  ``start_token`` each starts with the document separator, as a model trained with
+  ``data.start_token`` saw its windows."""
   from ula_jax.engine import Request
   from ula_jax.train.config import DataConfig
-  from ula_jax.train.data import eval_windows, load_corpus
+  from ula_jax.train.data import eval_windows, load_corpus, start_windows
   corpus = load_corpus(DataConfig(heldout_fraction=0.03))
   wins = eval_windows(corpus.heldout, num, prompt)
+  if start_token:
+    wins = start_windows(wins)
   if wins.shape[0] < num:
     raise SystemExit(f"the held-out text holds {wins.shape[0]} windows of {prompt} tokens, "
                      f"fewer than {num}")
@@ -58,7 +62,8 @@ def write(args, runs: list, tokens: dict) -> None:
     row["tokens_equal_num_draft_0"] = None if ref0 is None else tokens[key] == ref0
     row["tokens_equal_resident"] = None if res0 is None else tokens[key] == res0
   out = {"environment": environment(), "config": CONFIG, "overrides": args.overrides,
-         "prompt": args.prompt, "output": args.output or "auto",
+         "prompt": args.prompt, "start_token": args.start_token,
+         "output": args.output or "auto",
          "ula_device_per_row": args.ula_device, "hisparse_buffer": args.hisparse_buffer,
          "runs": runs}
   with open(args.json, "w") as f:
@@ -79,6 +84,9 @@ def main(argv: list[str]) -> int:
                  "decoding when the last prefill ends and full-batch steps exist to time)")
   p.add_argument("--ula-device", type=int, default=8448, help="ula device tokens per row")
   p.add_argument("--hisparse-buffer", type=int, default=8200)
+  p.add_argument("--start-token", action="store_true",
+                 help="each prompt starts with the document separator (for a model "
+                      "trained with data.start_token, as the committed one)")
   p.add_argument("--json", default="speculative.json")
   args = p.parse_intermixed_args(argv)
 
@@ -95,7 +103,7 @@ def main(argv: list[str]) -> int:
     # One prefill per engine step: the first request decodes B - 1 steps before the
     # batch is full, up to 1 + num_draft tokens a step.
     output = args.output or (1 + max(rate_drafts)) * B + 48
-    reqs = windows(B, args.prompt, output)
+    reqs = windows(B, args.prompt, output, args.start_token)
     context = -(-(args.prompt + output + 1) // 64) * 64  # whole pages
     for system in args.systems.split(","):
       # Every num_draft at the smallest batch for ula and hisparse (tokens); the timed
