@@ -81,6 +81,28 @@ def test_fetch_benchmark_passes_worst_case_lists_with_a_count(tmp_path):
     fetch.main(["--quick", "--list-factor", "0"])
 
 
+def test_fetch_benchmark_reads_host_rows_in_runs(tmp_path, rng):
+  """--host-run 4: the host rows come in runs of four adjacent rows (an entry's layers of
+  a group with memory.host_layout=entry_major), every run distinct; the rows moved are
+  still checked bit for bit."""
+  idx = fetch.host_indices(rng, 64, 32, 4)
+  runs = idx.reshape(8, 4)
+  assert len(set(idx.tolist())) == 32 and idx.min() >= 0 and idx.max() < 64
+  assert (runs[:, 0] % 4 == 0).all() and (np.diff(runs, axis=1) == 1).all()
+  out = tmp_path / "fetch.json"
+  rc = fetch.main(["--quick", "--layouts", "fp8x656", "--impls", "pallas", "--entries",
+                   "36", "--host-run", "4", "--pallas-block-units", "16", "--ceilings",
+                   "jax", "--out", str(out)])
+  assert rc == 0
+  result = json.loads(out.read_text())
+  assert result["host_run"] == 4
+  assert all(r["ok"] is True for r in result["rows"] if r["impl"] == "pallas")
+  with pytest.raises(ValueError, match=r"--entries \[37\]: with --host-run=4"):
+    fetch.main(["--quick", "--entries", "37", "--host-run", "4"])
+  with pytest.raises(ValueError, match=r"--host-run=0: expected >= 1"):
+    fetch.main(["--quick", "--host-run", "0"])
+
+
 @pytest.mark.parametrize("direction", ["fetch", "evict"])
 def test_fetch_benchmark_check_catches_a_copy_that_moves_nothing(direction, rng):
   """Every check first changes what the call must overwrite, so an implementation that

@@ -4,7 +4,11 @@ For each row layout (bf16 x 576 = 1152 B, the FP8 layout as 656 raw bytes), each
 entries per call and each implementation, the rate of moved bytes is compared with a
 contiguous copy of the same bytes between the same memory kinds, measured in the same
 run; ``fraction`` = kernel GB/s / contiguous GB/s. Indices are random and distinct, the
-host pool several times larger than one call. ``in place`` says whether the compiled
+host pool several times larger than one call. With ``--host-run R`` the host rows come in
+runs of ``R`` adjacent rows (random runs, the device rows still at random): how ``ula``
+reads and writes its host pool with ``memory.host_layout: entry_major``, where a layer
+group's move copies each entry's ``R`` layers (``model.index_share``) as one stretch of
+host memory. ``in place`` says whether the compiled
 module leaves the host pool where it is (no whole-pool copy in the HLO); ``ok`` whether
 the moved rows are bit-exact (checked against destinations changed before every check).
 
@@ -21,7 +25,8 @@ Every measurement is repeated ``--reps`` times, interleaved (ceilings and kernel
 turns, so a drift of the machine hits all of them alike). ``fraction`` compares the
 fastest repetition of each side, ``median fraction`` the medians.
 
-    ula-jax bench fetch [--entries 64,1K,64K] [--impls xla,pallas,ffi] [--out FILE]
+    ula-jax bench fetch [--entries 64,1K,64K] [--impls xla,pallas,ffi] [--host-run 4]
+                        [--out FILE]
 """
 
 from __future__ import annotations
@@ -96,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="index lists F times the entries long, the entries first and a "
                       "count naming them (as a plan sized for the worst case passes "
                       "them); 1: lists of the entries alone, no count")
+  p.add_argument("--host-run", type=int, default=1,
+                 help="host rows in runs of R adjacent rows (an entry's R layers of a "
+                      "group, as ula moves them with memory.host_layout=entry_major); "
+                      "1: every host row at random")
   add_timing_args(p, max_iters=500, target_ms=100.0)
   p.add_argument("--warmup", type=int, default=1)
   p.add_argument("--seed", type=int, default=0)
@@ -151,6 +160,13 @@ def _call(direction: str, impl: str, kwargs: dict, count: int | None = None):
     return functools.partial(fn, **kwargs)
   fn = fetch_rows if direction == "fetch" else evict_rows
   return functools.partial(fn, impl=impl, **kwargs)
+
+
+def host_indices(rng: np.random.Generator, rows: int, n: int, run: int) -> np.ndarray:
+  """``n`` distinct rows of a pool of ``rows``: ``n // run`` random runs of ``run``
+  adjacent rows (runs start at multiples of ``run``), each run's rows in order."""
+  starts = rng.choice(rows // run, n // run, replace=False) * run
+  return (starts[:, None] + np.arange(run)[None, :]).reshape(n).astype(np.int32)
 
 
 def _bytes_equal(a: np.ndarray, b: np.ndarray) -> bool:
@@ -250,6 +266,12 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
     raise ValueError(f"--reps={args.reps}: expected >= 1")
   if args.list_factor < 1:
     raise ValueError(f"--list-factor={args.list_factor}: expected >= 1")
+  if args.host_run < 1:
+    raise ValueError(f"--host-run={args.host_run}: expected >= 1")
+  bad = [n for n in entries if n % args.host_run]
+  if bad:
+    raise ValueError(f"--entries {bad}: with --host-run={args.host_run} every entry count "
+                     "must be a multiple of the run")
   skipped: dict[str, str] = {}
   if "ffi" in names and not fetch_ffi.available():
     names = [n for n in names if n != "ffi"]
@@ -259,6 +281,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   rng = np.random.default_rng(args.seed)
   max_n = max(entries) if entries else 0
   Sh = args.host_rows or max(4 * max_n, 1)
+  Sh = max(Sh - Sh % args.host_run, args.host_run)  # whole runs
   Sd = max(max_n, 1)
   timing = dict(min_iters=args.min_iters, max_iters=args.max_iters,
                 target_s=args.target_ms / 1e3, warmup=args.warmup)
@@ -266,7 +289,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
 
   def result() -> dict[str, Any]:
     return {"benchmark": "fetch", "environment": environment(), "host_rows": Sh,
-            "list_factor": args.list_factor,
+            "list_factor": args.list_factor, "host_run": args.host_run,
             "device_rows": Sd, "reps": args.reps, "skipped": skipped,
             "rows": [dataclasses.asdict(r) for r in rows]}
 
@@ -284,7 +307,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
       pools["dev"] = jax.device_put(mirror["dev"], dev_s)
 
     for N in entries:
-      h_idx = rng.choice(Sh, N, replace=False).astype(np.int32)
+      h_idx = host_indices(rng, Sh, N, args.host_run)
       d_idx = rng.permutation(Sd)[:N].astype(np.int32)
       # With --list-factor F: lists of F * N entries, the N pairs first and skipped
       # (-1) ones after them, and a count of N (a worst-case plan's lists).
@@ -422,7 +445,9 @@ def print_table(result: dict) -> None:
                   "ERROR" if r["error"] else yes_no[r["ok"]]])
   common.print_table(
       f"row fetch/evict on {env['device']} ({env['backend']}, jax {env['jax']}); "
-      f"host pool {result['host_rows']} rows; best of {result['reps']} repetitions",
+      f"host pool {result['host_rows']} rows"
+      + (f" in runs of {result['host_run']}" if result.get("host_run", 1) > 1 else "")
+      + f"; best of {result['reps']} repetitions",
       ("dir", "layout", "entries", "impl", "us/call", "GB/s", "ceiling GB/s", "fraction",
        "median frac", "in place", "ok"), cells, left=("dir", "layout", "impl"))
   for r in result["rows"]:
