@@ -83,24 +83,27 @@ def test_fetch_benchmark_passes_worst_case_lists_with_a_count(tmp_path):
 
 def test_fetch_benchmark_reads_host_rows_in_runs(tmp_path, rng):
   """--host-run 4: the host rows come in runs of four adjacent rows (an entry's layers of
-  a group with memory.host_layout=entry_major), every run distinct; the rows moved are
-  still checked bit for bit."""
+  a group with memory.host_layout=entry_major), every run distinct; with
+  --copies-per-call 3 each call is one program of three copies. The rows moved are still
+  checked bit for bit."""
   idx = fetch.host_indices(rng, 64, 32, 4)
   runs = idx.reshape(8, 4)
   assert len(set(idx.tolist())) == 32 and idx.min() >= 0 and idx.max() < 64
   assert (runs[:, 0] % 4 == 0).all() and (np.diff(runs, axis=1) == 1).all()
   out = tmp_path / "fetch.json"
   rc = fetch.main(["--quick", "--layouts", "fp8x656", "--impls", "pallas", "--entries",
-                   "36", "--host-run", "4", "--pallas-block-units", "16", "--ceilings",
-                   "jax", "--out", str(out)])
+                   "36", "--host-run", "4", "--copies-per-call", "3",
+                   "--pallas-block-units", "16", "--ceilings", "jax", "--out", str(out)])
   assert rc == 0
   result = json.loads(out.read_text())
-  assert result["host_run"] == 4
+  assert result["host_run"] == 4 and result["copies_per_call"] == 3
   assert all(r["ok"] is True for r in result["rows"] if r["impl"] == "pallas")
   with pytest.raises(ValueError, match=r"--entries \[37\]: with --host-run=4"):
     fetch.main(["--quick", "--entries", "37", "--host-run", "4"])
   with pytest.raises(ValueError, match=r"--host-run=0: expected >= 1"):
     fetch.main(["--quick", "--host-run", "0"])
+  with pytest.raises(ValueError, match=r"--copies-per-call=0: expected >= 1"):
+    fetch.main(["--quick", "--copies-per-call", "0"])
 
 
 @pytest.mark.parametrize("direction", ["fetch", "evict"])

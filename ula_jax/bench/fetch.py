@@ -26,7 +26,7 @@ turns, so a drift of the machine hits all of them alike). ``fraction`` compares 
 fastest repetition of each side, ``median fraction`` the medians.
 
     ula-jax bench fetch [--entries 64,1K,64K] [--impls xla,pallas,ffi] [--host-run 4]
-                        [--out FILE]
+                        [--copies-per-call 8] [--out FILE]
 """
 
 from __future__ import annotations
@@ -105,6 +105,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="host rows in runs of R adjacent rows (an entry's R layers of a "
                       "group, as ula moves them with memory.host_layout=entry_major); "
                       "1: every host row at random")
+  p.add_argument("--copies-per-call", type=int, default=1,
+                 help="copies in one jitted program, each on the previous one's "
+                      "destination (times are per copy: the kernels as a step runs them, "
+                      "without a program launch between copies); 1: a program a copy")
   add_timing_args(p, max_iters=500, target_ms=100.0)
   p.add_argument("--warmup", type=int, default=1)
   p.add_argument("--seed", type=int, default=0)
@@ -160,6 +164,20 @@ def _call(direction: str, impl: str, kwargs: dict, count: int | None = None):
     return functools.partial(fn, **kwargs)
   fn = fetch_rows if direction == "fetch" else evict_rows
   return functools.partial(fn, impl=impl, **kwargs)
+
+
+def _repeated(copy: Callable, copies: int) -> Callable:
+  """``copy(src, src_idx, dst, dst_idx) -> dst`` ``copies`` times in a row, each on the
+  previous one's result (so none can be dropped or merged)."""
+  if copies == 1:
+    return copy
+
+  def run(src, src_idx, dst, dst_idx):
+    for _ in range(copies):
+      dst = copy(src, src_idx, dst, dst_idx)
+    return dst
+
+  return run
 
 
 def host_indices(rng: np.random.Generator, rows: int, n: int, run: int) -> np.ndarray:
@@ -268,6 +286,8 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
     raise ValueError(f"--list-factor={args.list_factor}: expected >= 1")
   if args.host_run < 1:
     raise ValueError(f"--host-run={args.host_run}: expected >= 1")
+  if args.copies_per_call < 1:
+    raise ValueError(f"--copies-per-call={args.copies_per_call}: expected >= 1")
   bad = [n for n in entries if n % args.host_run]
   if bad:
     raise ValueError(f"--entries {bad}: with --host-run={args.host_run} every entry count "
@@ -290,6 +310,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   def result() -> dict[str, Any]:
     return {"benchmark": "fetch", "environment": environment(), "host_rows": Sh,
             "list_factor": args.list_factor, "host_run": args.host_run,
+            "copies_per_call": args.copies_per_call,
             "device_rows": Sd, "reps": args.reps, "skipped": skipped,
             "rows": [dataclasses.asdict(r) for r in rows]}
 
@@ -340,7 +361,8 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
           row = Row(direction, layout, row_bytes, N, label)
           rows.append(row)
           try:
-            fn = jax.jit(_call(direction, impl, kwargs, count), donate_argnums=2)
+            fn = jax.jit(_repeated(_call(direction, impl, kwargs, count),
+                                   args.copies_per_call), donate_argnums=2)
             if direction == "fetch":
               args_of = lambda state: (pools["host"], hi, state, di)
             else:
@@ -359,7 +381,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
           def one_rep(compiled=compiled, args_of=args_of, dst_key=dst_key) -> float:
             t, pools[dst_key] = time_calls(lambda s: compiled(*args_of(s)), pools[dst_key],
                                            **timing)
-            return t
+            return t / args.copies_per_call
 
           measured.append(_Measured(row, one_rep))
         _repeat(measured, args.reps, timing["target_s"], rebuild)
@@ -447,6 +469,8 @@ def print_table(result: dict) -> None:
       f"row fetch/evict on {env['device']} ({env['backend']}, jax {env['jax']}); "
       f"host pool {result['host_rows']} rows"
       + (f" in runs of {result['host_run']}" if result.get("host_run", 1) > 1 else "")
+      + (f"; kernels {result['copies_per_call']} copies a program (times per copy)"
+         if result.get("copies_per_call", 1) > 1 else "")
       + f"; best of {result['reps']} repetitions",
       ("dir", "layout", "entries", "impl", "us/call", "GB/s", "ceiling GB/s", "fraction",
        "median frac", "in place", "ok"), cells, left=("dir", "layout", "impl"))
