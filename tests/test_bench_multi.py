@@ -133,3 +133,21 @@ def test_serving_measures_each_batch_up_to_capacity_then_merges(tmp_path, capsys
 def test_serving_arguments_are_checked(tmp_path):
   with pytest.raises(SystemExit):
     serving.main(["--systems", "resident,ula", "--out", str(tmp_path)])
+
+
+def test_a_memory_override_reaches_only_the_systems_that_read_it():
+  """memory.host_layout (ula's) and memory.hisparse.* (hisparse's) in one override list:
+  each system's config gets the fields it reads and none it would refuse."""
+  args = _args(overrides=["model=tiny", "mesh.platform=cpu", "memory.host_layout=entry_major",
+                          "memory.hisparse.device_buffer_size=32", "memory.policy=lru"])
+  cfgs = {name: serving._load(args, serving.setup(
+      name, 2, device_budget="1024", host_budget="2048", hisparse_buffer=16), rows=1)
+          for name in ("resident_dp", "hisparse", "ula_dp")}
+  assert cfgs["ula_dp"].memory.host_layout == "entry_major"
+  assert cfgs["ula_dp"].memory.policy == "lru"
+  assert cfgs["resident_dp"].memory.system == "resident"
+  # The setup's own buffer size comes after the user's and wins.
+  assert cfgs["hisparse"].memory.hisparse.device_buffer_size == 16
+  assert serving.overrides_for(None, args.overrides) == ["model=tiny", "mesh.platform=cpu"]
+  assert serving.overrides_for("hisparse", ["memory.host_pool=9", "memory.system=x"]) == [
+      "memory.host_pool=9", "memory.system=x"]

@@ -93,13 +93,21 @@ def same_length_requests(n: int, prompt: int, output: int, vocab: int, seed: int
                   max_new_tokens=output) for i in range(n)]
 
 
-def overrides_for(system: str, overrides: Sequence[str]) -> list[str]:
-  """``overrides`` less those of fields ``memory=system`` does not use (the config
-  refuses them): ``memory.hisparse.*`` but for ``hisparse``, ``memory.host_pool`` for
-  ``resident``. One override list then serves a comparison of several systems."""
-  return [o for o in overrides
-          if not (o.startswith("memory.hisparse.") and system != "hisparse")
-          and not (o.startswith("memory.host_pool=") and system == "resident")]
+def overrides_for(system: str | None, overrides: Sequence[str]) -> list[str]:
+  """``overrides`` less those of memory fields ``memory.system=system`` does not read
+  (``config.schema.MEMORY_FIELD_USERS``; the config refuses them): ``memory.hisparse.*``
+  but for ``hisparse``, ``memory.host_pool`` for ``resident``, ``memory.host_layout``
+  but for ``ula``, ... One override list then serves a comparison of several systems.
+  ``system`` None drops every such field (a config read for its model and mesh alone)."""
+  from ula_jax.config.schema import MEMORY_FIELD_USERS
+
+  def read(o: str) -> bool:
+    if not o.startswith("memory.") or "=" not in o:
+      return True
+    users = MEMORY_FIELD_USERS.get(o[len("memory."):].split("=", 1)[0].split(".")[0])
+    return users is None or (system is not None and system in users)
+
+  return [o for o in overrides if read(o)]
 
 
 def best_and_median(times: Sequence[float]) -> tuple[float | None, float | None]:

@@ -49,8 +49,8 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ula_jax.bench.common import (environment, fmt, parse_list, parse_sizes, print_table,
-                                  same_length_requests)
+from ula_jax.bench.common import (environment, fmt, overrides_for, parse_list, parse_sizes,
+                                  print_table, same_length_requests)
 
 if TYPE_CHECKING:  # the config package pulls in jax; imported where it runs
   from ula_jax.config import ExperimentConfig
@@ -100,7 +100,8 @@ def setup(name: str, devices: int, *, device_budget: str, host_budget: str,
 def _load(args: argparse.Namespace, s: Setup, rows: int,
           extra: list[str] = ()) -> ExperimentConfig:
   from ula_jax.config import load_config
-  return load_config(args.config, list(args.overrides) + list(s.overrides) + [
+  system = next(o.split("=", 1)[1] for o in s.overrides if o.startswith("memory.system="))
+  return load_config(args.config, overrides_for(system, args.overrides) + list(s.overrides) + [
       f"engine.max_batch={rows}", f"engine.max_context={args.context}",
       "engine.progress=false"] + list(extra))
 
@@ -256,7 +257,7 @@ def measure(args: argparse.Namespace, checkpoint: Callable[[dict], Any] | None =
   from ula_jax.config import load_config
   from ula_jax.mesh import configure_platform
 
-  base = load_config(args.config, list(args.overrides))
+  base = load_config(args.config, overrides_for(None, args.overrides))
   configure_platform(base, num_devices=args.devices or None)
   devices = args.devices or len(jax.devices())
   if devices < 1:

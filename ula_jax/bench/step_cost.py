@@ -34,8 +34,8 @@ import argparse
 import statistics
 from typing import Any
 
-from ula_jax.bench.common import (environment, fmt, print_table, same_length_requests,
-                                  write_json)
+from ula_jax.bench.common import (environment, fmt, overrides_for, print_table,
+                                  same_length_requests, write_json)
 
 DEFAULT_CONFIG = "experiments/quickstart/config.yaml"
 
@@ -52,7 +52,7 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
   from ula_jax.engine import Engine
   from ula_jax.mesh import build_mesh, configure_platform
 
-  base = load_config(config, overrides)
+  base = load_config(config, overrides_for(None, overrides))
   configure_platform(base)
   mesh = build_mesh(base)
   dp = mesh.shape["dp"]
@@ -63,7 +63,7 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
   reqs = same_length_requests(batch * dp, prompt, output, base.model.vocab_size, seed)
 
   def build(system: str):
-    sized = lambda p: load_config(config, list(overrides) + [
+    sized = lambda p: load_config(config, overrides_for(system, overrides) + [
         f"memory.system={system}", f"memory.device_pool={p}", "memory.host_pool=0",
         f"engine.max_batch={batch}", f"engine.max_context={context}",
         f"engine.prefill_chunk={prompt}", "engine.progress=false"])
