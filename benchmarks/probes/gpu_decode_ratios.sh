@@ -26,7 +26,9 @@
 #            (each kernel's device time in the JSON); once per PB-LRU ring size in
 #            RESOLVE_BUCKETS (default "32", memory.pb_lru_buckets's default)
 #   fetch    ula-jax bench fetch: 656-byte FP8 rows, 4K-64K rows, fetch and evict,
-#            against a memcpy of the same bytes; FETCH_FFI=1 first builds the FFI custom
+#            against a memcpy of the same bytes, a program a copy, then FETCH_COPIES
+#            (default 8) copies a program, then those with the host rows in runs of
+#            FETCH_RUN (default 4: entry_major's group of four layers); FETCH_FFI=1 first builds the FFI custom
 #            calls (./custom_calls, CUDA handlers for sm_90) and measures them too;
 #            FETCH_UNITS / FETCH_WARPS (comma lists) sweep the Pallas launch (16-byte
 #            units per program, warps per program; the default launch is 1024 and 4,
@@ -103,6 +105,16 @@ if wants fetch; then
   STEP_TAIL=30 step fetch 240 $CLI bench fetch --layouts fp8x656 --entries 4K,16K,64K \
     --impls "$impls" --directions fetch,evict --ceilings memcpy ${sweep[@]+"${sweep[@]}"} \
     --out "$OUT/fetch.json"
+  # The kernels as a step runs them: FETCH_COPIES copies a program, no program launch
+  # between copies; then with the host rows in runs of FETCH_RUN (memory.host_layout
+  # entry_major: a group's layers of an entry side by side).
+  STEP_TAIL=16 step fetch_copies 120 $CLI bench fetch --layouts fp8x656 --entries 4K,16K,64K \
+    --impls "$impls" --directions fetch,evict --ceilings memcpy \
+    --copies-per-call "${FETCH_COPIES:-8}" --out "$OUT/fetch_copies.json"
+  STEP_TAIL=16 step fetch_runs 120 $CLI bench fetch --layouts fp8x656 --entries 4K,16K,64K \
+    --impls "$impls" --directions fetch,evict --ceilings memcpy \
+    --copies-per-call "${FETCH_COPIES:-8}" --host-run "${FETCH_RUN:-4}" \
+    --out "$OUT/fetch_runs.json"
   for h in ${FETCH_HOST_ROWS:-}; do
     STEP_TAIL=6 step "fetch_host$h" 120 $CLI bench fetch --layouts fp8x656 --entries 4K \
       --impls pallas --directions fetch,evict --ceilings memcpy --host-rows "$h" \
