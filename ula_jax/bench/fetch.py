@@ -12,6 +12,15 @@ host memory. ``in place`` says whether the compiled
 module leaves the host pool where it is (no whole-pool copy in the HLO); ``ok`` whether
 the moved rows are bit-exact (checked against destinations changed before every check).
 
+Each kernel call is a jitted program; a stream of programs pays XLA's launch of a program
+between copies (a few us, and more where the host's dispatch falls behind a short copy),
+which a copy inside a serving step does not. ``--copies-per-call R`` makes each call one
+program of ``R`` copies in a row (each on the previous one's destination), so the figure
+per copy is the kernel's as a step runs it: a call's time / ``R``. (The Pallas and FFI
+launches are opaque to XLA, so each of them runs; the ``xla`` form's gather of the same
+rows may be computed once, so its figure per copy is not comparable.) The ceilings stay
+streams of copies.
+
 The contiguous copy ("the ceiling") is measured two ways, and the faster one counts:
 
 * ``contiguous[jax]``: a jitted copy of an [N, W] array into an existing buffer of the
