@@ -331,8 +331,13 @@ class Ula(MemorySystem):
     dev_pool = set_rows(state.dev_pool, d_rows, rows)
     host_pool = state.host_pool
     if self.host_slots:
-      h_rows = self.host_row(layer, host_dst[of_layer]).reshape(-1)
-      host_pool = self.evict_rows(rows, jnp.arange(L * C, dtype=_I32), host_pool, h_rows)
+      h_rows = self.host_row(layer, host_dst[of_layer])  # [L, C]
+      src = jnp.arange(L * C, dtype=_I32).reshape(L, C)
+      if self.host_layout == "entry_major":
+        # Entry by entry (an entry's L rows side by side on the host), so the copy writes
+        # stretches of host memory rather than rows L apart.
+        src, h_rows = src.T, h_rows.T
+      host_pool = self.evict_rows(rows, src.reshape(-1), host_pool, h_rows.reshape(-1))
     return state.replace(dev_pool=dev_pool, host_pool=host_pool, meta=meta)
 
   def stat_keys(self) -> tuple[str, ...]:
