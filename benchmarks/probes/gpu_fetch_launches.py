@@ -28,7 +28,7 @@ import numpy as np
 
 from ula_jax.bench import profile
 from ula_jax.bench.common import environment, parse_sizes
-from ula_jax.bench.fetch import LAYOUTS, host_indices
+from ula_jax.bench.fetch import LAYOUTS, host_indices, memcpy_stream
 from ula_jax.kernels.fetch.pallas import evict_rows_pallas, fetch_rows_pallas
 
 
@@ -39,21 +39,17 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def _memcpy_us(direction: str, nbytes: int, calls: int) -> float:
+  """us per copy of a stream of ``calls`` memcpys, timed by CUDA events (best of 3)."""
   import cupy
-  host = cupy.cuda.alloc_pinned_memory(nbytes)
-  dev = cupy.cuda.alloc(nbytes)
-  stream = cupy.cuda.Stream(non_blocking=True)
-  rt = cupy.cuda.runtime
-  dst, src, kind = ((dev.ptr, host.ptr, rt.memcpyHostToDevice) if direction == "fetch"
-                    else (host.ptr, dev.ptr, rt.memcpyDeviceToHost))
+  issue, stream = memcpy_stream(direction, nbytes)
   best = float("inf")
   for _ in range(3):
     for _ in range(3):
-      rt.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
+      issue()
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     start.record(stream)
     for _ in range(calls):
-      rt.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
+      issue()
     end.record(stream)
     end.synchronize()
     best = min(best, cupy.cuda.get_elapsed_time(start, end) * 1e3 / calls)

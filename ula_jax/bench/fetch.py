@@ -244,10 +244,12 @@ def _jax_ceiling(direction: str, block: np.ndarray, host_s, dev_s, timing: dict)
   return run, reused
 
 
-def _memcpy_ceiling(direction: str, nbytes: int, timing: dict):
-  """``cudaMemcpyAsync`` between preallocated pinned host and device buffers (CuPy).
+def memcpy_stream(direction: str, nbytes: int):
+  """One ``cudaMemcpyAsync`` of ``nbytes`` between preallocated pinned host and device
+  buffers (CuPy), host -> device for ``fetch``, device -> host for ``evict``.
 
-  returns run one repetition -> seconds; raises RuntimeError where it cannot run
+  returns (issue one copy on the stream, the CuPy stream); the buffers live as long as
+  the first; raises RuntimeError where it cannot run
   """
   if jax.default_backend() != "gpu":
     raise RuntimeError(f"needs a CUDA GPU (backend {jax.default_backend()!r})")
@@ -264,11 +266,22 @@ def _memcpy_ceiling(direction: str, nbytes: int, timing: dict):
   else:
     dst, src, kind = host.ptr, dev.ptr, rt.memcpyDeviceToHost
 
-  def step(_):
+  def issue(_keep=(host, dev)) -> None:  # the buffers live as long as this function
     rt.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
 
-  def run(_keep=(host, dev)) -> float:  # the buffers live as long as this function
-    t, _ = time_calls(step, None, wait=lambda _: stream.synchronize(), **timing)
+  return issue, stream
+
+
+def _memcpy_ceiling(direction: str, nbytes: int, timing: dict):
+  """A stream of ``memcpy_stream`` copies, timed by the host.
+
+  returns run one repetition -> seconds; raises RuntimeError where it cannot run
+  """
+  issue, stream = memcpy_stream(direction, nbytes)
+
+  def run() -> float:
+    t, _ = time_calls(lambda _: issue(), None, wait=lambda _: stream.synchronize(),
+                      **timing)
     return t
 
   return run
