@@ -61,6 +61,7 @@ def _inputs(rng, dp, ties: bool):
   positions = rng.integers(0, T, (dp, B)).astype(np.int32)
   positions[:, 0] = rng.integers(0, GEO.top_k - 1, dp)  # fewer candidates than k
   active = rng.random((dp, B)) < 0.85
+  active[np.arange(dp), rng.integers(0, B, dp)] = True  # a row to select for, per rank
   keys = draw((dp, B, T, GEO.index_dim))  # by (row, position)
   q = draw((dp, B, HI, GEO.index_dim))
   return page_table, positions, active, keys, q, weights
