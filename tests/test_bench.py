@@ -106,6 +106,25 @@ def test_fetch_benchmark_reads_host_rows_in_runs(tmp_path, rng):
     fetch.main(["--quick", "--copies-per-call", "0"])
 
 
+def test_fetch_benchmark_without_checks_fills_the_host_pool_in_place(tmp_path):
+  """--no-check: the host pool is filled where it lives (pinned host memory), with no
+  copy of it in this process's memory, so serving-sized pools fit; every copy still runs
+  and is timed, and nothing claims to be checked."""
+  pool = fetch._filled_host_pool(fetch._shardings()[0], (5, 656), np.uint8)
+  assert pool.sharding.memory_kind == "pinned_host"
+  assert (np.asarray(pool) == 0x5A).all()
+  out = tmp_path / "fetch.json"
+  rc = fetch.main(["--quick", "--no-check", "--layouts", "fp8x656,bf16x576", "--impls",
+                   "pallas,xla", "--entries", "40", "--host-rows", "3000",
+                   "--pallas-block-units", "16", "--ceilings", "jax", "--out", str(out)])
+  assert rc == 0
+  result = json.loads(out.read_text())
+  assert result["host_rows"] == 3000
+  kernels = [r for r in result["rows"] if not r["impl"].startswith("contiguous")]
+  assert len(kernels) == 8
+  assert all(r["error"] is None and r["ok"] is None and r["seconds"] > 0 for r in kernels)
+
+
 @pytest.mark.parametrize("direction", ["fetch", "evict"])
 def test_fetch_benchmark_check_catches_a_copy_that_moves_nothing(direction, rng):
   """Every check first changes what the call must overwrite, so an implementation that

@@ -33,9 +33,11 @@
 #            FETCH_UNITS / FETCH_WARPS (comma lists) sweep the Pallas launch (16-byte
 #            units per program, warps per program; the default launch is 1024 and 4,
 #            list them to keep it in the sweep); FETCH_HOST_ROWS (space list of host
-#            pool rows, default none) adds a run at 4K rows per pool size: rows
-#            scattered over a pinned pool as large as a serving run's (100 GiB) against
-#            the bench's small one
+#            pool rows, default none) adds runs at 4K and 64K rows per pool size, rows
+#            at random and in runs of FETCH_RUN, FETCH_COPIES copies a program: rows
+#            scattered over a pinned pool as large as a serving run's (100 GiB is
+#            163840000 rows) against the bench's small one; such pools are filled in
+#            place and not checked (bench fetch --no-check)
 #   serving  ula-jax bench serving at the throughput experiment's settings (GLM-5
 #            geometry, 32K contexts, synthetic prefill and selections, Pallas fetch,
 #            fused resolve), SERVING_SYSTEMS (default ula_dp) at SERVING_BATCHES (default
@@ -115,10 +117,17 @@ if wants fetch; then
     --impls "$impls" --directions fetch,evict --ceilings memcpy \
     --copies-per-call "${FETCH_COPIES:-8}" --host-run "${FETCH_RUN:-4}" \
     --out "$OUT/fetch_runs.json"
+  # Host pools as large as a serving run's: filled in place, not mirrored (--no-check),
+  # under the pinned-host cap a serving run sets (the RAM less the process's reserve).
+  [ -n "${FETCH_HOST_ROWS:-}" ] && export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-$(
+    "$PY" -c 'from ula_jax.core.host_memory import *; print(default_pinned_limit_gib(host_ram()))')}"
   for h in ${FETCH_HOST_ROWS:-}; do
-    STEP_TAIL=6 step "fetch_host$h" 120 $CLI bench fetch --layouts fp8x656 --entries 4K \
-      --impls pallas --directions fetch,evict --ceilings memcpy --host-rows "$h" \
-      --out "$OUT/fetch_host$h.json"
+    for r in 1 "${FETCH_RUN:-4}"; do
+      STEP_TAIL=10 step "fetch_host${h}_r$r" 150 $CLI bench fetch --layouts fp8x656 \
+        --entries 4K,64K --impls pallas --directions fetch,evict --ceilings memcpy \
+        --host-rows "$h" --host-run "$r" --copies-per-call "${FETCH_COPIES:-8}" \
+        --no-check --out "$OUT/fetch_host${h}_r$r.json"
+    done
   done
 fi
 if wants serving; then

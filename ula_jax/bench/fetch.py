@@ -121,7 +121,10 @@ def _parser() -> argparse.ArgumentParser:
   add_timing_args(p, max_iters=500, target_ms=100.0)
   p.add_argument("--warmup", type=int, default=1)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--no-check", action="store_true", help="skip the bit-exactness checks")
+  p.add_argument("--no-check", action="store_true",
+                 help="skip the bit-exactness checks; the host pool is then filled in "
+                      "place by host compute with no copy of it in this process's memory, "
+                      "so it can be as large as a serving run's (e.g. --host-rows 128M)")
   p.add_argument("--out", default="runs/bench/fetch.json", help="JSON output path")
   p.add_argument("--quick", action="store_true",
                  help="tiny sizes and few iterations (smoke test, e.g. on CPU)")
@@ -140,6 +143,15 @@ def _random_pool(rng: np.random.Generator, rows: int, dtype, width: int) -> np.n
   if jnp.issubdtype(dtype, jnp.floating):
     return rng.standard_normal((rows, width), dtype=np.float32).astype(dtype)
   return rng.integers(0, 256, (rows, width), dtype=np.uint8).astype(dtype)
+
+
+def _filled_host_pool(host_s: jax.sharding.Sharding, shape: tuple[int, int], dtype
+                      ) -> jax.Array:
+  """A ``pinned_host`` pool of ``shape`` filled by host compute (a constant byte): no
+  device buffer and no host copy of its size, so it can be as large as the pinned limit."""
+  fill = jnp.asarray(0x5A, jnp.uint8).astype(dtype)
+  return jax.jit(lambda: compat.on_host(lambda: jnp.full(shape, fill, dtype)),
+                 out_shardings=host_s)()
 
 
 def _impls(names: list[str], args) -> list[tuple[str, str, dict]]:
@@ -340,13 +352,20 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
     dtype, W = LAYOUTS[layout]
     row_bytes = W * jnp.dtype(dtype).itemsize
     # numpy mirrors of both pools: kept equal to them by applying every copy here too.
-    mirror = {"host": _random_pool(rng, Sh, dtype, W), "dev": _random_pool(rng, Sd, dtype, W)}
-    pools = {"host": jax.device_put(mirror["host"], host_s),
-             "dev": jax.device_put(mirror["dev"], dev_s)}
+    # Without checks the host pool has no mirror: it is filled where it lives.
+    mirror = {"host": None if args.no_check else _random_pool(rng, Sh, dtype, W),
+              "dev": _random_pool(rng, Sd, dtype, W)}
+
+    def host_pool():
+      if mirror["host"] is None:
+        return _filled_host_pool(host_s, (Sh, W), dtype)
+      return jax.device_put(mirror["host"], host_s)
+
+    pools = {"host": host_pool(), "dev": jax.device_put(mirror["dev"], dev_s)}
 
     def rebuild():
       # A failed donated call may have consumed a pool: both come back from the mirrors.
-      pools["host"] = jax.device_put(mirror["host"], host_s)
+      pools["host"] = host_pool()
       pools["dev"] = jax.device_put(mirror["dev"], dev_s)
 
     for N in entries:
@@ -362,7 +381,8 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
       for direction in directions:
         measured: list[_Measured] = []
         if N:
-          block = mirror["host" if direction == "fetch" else "dev"][:N]
+          source = mirror["host" if direction == "fetch" else "dev"]
+          block = source[:N] if source is not None else _random_pool(rng, N, dtype, W)
           for method in ceilings:
             row = Row(direction, layout, row_bytes, N, f"{CEILING}[{method}]")
             try:
