@@ -98,6 +98,22 @@ def test_fetch_benchmark_reads_host_rows_in_runs(tmp_path, rng):
   result = json.loads(out.read_text())
   assert result["host_run"] == 4 and result["copies_per_call"] == 3
   assert all(r["ok"] is True for r in result["rows"] if r["impl"] == "pallas")
+  # --fresh-rows: each of the three copies moves its own 36 host rows (fetch keeps the
+  # last list's rows, evict writes every list's), still checked bit for bit.
+  rc = fetch.main(["--quick", "--layouts", "fp8x656", "--impls", "pallas,xla", "--entries",
+                   "36", "--host-run", "4", "--copies-per-call", "3", "--fresh-rows",
+                   "--list-factor", "2", "--pallas-block-units", "16", "--ceilings", "jax",
+                   "--out", str(out)])
+  assert rc == 0
+  result = json.loads(out.read_text())
+  assert result["fresh_rows"] is True
+  kernels = [r for r in result["rows"] if not r["impl"].startswith("contiguous")]
+  assert len(kernels) == 4 and all(r["ok"] is True for r in kernels)
+  with pytest.raises(ValueError, match=r"--device-rows=10: expected at least the largest"):
+    fetch.main(["--quick", "--entries", "36", "--device-rows", "10"])
+  with pytest.raises(ValueError, match=r"--host-rows=100: 3 lists of 36 distinct rows"):
+    fetch.main(["--quick", "--entries", "36", "--copies-per-call", "3", "--fresh-rows",
+                "--host-rows", "100"])
   with pytest.raises(ValueError, match=r"--entries \[37\]: with --host-run=4"):
     fetch.main(["--quick", "--entries", "37", "--host-run", "4"])
   with pytest.raises(ValueError, match=r"--host-run=0: expected >= 1"):
@@ -107,19 +123,21 @@ def test_fetch_benchmark_reads_host_rows_in_runs(tmp_path, rng):
 
 
 def test_fetch_benchmark_without_checks_fills_the_host_pool_in_place(tmp_path):
-  """--no-check: the host pool is filled where it lives (pinned host memory), with no
-  copy of it in this process's memory, so serving-sized pools fit; every copy still runs
-  and is timed, and nothing claims to be checked."""
-  pool = fetch._filled_host_pool(fetch._shardings()[0], (5, 656), np.uint8)
-  assert pool.sharding.memory_kind == "pinned_host"
-  assert (np.asarray(pool) == 0x5A).all()
+  """--no-check: the host pool (and a --device-rows device pool) is filled where it
+  lives, with no copy of it in this process's memory, so serving-sized pools fit; every
+  copy still runs and is timed, and nothing claims to be checked."""
+  for sharding, kind in zip(fetch._shardings(), ("pinned_host", "device")):
+    pool = fetch._filled_pool(sharding, (5, 656), np.uint8)
+    assert pool.sharding.memory_kind == kind
+    assert (np.asarray(pool) == 0x5A).all()
   out = tmp_path / "fetch.json"
   rc = fetch.main(["--quick", "--no-check", "--layouts", "fp8x656,bf16x576", "--impls",
                    "pallas,xla", "--entries", "40", "--host-rows", "3000",
+                   "--device-rows", "2000",
                    "--pallas-block-units", "16", "--ceilings", "jax", "--out", str(out)])
   assert rc == 0
   result = json.loads(out.read_text())
-  assert result["host_rows"] == 3000
+  assert result["host_rows"] == 3000 and result["device_rows"] == 2000
   kernels = [r for r in result["rows"] if not r["impl"].startswith("contiguous")]
   assert len(kernels) == 8
   assert all(r["error"] is None and r["ok"] is None and r["seconds"] > 0 for r in kernels)

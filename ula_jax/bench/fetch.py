@@ -101,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
                  help=f"contiguous-copy measurements, of {list(CEILINGS)}")
   p.add_argument("--host-rows", type=int, default=None,
                  help="rows of the host pool (default: 4 x the largest entry count)")
+  p.add_argument("--device-rows", type=int, default=None,
+                 help="rows of the device pool (default: the largest entry count); with "
+                      "--no-check it is filled in place, so it can be as large as a "
+                      "serving run's")
   p.add_argument("--pallas-block-units", default="1024",
                  help="Pallas sweep: 16-byte units per program, comma list")
   p.add_argument("--pallas-warps", default="4", help="Pallas sweep: warps per program")
@@ -114,6 +118,11 @@ def _parser() -> argparse.ArgumentParser:
                  help="host rows in runs of R adjacent rows (an entry's R layers of a "
                       "group, as ula moves them with memory.host_layout=entry_major); "
                       "1: every host row at random")
+  p.add_argument("--fresh-rows", action="store_true",
+                 help="each copy of a call moves its own host rows (--copies-per-call "
+                      "lists, no row in two), so the GPU's translation of the host pool's "
+                      "pages is not warm from the copy before, as in a serving step whose "
+                      "misses are new rows; 4K rows x 16 copies touch 64K pages")
   p.add_argument("--copies-per-call", type=int, default=1,
                  help="copies in one jitted program, each on the previous one's "
                       "destination (times are per copy: the kernels as a step runs them, "
@@ -145,13 +154,16 @@ def _random_pool(rng: np.random.Generator, rows: int, dtype, width: int) -> np.n
   return rng.integers(0, 256, (rows, width), dtype=np.uint8).astype(dtype)
 
 
-def _filled_host_pool(host_s: jax.sharding.Sharding, shape: tuple[int, int], dtype
-                      ) -> jax.Array:
-  """A ``pinned_host`` pool of ``shape`` filled by host compute (a constant byte): no
-  device buffer and no host copy of its size, so it can be as large as the pinned limit."""
+def _filled_pool(sharding: jax.sharding.Sharding, shape: tuple[int, int], dtype
+                 ) -> jax.Array:
+  """A pool of ``shape`` filled where ``sharding`` puts it (a constant byte; a
+  ``pinned_host`` pool by host compute): no staging buffer and no copy of its size in
+  this process's memory, so it can be as large as a serving run's."""
   fill = jnp.asarray(0x5A, jnp.uint8).astype(dtype)
-  return jax.jit(lambda: compat.on_host(lambda: jnp.full(shape, fill, dtype)),
-                 out_shardings=host_s)()
+  full = lambda: jnp.full(shape, fill, dtype)
+  if sharding.memory_kind == "pinned_host":
+    return jax.jit(lambda: compat.on_host(full), out_shardings=sharding)()
+  return jax.jit(full, out_shardings=sharding)()
 
 
 def _impls(names: list[str], args) -> list[tuple[str, str, dict]]:
@@ -187,15 +199,21 @@ def _call(direction: str, impl: str, kwargs: dict, count: int | None = None):
   return functools.partial(fn, impl=impl, **kwargs)
 
 
-def _repeated(copy: Callable, copies: int) -> Callable:
+def _repeated(copy: Callable, copies: int, lists_arg: int | None = None) -> Callable:
   """``copy(src, src_idx, dst, dst_idx) -> dst`` ``copies`` times in a row, each on the
-  previous one's result (so none can be dropped or merged)."""
-  if copies == 1:
+  previous one's result (so none can be dropped or merged). ``lists_arg`` (1: src_idx,
+  3: dst_idx): that index argument is [copies, n], one list a copy."""
+  if copies == 1 and lists_arg is None:
     return copy
 
-  def run(src, src_idx, dst, dst_idx):
-    for _ in range(copies):
-      dst = copy(src, src_idx, dst, dst_idx)
+  def run(*args):
+    dst = args[2]
+    for c in range(copies):
+      a = list(args)
+      a[2] = dst
+      if lists_arg is not None:
+        a[lists_arg] = args[lists_arg][c]
+      dst = copy(*a)
     return dst
 
   return run
@@ -322,6 +340,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
     raise ValueError(f"--host-run={args.host_run}: expected >= 1")
   if args.copies_per_call < 1:
     raise ValueError(f"--copies-per-call={args.copies_per_call}: expected >= 1")
+  lists = args.copies_per_call if args.fresh_rows else 1  # host row lists a call
   bad = [n for n in entries if n % args.host_run]
   if bad:
     raise ValueError(f"--entries {bad}: with --host-run={args.host_run} every entry count "
@@ -336,7 +355,10 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   max_n = max(entries) if entries else 0
   Sh = args.host_rows or max(4 * max_n, 1)
   Sh = max(Sh - Sh % args.host_run, args.host_run)  # whole runs
-  Sd = max(max_n, 1)
+  Sd = args.device_rows or max(max_n, 1)
+  if Sd < max_n:
+    raise ValueError(f"--device-rows={Sd}: expected at least the largest entry count "
+                     f"({max_n})")
   timing = dict(min_iters=args.min_iters, max_iters=args.max_iters,
                 target_s=args.target_ms / 1e3, warmup=args.warmup)
   rows: list[Row] = []
@@ -344,7 +366,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   def result() -> dict[str, Any]:
     return {"benchmark": "fetch", "environment": environment(), "host_rows": Sh,
             "list_factor": args.list_factor, "host_run": args.host_run,
-            "copies_per_call": args.copies_per_call,
+            "copies_per_call": args.copies_per_call, "fresh_rows": args.fresh_rows,
             "device_rows": Sd, "reps": args.reps, "skipped": skipped,
             "rows": [dataclasses.asdict(r) for r in rows]}
 
@@ -353,28 +375,42 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
     row_bytes = W * jnp.dtype(dtype).itemsize
     # numpy mirrors of both pools: kept equal to them by applying every copy here too.
     # Without checks the host pool has no mirror: it is filled where it lives.
+    # A device pool of --device-rows has no mirror either (filled on the device).
     mirror = {"host": None if args.no_check else _random_pool(rng, Sh, dtype, W),
-              "dev": _random_pool(rng, Sd, dtype, W)}
+              "dev": (None if args.no_check and args.device_rows
+                      else _random_pool(rng, Sd, dtype, W))}
 
     def host_pool():
       if mirror["host"] is None:
-        return _filled_host_pool(host_s, (Sh, W), dtype)
+        return _filled_pool(host_s, (Sh, W), dtype)
       return jax.device_put(mirror["host"], host_s)
 
-    pools = {"host": host_pool(), "dev": jax.device_put(mirror["dev"], dev_s)}
+    def dev_pool():
+      if mirror["dev"] is None:
+        return _filled_pool(dev_s, (Sd, W), dtype)
+      return jax.device_put(mirror["dev"], dev_s)
+
+    pools = {"host": host_pool(), "dev": dev_pool()}
 
     def rebuild():
       # A failed donated call may have consumed a pool: both come back from the mirrors.
       pools["host"] = host_pool()
-      pools["dev"] = jax.device_put(mirror["dev"], dev_s)
+      pools["dev"] = dev_pool()
 
     for N in entries:
-      h_idx = host_indices(rng, Sh, N, args.host_run)
-      d_idx = rng.permutation(Sd)[:N].astype(np.int32)
+      if lists * N > Sh:
+        raise ValueError(f"--host-rows={Sh}: {lists} lists of {N} distinct rows "
+                         "(--fresh-rows) need at least their number")
+      # [N], or with --fresh-rows [copies, N]: one list a copy, no row in two.
+      h_idx = host_indices(rng, Sh, lists * N, args.host_run)
+      h_idx = h_idx.reshape(lists, N) if args.fresh_rows else h_idx
+      d_idx = (rng.permutation(Sd)[:N] if args.device_rows is None
+               else rng.choice(Sd, N, replace=False)).astype(np.int32)
       # With --list-factor F: lists of F * N entries, the N pairs first and skipped
       # (-1) ones after them, and a count of N (a worst-case plan's lists).
       pad = np.full((args.list_factor - 1) * N, -1, np.int32)
-      hi = jax.device_put(np.concatenate([h_idx, pad]), dev_s)
+      hi = jax.device_put(np.concatenate(
+          [h_idx, np.broadcast_to(pad, (*h_idx.shape[:-1], len(pad)))], axis=-1), dev_s)
       di = jax.device_put(np.concatenate([d_idx, pad]), dev_s)
       count = None if args.list_factor == 1 else N
       nbytes = N * row_bytes
@@ -403,8 +439,9 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
           row = Row(direction, layout, row_bytes, N, label)
           rows.append(row)
           try:
+            lists_arg = None if not args.fresh_rows else 1 if direction == "fetch" else 3
             fn = jax.jit(_repeated(_call(direction, impl, kwargs, count),
-                                   args.copies_per_call), donate_argnums=2)
+                                   args.copies_per_call, lists_arg), donate_argnums=2)
             if direction == "fetch":
               args_of = lambda state: (pools["host"], hi, state, di)
             else:
@@ -438,13 +475,16 @@ def _check(direction: str, compiled, args_of, pools: dict, mirror: dict, h_idx: 
            d_idx: np.ndarray, dev_s) -> bool:
   """One call after changing what it must overwrite (so a call that copies nothing is
   caught even when an earlier implementation already moved the same rows); returns
-  whether the destination rows are bit-exact. Updates the pools and their mirrors."""
+  whether the destination rows are bit-exact. Updates the pools and their mirrors.
+  ``h_idx`` [N], or [copies, N] with one list a copy (the last fetch's rows stay; every
+  evict's rows are written)."""
+  lists = 1 if h_idx.ndim == 1 else h_idx.shape[0]
   if direction == "fetch":
     # Poison the destination rows of the device pool.
     dev = mirror["dev"].copy()
     dev.view(np.uint8).reshape(dev.shape[0], -1)[d_idx] = 0xA5
     out = compiled(*args_of(jax.device_put(dev, dev_s)))
-    want = mirror["host"][h_idx]
+    want = mirror["host"][h_idx if lists == 1 else h_idx[-1]]
     mirror["dev"][d_idx] = want
     pools["dev"] = out
   else:
@@ -455,10 +495,10 @@ def _check(direction: str, compiled, args_of, pools: dict, mirror: dict, h_idx: 
     mirror["dev"] = dev
     pools["dev"] = jax.device_put(dev, dev_s)
     out = compiled(*args_of(pools["host"]))
-    want = dev[d_idx]
-    mirror["host"][h_idx] = want
+    want = np.concatenate([dev[d_idx]] * lists)
+    mirror["host"][h_idx.reshape(-1)] = want
     pools["host"] = out
-  got = rows_of(out, d_idx if direction == "fetch" else h_idx, dev_s)
+  got = rows_of(out, d_idx if direction == "fetch" else h_idx.reshape(-1), dev_s)
   return _bytes_equal(got, want)
 
 
@@ -513,6 +553,7 @@ def print_table(result: dict) -> None:
       + (f" in runs of {result['host_run']}" if result.get("host_run", 1) > 1 else "")
       + (f"; kernels {result['copies_per_call']} copies a program (times per copy)"
          if result.get("copies_per_call", 1) > 1 else "")
+      + ("; each copy its own host rows" if result.get("fresh_rows") else "")
       + f"; best of {result['reps']} repetitions",
       ("dir", "layout", "entries", "impl", "us/call", "GB/s", "ceiling GB/s", "fraction",
        "median frac", "in place", "ok"), cells, left=("dir", "layout", "impl"))
