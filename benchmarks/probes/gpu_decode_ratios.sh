@@ -37,7 +37,9 @@
 #            at random and in runs of FETCH_RUN, FETCH_COPIES copies a program: rows
 #            scattered over a pinned pool as large as a serving run's (100 GiB is
 #            163840000 rows) against the bench's small one; such pools are filled in
-#            place and not checked (bench fetch --no-check)
+#            place and not checked (bench fetch --no-check); FETCH_FRESH=1 gives each
+#            copy its own rows (--fresh-rows: no translation of a host page warm from
+#            the copy before, as in a serving step; use FETCH_COPIES=16)
 #   serving  ula-jax bench serving at the throughput experiment's settings (GLM-5
 #            geometry, 32K contexts, synthetic prefill and selections, Pallas fetch,
 #            fused resolve), SERVING_SYSTEMS (default ula_dp) at SERVING_BATCHES (default
@@ -126,7 +128,7 @@ if wants fetch; then
       STEP_TAIL=10 step "fetch_host${h}_r$r" 150 $CLI bench fetch --layouts fp8x656 \
         --entries 4K,64K --impls pallas --directions fetch,evict --ceilings memcpy \
         --host-rows "$h" --host-run "$r" --copies-per-call "${FETCH_COPIES:-8}" \
-        --no-check --out "$OUT/fetch_host${h}_r$r.json"
+        --no-check ${FETCH_FRESH:+--fresh-rows} --out "$OUT/fetch_host${h}_r$r.json"
     done
   done
 fi
