@@ -311,3 +311,45 @@ def test_environment_records_xla_flags_where_set(monkeypatch):
   env = environment()
   assert env["xla_flags"] == "--xla_gpu_enable_command_buffer=+CONDITIONAL"
   assert {"backend", "device", "jax", "python", "date"} <= set(env)
+
+
+def _probe(name: str):
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "probes" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_fetch_between_probe_fetches_after_each_gather(tmp_path, rng):
+  """gpu_fetch_between.py: each round gathers device-pool rows (their maximum written to
+  the round's first gathered row), then fetches its own host rows; the gathers-only
+  program fetches nothing. Its CPU smoke run writes its table's JSON."""
+  between = _probe("gpu_fetch_between")
+  host_s, dev_s = fetch._shardings()
+  C, N, G, Sh, Sd, W = 3, 8, 5, 64, 40, between.W
+  host_np = rng.integers(0, 256, (Sh, W), dtype=np.uint8)
+  dev_np = rng.integers(0, 256, (Sd, W), dtype=np.uint8)
+  hidx = fetch.host_indices(rng, Sh, C * N, 4).reshape(C, N)
+  didx = np.stack([rng.choice(Sd, N, replace=False) for _ in range(C)]).astype(np.int32)
+  gidx = rng.integers(0, Sd, (C, G), dtype=np.int32)
+  host = jax.device_put(host_np, host_s)
+  args = (host, *(jax.device_put(x, dev_s) for x in (hidx, didx, gidx)))
+  want = dev_np.copy()
+  for c in range(C):
+    want[gidx[c, 0]] = want[gidx[c]].max(axis=0)
+    want[didx[c]] = host_np[hidx[c]]
+  got = between.program(C, G, True)(jax.device_put(dev_np, dev_s), *args)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  only = dev_np.copy()
+  for c in range(C):
+    only[gidx[c, 0]] = only[gidx[c]].max(axis=0)
+  got = between.program(C, G, False)(jax.device_put(dev_np, dev_s), *args)
+  np.testing.assert_array_equal(np.asarray(got), only)
+  out = tmp_path / "between.json"
+  assert between.main(["--quick", "--out", str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert [r["gather_rows"] for r in result["results"]] == [0, 100]
+  assert all(len(r["times"]["program"]) == 2 for r in result["results"])
