@@ -133,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--no-check", action="store_true",
                  help="skip the bit-exactness checks; the host pool is then filled in "
                       "place by host compute with no copy of it in this process's memory, "
-                      "so it can be as large as a serving run's (e.g. --host-rows 128M)")
+                      "so it can be as large as a serving run's (100 GiB: --host-rows 163840000)")
   p.add_argument("--out", default="runs/bench/fetch.json", help="JSON output path")
   p.add_argument("--quick", action="store_true",
                  help="tiny sizes and few iterations (smoke test, e.g. on CPU)")
