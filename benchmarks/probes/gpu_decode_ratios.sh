@@ -40,6 +40,11 @@
 #            place and not checked (bench fetch --no-check); FETCH_FRESH=1 gives each
 #            copy its own rows (--fresh-rows: no translation of a host page warm from
 #            the copy before, as in a serving step; use FETCH_COPIES=16)
+#   between  benchmarks/probes/gpu_fetch_between.py: the fetch of 4K fresh host rows in
+#            runs of 4 from a 100 GiB pool among gathers of BETWEEN_GATHERS (default
+#            "0,26K,104K") rows of a BETWEEN_DEVICE_ROWS-row device pool (default
+#            65472000, 40 GiB), as a serving step's attention reads run between two
+#            groups' fetches
 #   serving  ula-jax bench serving at the throughput experiment's settings (GLM-5
 #            geometry, 32K contexts, synthetic prefill and selections, Pallas fetch,
 #            fused resolve), SERVING_SYSTEMS (default ula_dp) at SERVING_BATCHES (default
@@ -131,6 +136,13 @@ if wants fetch; then
         --no-check ${FETCH_FRESH:+--fresh-rows} --out "$OUT/fetch_host${h}_r$r.json"
     done
   done
+fi
+if wants between; then
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-$(
+    "$PY" -c 'from ula_jax.core.host_memory import *; print(default_pinned_limit_gib(host_ram()))')}"
+  STEP_TAIL=8 step between 240 "$PY" benchmarks/probes/gpu_fetch_between.py \
+    --device-rows "${BETWEEN_DEVICE_ROWS:-65472000}" --gather-rows "${BETWEEN_GATHERS:-0,26K,104K}" \
+    --out "$OUT/between.json"
 fi
 if wants serving; then
   for item in ${SERVING_VARIANTS:-base}; do
