@@ -323,33 +323,49 @@ def _probe(name: str):
   return module
 
 
-def test_fetch_between_probe_fetches_after_each_gather(tmp_path, rng):
-  """gpu_fetch_between.py: each round gathers device-pool rows (their maximum written to
-  the round's first gathered row), then fetches its own host rows; the gathers-only
-  program fetches nothing. Its CPU smoke run writes its table's JSON."""
+def test_fetch_between_probe_copies_after_each_gather(tmp_path, rng):
+  """gpu_fetch_between.py: each round gathers device-pool rows, then copies its own host
+  rows: a fetch into the device pool (the gather's maximum written to its first row
+  before), an evict from the staged rows (the maximum written to one of them before);
+  the gathers-only programs copy nothing, and no program copies a pool. Its CPU smoke run
+  writes its table's JSON."""
   between = _probe("gpu_fetch_between")
   host_s, dev_s = fetch._shardings()
   C, N, G, Sh, Sd, W = 3, 8, 5, 64, 40, between.W
   host_np = rng.integers(0, 256, (Sh, W), dtype=np.uint8)
   dev_np = rng.integers(0, 256, (Sd, W), dtype=np.uint8)
+  staged_np = rng.integers(0, 256, (N, W), dtype=np.uint8)
   hidx = fetch.host_indices(rng, Sh, C * N, 4).reshape(C, N)
   didx = np.stack([rng.choice(Sd, N, replace=False) for _ in range(C)]).astype(np.int32)
   gidx = rng.integers(0, Sd, (C, G), dtype=np.int32)
-  host = jax.device_put(host_np, host_s)
-  args = (host, *(jax.device_put(x, dev_s) for x in (hidx, didx, gidx)))
-  want = dev_np.copy()
-  for c in range(C):
-    want[gidx[c, 0]] = want[gidx[c]].max(axis=0)
-    want[didx[c]] = host_np[hidx[c]]
-  got = between.program(C, G, True)(jax.device_put(dev_np, dev_s), *args)
-  np.testing.assert_array_equal(np.asarray(got), want)
-  only = dev_np.copy()
-  for c in range(C):
-    only[gidx[c, 0]] = only[gidx[c]].max(axis=0)
-  got = between.program(C, G, False)(jax.device_put(dev_np, dev_s), *args)
-  np.testing.assert_array_equal(np.asarray(got), only)
+  lists = tuple(jax.device_put(x, dev_s) for x in (hidx, didx, gidx))
+
+  def pools():
+    return (jax.device_put(dev_np, dev_s), jax.device_put(host_np, host_s),
+            jax.device_put(staged_np, dev_s))
+
+  for direction in ("fetch", "evict"):
+    for with_copy in (True, False):
+      dev, host, staged = dev_np.copy(), host_np.copy(), staged_np.copy()
+      for c in range(C):
+        top = dev[gidx[c]].max(axis=0)
+        if direction == "fetch":
+          dev[gidx[c, 0]] = top
+        else:
+          staged[c % N] = top
+        if with_copy and direction == "fetch":
+          dev[didx[c]] = host[hidx[c]]
+        elif with_copy:
+          host[hidx[c]] = staged
+      got = between.program(C, G, with_copy, direction)(pools(), *lists)
+      for g, w in zip(got, (dev, host, staged)):
+        np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"{direction} {with_copy}")
   out = tmp_path / "between.json"
   assert between.main(["--quick", "--out", str(out)]) == 0
   result = json.loads(out.read_text())
-  assert [r["gather_rows"] for r in result["results"]] == [0, 100]
+  assert [(r["direction"], r["gather_rows"]) for r in result["results"]] == [
+      ("fetch", 0), ("fetch", 100), ("evict", 0), ("evict", 100)]
   assert all(len(r["times"]["program"]) == 2 for r in result["results"])
+  assert all(r["in_place"] for r in result["results"])
+  with pytest.raises(ValueError, match=r"--directions='fetch,stage': expected"):
+    between.main(["--quick", "--directions", "fetch,stage"])

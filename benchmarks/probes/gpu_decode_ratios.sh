@@ -40,8 +40,8 @@
 #            place and not checked (bench fetch --no-check); FETCH_FRESH=1 gives each
 #            copy its own rows (--fresh-rows: no translation of a host page warm from
 #            the copy before, as in a serving step; use FETCH_COPIES=16)
-#   between  benchmarks/probes/gpu_fetch_between.py: the fetch of 4K fresh host rows in
-#            runs of 4 from a 100 GiB pool among gathers of BETWEEN_GATHERS (default
+#   between  benchmarks/probes/gpu_fetch_between.py: the fetch and evict of 4K fresh
+#            host rows in runs of 4, 100 GiB pool, among gathers of BETWEEN_GATHERS (default
 #            "0,26K,104K") rows of a BETWEEN_DEVICE_ROWS-row device pool (default
 #            65472000, 40 GiB), as a serving step's attention reads run between two
 #            groups' fetches

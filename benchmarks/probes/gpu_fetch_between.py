@@ -1,15 +1,15 @@
-"""The Pallas row fetch with device-pool reads between its copies, as a serving step runs
-it: between two layer groups' fetches, attention and the indexer read some 100K rows
-scattered over a device pool of tens of GiB, which may evict the GPU's cached
-translations that the next fetch of host rows needs.
+"""The Pallas row fetch and evict with device-pool reads between their copies, as a
+serving step runs them: between two layer groups' copies, attention and the indexer read
+some 100K rows scattered over a device pool of tens of GiB, which may evict the GPU's
+cached translations that the next copy of host rows needs.
 
 Each program runs ``--copies`` rounds of: an XLA gather of G random rows of the device
 pool (its own rows each round; their maximum written to one row of the pool, so the
-next copy waits for it), then one fetch of ``--rows`` fresh host rows (in runs of
+next copy waits for it), then one copy of ``--rows`` fresh host rows (in runs of
 ``--run``, as ``memory.host_layout: entry_major`` moves a group) into random rows of that
-pool. The same program without the fetches times the gathers alone; the difference,
-per copy, is the fetch's time among the gathers, beside a memcpy of the same bytes.
-G = 0 is ``bench fetch --fresh-rows``'s setting.
+pool (fetch) or from them (evict). The same program without the copies times the
+gathers alone; the difference, per copy, is the copy's time among the gathers, beside a
+memcpy of the same bytes. G = 0 is ``bench fetch --fresh-rows``'s setting.
 
     PYTHONPATH=. python benchmarks/probes/gpu_fetch_between.py --out between.json \\
         [--host-rows 163840000] [--device-rows 65472000] [--gather-rows 0,26K,104K]
@@ -32,22 +32,34 @@ import numpy as np
 from ula_jax.bench.common import best_and_median, environment, parse_sizes, time_calls
 from ula_jax.bench.fetch import _filled_pool, _memcpy_ceiling, _shardings, host_indices
 from ula_jax.kernels.fetch.hlo import pool_materializations
-from ula_jax.kernels.fetch.pallas import fetch_rows_pallas
+from ula_jax.kernels.fetch.pallas import evict_rows_pallas, fetch_rows_pallas
 
 W = 656  # the FP8 row
 
 
-def program(copies: int, gather: int, with_fetch: bool):
-  """``dst = f(dst, host, hidx [C, N], didx [C, N], gidx [C, max(G, 1)])``."""
+def program(copies: int, gather: int, with_copy: bool, direction: str = "fetch"):
+  """``(dev, host, staged) = f((dev, host, staged), hidx [C, N], didx [C, N], gidx [C,
+  max(G, 1)])``, all three donated. A fetch writes ``didx``'s rows of the device pool
+  ``dev`` after the round's gather, whose maximum goes to the gather's first row of
+  ``dev``; an evict writes the N rows of ``staged`` (a step's victims, set aside in a
+  buffer of their own) to the host after the gather, whose maximum goes to a row of
+  ``staged``."""
 
-  def run(dst, host, hidx, didx, gidx):
+  def run(pools, hidx, didx, gidx):
+    dev, host, staged = pools
+    n = staged.shape[0]
     for c in range(copies):
       if gather:
-        g = jnp.take(dst, gidx[c], axis=0)
-        dst = dst.at[gidx[c, 0]].set(jnp.max(g, axis=0))
-      if with_fetch:
-        dst = fetch_rows_pallas(host, hidx[c], dst, didx[c])
-    return dst
+        top = jnp.max(jnp.take(dev, gidx[c], axis=0), axis=0)
+        if direction == "fetch":
+          dev = dev.at[gidx[c, 0]].set(top)
+        else:
+          staged = staged.at[c % n].set(top)
+      if with_copy and direction == "fetch":
+        dev = fetch_rows_pallas(host, hidx[c], dev, didx[c])
+      elif with_copy:
+        host = evict_rows_pallas(staged, jnp.arange(n, dtype=jnp.int32), host, hidx[c])
+    return dev, host, staged
 
   return jax.jit(run, donate_argnums=0)
 
@@ -59,6 +71,7 @@ def main(argv: list[str]) -> int:
   p.add_argument("--rows", type=int, default=4096, help="host rows a fetch")
   p.add_argument("--run", type=int, default=4, help="host rows in runs of this many")
   p.add_argument("--copies", type=int, default=8, help="rounds a program")
+  p.add_argument("--directions", default="fetch,evict", help="fetch, evict or both")
   p.add_argument("--gather-rows", default="0,26K,104K",
                  help="device-pool rows gathered before each fetch, comma list")
   p.add_argument("--reps", type=int, default=5)
@@ -70,6 +83,9 @@ def main(argv: list[str]) -> int:
     args.host_rows, args.device_rows, args.rows, args.copies = 4096, 2048, 64, 2
     args.gather_rows, args.reps = "0,100", 2
   gathers = parse_sizes(args.gather_rows)
+  directions = args.directions.split(",")
+  if not directions or set(directions) - {"fetch", "evict"}:
+    raise ValueError(f"--directions={args.directions!r}: expected fetch, evict or both")
   C, N = args.copies, args.rows
   if N % args.run or C * N > args.host_rows or N > args.device_rows:
     raise ValueError(f"--rows={N}: expected a multiple of --run={args.run}, with --copies "
@@ -78,46 +94,52 @@ def main(argv: list[str]) -> int:
                 target_s=0.001 if args.quick else 0.2, warmup=1)
   host_s, dev_s = _shardings()
   rng = np.random.default_rng(args.seed)
-  host = _filled_pool(host_s, (args.host_rows, W), jnp.uint8)
-  state = {"dev": _filled_pool(dev_s, (args.device_rows, W), jnp.uint8)}
+  state = {"pools": (_filled_pool(dev_s, (args.device_rows, W), jnp.uint8),
+                     _filled_pool(host_s, (args.host_rows, W), jnp.uint8),
+                     _filled_pool(dev_s, (args.rows, W), jnp.uint8))}
   hidx = jax.device_put(host_indices(rng, args.host_rows, C * N, args.run).reshape(C, N),
                         dev_s)
   didx = jax.device_put(np.stack([rng.choice(args.device_rows, N, replace=False)
                                   for _ in range(C)]).astype(np.int32), dev_s)
   nbytes = N * W
-  try:
-    memcpy = _memcpy_ceiling("fetch", nbytes, timing)
-  except RuntimeError:
-    memcpy = None
   results = []
-  for G in gathers:
-    gidx = jax.device_put(rng.integers(0, args.device_rows, (C, max(G, 1)), dtype=np.int32),
-                          dev_s)
-    fns = {}
-    for with_fetch in (True, False):
-      fn = program(C, G, with_fetch)
-      compiled = fn.lower(state["dev"], host, hidx, didx, gidx).compile()
-      if pool_materializations(compiled.as_text(), (args.device_rows, W)):
-        raise RuntimeError(f"G={G}: the program copies the device pool")
-      fns[with_fetch] = compiled
-    times: dict[str, list[float]] = {"program": [], "gathers": [], "memcpy": []}
-    for _ in range(args.reps):  # taking turns
-      for with_fetch, key in ((True, "program"), (False, "gathers")):
-        t, state["dev"] = time_calls(
-            lambda d, f=fns[with_fetch], g=gidx: f(d, host, hidx, didx, g), state["dev"],
-            **timing)
-        times[key].append(t)
-      if memcpy is not None:
-        times["memcpy"].append(memcpy())
-    per_copy = [(a - b) / C for a, b in zip(times["program"], times["gathers"])]
-    best, median = best_and_median(per_copy)
-    ceiling = min(times["memcpy"]) if times["memcpy"] else None
-    results.append({
-        "gather_rows": G, "times": times, "fetch_s": best, "fetch_median_s": median,
-        "fetch_gbps": nbytes / best / 1e9 if best > 0 else None,
-        "memcpy_gbps": nbytes / ceiling / 1e9 if ceiling else None,
-        "fraction": ceiling / best if ceiling and best > 0 else None,
-        "gathers_s": min(times["gathers"]) / C})
+  for direction in directions:
+    try:
+      memcpy = _memcpy_ceiling(direction, nbytes, timing)
+    except RuntimeError:
+      memcpy = None
+    for G in gathers:
+      gidx = jax.device_put(
+          rng.integers(0, args.device_rows, (C, max(G, 1)), dtype=np.int32), dev_s)
+      fns, in_place = {}, True
+      for with_copy in (True, False):
+        fn = program(C, G, with_copy, direction)
+        compiled = fn.lower(state["pools"], hidx, didx, gidx).compile()
+        text = compiled.as_text()
+        # On a GPU nothing copies a pool; on a CPU (interpret mode) a host pool written
+        # by a kernel is staged through device memory.
+        in_place &= not (pool_materializations(text, (args.device_rows, W))
+                         or pool_materializations(text, (args.host_rows, W)))
+        fns[with_copy] = compiled
+      times: dict[str, list[float]] = {"program": [], "gathers": [], "memcpy": []}
+      for _ in range(args.reps):  # taking turns
+        for with_copy, key in ((True, "program"), (False, "gathers")):
+          t, state["pools"] = time_calls(
+              lambda s, f=fns[with_copy], g=gidx: f(s, hidx, didx, g), state["pools"],
+              **timing)
+          times[key].append(t)
+        if memcpy is not None:
+          times["memcpy"].append(memcpy())
+      per_copy = [(a - b) / C for a, b in zip(times["program"], times["gathers"])]
+      best, median = best_and_median(per_copy)
+      ceiling = min(times["memcpy"]) if times["memcpy"] else None
+      results.append({
+          "direction": direction, "gather_rows": G, "in_place": in_place,
+          "times": times, "copy_s": best,
+          "copy_median_s": median, "copy_gbps": nbytes / best / 1e9 if best > 0 else None,
+          "memcpy_gbps": nbytes / ceiling / 1e9 if ceiling else None,
+          "fraction": ceiling / best if ceiling and best > 0 else None,
+          "gathers_s": min(times["gathers"]) / C})
   out = {"probe": "fetch_between", "environment": environment(), "host_rows": args.host_rows,
          "device_rows": args.device_rows, "rows": N, "run": args.run, "copies": C,
          "reps": args.reps, "results": results}
@@ -125,16 +147,17 @@ def main(argv: list[str]) -> int:
   with open(args.out, "w") as f:
     json.dump(out, f, indent=1)
   env = out["environment"]
-  print(f"fetch of {N} fresh host rows (runs of {args.run}) among device-pool gathers, "
+  print(f"copies of {N} fresh host rows (runs of {args.run}) among device-pool gathers, "
         f"{env['device']}, jax {env['jax']}; host pool {args.host_rows} rows, device pool "
         f"{args.device_rows}; best of {args.reps}")
-  print(f"{'gathered':>9} {'gathers us':>11} {'fetch us':>9} {'GB/s':>7} {'memcpy GB/s':>12} "
-        f"{'fraction':>9}")
+  print(f"{'dir':>5} {'gathered':>9} {'gathers us':>11} {'copy us':>9} {'GB/s':>7} "
+        f"{'memcpy GB/s':>12} {'fraction':>9} {'in place':>9}")
   fmt = lambda x, spec: "-" if x is None else format(x, spec)
   for r in results:
-    print(f"{r['gather_rows']:>9} {r['gathers_s'] * 1e6:>11.1f} {r['fetch_s'] * 1e6:>9.1f} "
-          f"{fmt(r['fetch_gbps'], '7.1f')} {fmt(r['memcpy_gbps'], '12.1f')} "
-          f"{fmt(r['fraction'], '9.3f')}")
+    print(f"{r['direction']:>5} {r['gather_rows']:>9} {r['gathers_s'] * 1e6:>11.1f} "
+          f"{r['copy_s'] * 1e6:>9.1f} {fmt(r['copy_gbps'], '7.1f')} "
+          f"{fmt(r['memcpy_gbps'], '12.1f')} {fmt(r['fraction'], '9.3f')} "
+          f"{'yes' if r['in_place'] else 'NO':>9}")
   print(f"wrote {args.out}")
   return 0
 
