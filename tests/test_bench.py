@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.probe_util import load_probe
 from ula_jax.bench import attention, fetch, summary
 from ula_jax.bench.common import best_and_median, environment, parse_list, parse_sizes
 from ula_jax.kernels.fetch import evict_rows, fetch_rows
@@ -313,23 +314,13 @@ def test_environment_records_xla_flags_where_set(monkeypatch):
   assert {"backend", "device", "jax", "python", "date"} <= set(env)
 
 
-def _probe(name: str):
-  import importlib.util
-  import pathlib
-  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "probes" / f"{name}.py"
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_fetch_between_probe_copies_after_each_gather(tmp_path, rng):
   """gpu_fetch_between.py: each round gathers device-pool rows, then copies its own host
   rows: a fetch into the device pool (the gather's maximum written to its first row
   before), an evict from the staged rows (the maximum written to one of them before);
   the gathers-only programs copy nothing, and no program copies a pool. Its CPU smoke run
   writes its table's JSON."""
-  between = _probe("gpu_fetch_between")
+  between = load_probe("gpu_fetch_between")
   host_s, dev_s = fetch._shardings()
   C, N, G, Sh, Sd, W = 3, 8, 5, 64, 40, between.W
   host_np = rng.integers(0, 256, (Sh, W), dtype=np.uint8)

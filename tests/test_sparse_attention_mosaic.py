@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.probe_util import load_probe
 from tests.test_sparse_attention_pallas import assert_close, make_inputs, reference
 from ula_jax.kernels.sparse_attention import mosaic
 from ula_jax.kernels.sparse_attention.mosaic import (MosaicAttentionConfig,
@@ -162,21 +163,11 @@ class TestSparseAttentionMosaicGpu:
     assert_close(got, reference(*args, scale=0.05), jnp.bfloat16)
 
 
-def _script(name: str):
-  import importlib.util
-  import pathlib
-  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "probes" / f"{name}.py"
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_gpu_diagnostic_scripts_lower_for_cuda():
   """The probe's partial tile steps and the TMA row gathers lower for CUDA; their modes
   and variants are checked. The probe sets nothing in the kernel's module."""
   import jax
-  probe = _script("gpu_mosaic_probe")
+  probe = load_probe("gpu_mosaic_probe")
   before = dict(vars(mosaic))
   assert probe.tile_step("full") is None  # the kernel's own
   for variant in probe.VARIANTS[1:]:
@@ -189,7 +180,7 @@ def test_gpu_diagnostic_scripts_lower_for_cuda():
   for bad in ("full+c+c", "full+qc", "full+f2", "rows"):
     with pytest.raises(ValueError, match="expected one of"):
       probe._parse_variant(bad)
-  rate = _script("gpu_wgmma_rate")
+  rate = load_probe("gpu_wgmma_rate")
   for source in ("rs", "ss"):
     f = jax.jit(rate.rate_kernel(source, 64, 2, calls=8, in_flight=1))
     text = f.trace(jax.ShapeDtypeStruct((64, 64), jnp.bfloat16),
@@ -198,7 +189,7 @@ def test_gpu_diagnostic_scripts_lower_for_cuda():
     assert "mosaic_gpu" in text
   with pytest.raises(ValueError, match="'full\\+x': expected one of"):
     probe._parse_variant("full+x")
-  gather = _script("gpu_row_gather")
+  gather = load_probe("gpu_row_gather")
   spec = jax.ShapeDtypeStruct
   for mode, issuers in zip(gather.MODES, (1, 4)):
     f = jax.jit(lambda p, s, mode=mode, n=issuers: gather.tma_gather(
@@ -220,7 +211,7 @@ def test_gpu_diagnostic_scripts_lower_for_cuda():
 def test_probe_timeline_and_modes(capsys):
   """The probe's trace summary (``--timeline``) on a two-warpgroup trace, and its
   options' errors."""
-  probe = _script("gpu_mosaic_probe")
+  probe = load_probe("gpu_mosaic_probe")
   ev = lambda tid, name, ph, ts: {"tid": tid, "name": name, "ph": ph, "ts": ts, "pid": 1}
   events = [ev(1, "c_wait", "B", 100.0), ev(1, "c_wait", "E", 100.5),
             ev(1, "c_wait", "B", 101.0), ev(1, "c_wait", "E", 101.25),
@@ -263,7 +254,7 @@ def test_ncu_summary_reads_both_pages(tmp_path, capsys):
            '"0x10","LDSM.16.M88.4 R4, [R2]","300","1,200","1,200","1","3","9"',
            '"0x20","@!P0 HGMMA.64x32x16.F32.BF16 R24, R76","100","200","200","6","0","9"']
   sass.write_text("\n".join(lines) + "\n")
-  summary = _script("ncu_summary")
+  summary = load_probe("ncu_summary")
   assert summary.main([str(details), str(sass)]) == 0
   out = capsys.readouterr().out
   assert "Duration" in out and "105.82" in out and "Theoretical Occupancy" not in out
@@ -273,4 +264,4 @@ def test_ncu_summary_reads_both_pages(tmp_path, capsys):
   with pytest.raises(SystemExit):
     summary.main([])
   with pytest.raises(SystemExit):
-    _script("gpu_mosaic_ncu").main(["t1"])
+    load_probe("gpu_mosaic_ncu").main(["t1"])

@@ -60,6 +60,12 @@ gpu_setup gpu_decode_ratios "${TIME_LIMIT_S:-570}" outside
 config_wheels
 CLI="$PY -m ula_jax.cli.main"
 wants() { [[ " ${PARTS:-small glm5 resolve fetch} " == *" $1 "* ]]; }
+# The pinned-host cap a serving run sets (the RAM less the process's reserve), for the
+# parts that pin host pools as large as a serving run's; a cap already given stays.
+pin_like_serving() {
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-$(
+    "$PY" -c 'from ula_jax.core.host_memory import *; print(default_pinned_limit_gib(host_ram()))')}"
+}
 if wants small; then
   STEP_TAIL=8 step small 150 $CLI bench step_cost --config experiments/quickstart/config.yaml \
     --systems resident,ula --batch 32 --prompt 1024 --output 64 --json "$OUT/step_small.json" \
@@ -124,10 +130,8 @@ if wants fetch; then
     --impls "$impls" --directions fetch,evict --ceilings memcpy \
     --copies-per-call "${FETCH_COPIES:-8}" --host-run "${FETCH_RUN:-4}" \
     --out "$OUT/fetch_runs.json"
-  # Host pools as large as a serving run's: filled in place, not mirrored (--no-check),
-  # under the pinned-host cap a serving run sets (the RAM less the process's reserve).
-  [ -n "${FETCH_HOST_ROWS:-}" ] && export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-$(
-    "$PY" -c 'from ula_jax.core.host_memory import *; print(default_pinned_limit_gib(host_ram()))')}"
+  # Host pools as large as a serving run's: filled in place, not mirrored (--no-check).
+  [ -n "${FETCH_HOST_ROWS:-}" ] && pin_like_serving
   for h in ${FETCH_HOST_ROWS:-}; do
     for r in 1 "${FETCH_RUN:-4}"; do
       STEP_TAIL=10 step "fetch_host${h}_r$r" 150 $CLI bench fetch --layouts fp8x656 \
@@ -138,8 +142,7 @@ if wants fetch; then
   done
 fi
 if wants between; then
-  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-$(
-    "$PY" -c 'from ula_jax.core.host_memory import *; print(default_pinned_limit_gib(host_ram()))')}"
+  pin_like_serving
   STEP_TAIL=8 step between 240 "$PY" benchmarks/probes/gpu_fetch_between.py \
     --device-rows "${BETWEEN_DEVICE_ROWS:-65472000}" --gather-rows "${BETWEEN_GATHERS:-0,26K,104K}" \
     --out "$OUT/between.json"
