@@ -58,6 +58,7 @@ from ula_jax.kernels.fetch import evict_rows, fetch_rows
 from ula_jax.kernels.fetch import ffi as fetch_ffi
 from ula_jax.kernels.fetch.hlo import pool_materializations
 from ula_jax.kernels.fetch.pallas import CopyRowsConfig
+from ula_jax.memory.base import device_zeros
 
 # bf16x576 and fp8x656: the MLA entry's two layouts; u8x640 and u8x768: rows of whole
 # 128-byte lines (5 and 6), the alignment controls of the 656-byte row (which spans 6).
@@ -156,14 +157,13 @@ def _random_pool(rng: np.random.Generator, rows: int, dtype, width: int) -> np.n
 
 def _filled_pool(sharding: jax.sharding.Sharding, shape: tuple[int, int], dtype
                  ) -> jax.Array:
-  """A pool of ``shape`` filled where ``sharding`` puts it (a constant byte; a
-  ``pinned_host`` pool by host compute): no staging buffer and no copy of its size in
-  this process's memory, so it can be as large as a serving run's."""
-  fill = jnp.asarray(0x5A, jnp.uint8).astype(dtype)
-  full = lambda: jnp.full(shape, fill, dtype)
-  if sharding.memory_kind == "pinned_host":
-    return jax.jit(lambda: compat.on_host(full), out_shardings=sharding)()
-  return jax.jit(full, out_shardings=sharding)()
+  """A pool of ``shape`` filled with 0x5A where ``sharding`` (one device) puts it, as the
+  memory systems create theirs (``memory.base.device_zeros``: a ``pinned_host`` pool by
+  host compute): no staging buffer and no copy of its size in this process's memory, so
+  it can be as large as a serving run's."""
+  mesh = jax.sharding.Mesh(np.asarray(list(sharding.device_set)), ("dp",))
+  return device_zeros(mesh, shape, dtype, sharding.memory_kind, fill=0x5A,
+                      spec=jax.sharding.PartitionSpec())
 
 
 def _impls(names: list[str], args) -> list[tuple[str, str, dict]]:
