@@ -6,6 +6,7 @@ import functools
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -360,3 +361,24 @@ def test_fetch_between_probe_copies_after_each_gather(tmp_path, rng):
   assert all(r["in_place"] for r in result["results"])
   with pytest.raises(ValueError, match=r"--directions='fetch,stage': expected"):
     between.main(["--quick", "--directions", "fetch,stage"])
+
+
+def test_layer_weights_probe_forms_compute_the_same_pass(tmp_path):
+  """gpu_layer_weights.py: the layer stack run as the engine runs it (scans over stacked
+  parameters) and unrolled (static slices) give the same hidden states and the same
+  indexer and projection sums; its CPU smoke run writes its JSON."""
+  lw = load_probe("gpu_layer_weights")
+  cfg = lw.model_config(6, quick=True)  # a mixed first group (dense, MoE), then MoE ones
+  model = lw.Transformer(cfg)
+  x = jax.random.normal(jax.random.key(1), (5, cfg.hidden_size), jnp.float32)
+  pos = jnp.arange(5, dtype=jnp.int32) + 7
+  ys, accs = jax.jit(lw.scan_forward)(model, x, pos)
+  yu, accu = jax.jit(lw.unrolled_forward)(model, x, pos)
+  assert float(jnp.abs(ys - x).max()) > 1e-3  # the layers changed the hidden state
+  np.testing.assert_allclose(np.asarray(ys), np.asarray(yu), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(float(accs), float(accu), rtol=2e-5)
+  out = tmp_path / "lw.json"
+  assert lw.main(["--quick", "--layers", "4", "--reps", "1", "--json", str(out)]) == 0
+  row = json.loads(out.read_text())["row"]
+  assert (row["form"], row["layers"], row["rows"]) == ("scan", 4, 64)
+  assert row["call_s"] > 0 and row["layer_weight_bytes"] > 0

@@ -1,0 +1,169 @@
+"""What a decode step's layer stack pays to read its weights: the model's own layers
+(``glm5_narrow`` shapes, ``--layers`` of them, ``--rows`` decode rows), without attention
+or KV (a layer's attention output is its absorbed query), run as the engine runs them
+(``lax.scan`` over stacked parameters) or unrolled (``--form unrolled``: every layer's
+parameters sliced out with static indices).
+
+A serving step's profile at GLM-5 geometry shows some 4-5 device-to-device copies a
+layer (``MemcpyD2D``, 8.4 ms of a 46.6 ms step on an H100): most likely each layer's
+weights copied out of the stacked arrays before the matrix products read them. This
+probe times one pass over the layers, counts its copies from a profile, and sets both
+against reading the weights once at the device's own copy rate (measured in the same
+process). Run it once per ``XLA_FLAGS`` setting (flags must precede jax's start):
+
+    PYTHONPATH=. XLA_FLAGS=... python benchmarks/probes/gpu_layer_weights.py \\
+        --tag base --json out.json [--form scan|unrolled] [--layers 16] [--rows 64]
+
+``--quick``: a CPU-sized smoke run (model ``tiny``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ula_jax.bench.common import best_and_median, environment, time_calls
+from ula_jax.bench.profile import trace_calls
+from ula_jax.models.config import ModelConfig
+from ula_jax.models.transformer import Transformer, _run_layers, param_bytes
+
+F32 = jnp.float32
+
+
+def model_config(layers: int, quick: bool) -> ModelConfig:
+  if quick:
+    return ModelConfig(preset="tiny", num_layers=layers)
+  return ModelConfig(preset="glm5", hidden_size=1024, intermediate_size=2048,
+                     moe_intermediate_size=256, num_layers=layers)
+
+
+def _select(g, layers, first, indexer, c):
+  """The group's indexer query and key (what decode computes before its top-k)."""
+  del g, layers
+  q_i, w = indexer.query(first.h, first.c_q, c["pos"])
+  key = indexer.key(first.h, c["pos"])
+  acc = c["acc"] + jnp.sum(q_i.astype(F32)) + jnp.sum(w.astype(F32)) + jnp.sum(
+      key.astype(F32))
+  return None, {**c, "acc": acc}
+
+
+def _attend(l, layer, proj, sel, c):
+  """The layer's products around attention: the absorbed query stands in for the
+  attention's latent output."""
+  del l, sel
+  o_lat = layer.attn.absorb(proj.q_nope)
+  out = layer.attn.out(o_lat)
+  acc = c["acc"] + jnp.sum(proj.q_rope.astype(F32)) + jnp.sum(proj.entry.astype(F32))
+  return out, {**c, "acc": acc}
+
+
+def scan_forward(model: Transformer, x, pos):
+  x, c = _run_layers(model, x, pos, {"acc": jnp.zeros((), F32), "pos": pos},
+                     select=_select, attend=_attend)
+  return x, c["acc"]
+
+
+def unrolled_forward(model: Transformer, x, pos):
+  cfg = model.cfg
+  c = {"acc": jnp.zeros((), F32), "pos": pos}
+  for g in range(cfg.num_groups):
+    block = model.block(g)
+    layers = list(cfg.group_layers(g))
+    _, c = _select(g, None, block.indexer_input(x), block.indexer, c)
+    for l in layers:
+      layer = model.layer(l)
+      proj = layer.pre_attention(x, pos)
+      out, c = _attend(l, layer, proj, None, c)
+      x = layer.post_attention(x, out)
+  return x, c["acc"]
+
+
+def copy_rate(nbytes: int) -> float:
+  """Bytes per second of a device-to-device copy of ``nbytes`` (read once, written
+  once), the ceiling a pass that reads the weights once is set against."""
+  src = jnp.zeros((nbytes // 4,), jnp.float32)
+  f = jax.jit(lambda a: a + 1.0)  # one read, one write per element
+  s, _ = time_calls(f, src, min_iters=3, max_iters=50, target_s=0.3, warmup=2)
+  return 2 * nbytes / s  # read + write traffic
+
+
+def main(argv: list[str]) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--tag", default="base")
+  p.add_argument("--form", choices=("scan", "unrolled"), default="scan")
+  p.add_argument("--layers", type=int, default=16)
+  p.add_argument("--rows", type=int, default=64)
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--json", default="layer_weights.json")
+  p.add_argument("--hlo", default=None, help="write the compiled program's HLO here")
+  p.add_argument("--quick", action="store_true")
+  args = p.parse_args(argv)
+
+  cfg = model_config(args.layers, args.quick)
+  model = Transformer(cfg)
+  graphdef, params = nnx.split(model)
+  wbytes = param_bytes(cfg)
+  stack_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize
+                    for a in jax.tree.leaves(nnx.split(model.segments)[1]))
+  fwd = scan_forward if args.form == "scan" else unrolled_forward
+
+  @jax.jit
+  def forward(params, state):
+    x, pos = state
+    y, acc = fwd(nnx.merge(graphdef, params), x, pos)
+    return (y + (acc * 0).astype(y.dtype), pos)
+
+  x = jax.random.normal(jax.random.key(0), (args.rows, cfg.hidden_size)).astype(cfg.dtype)
+  pos = jnp.arange(args.rows, dtype=jnp.int32) + 1000
+  state = (x, pos)
+  step = lambda s: forward(params, s)
+  if args.hlo:
+    with open(args.hlo, "w") as f:
+      f.write(forward.lower(params, state).compile().as_text())
+  times = []
+  for _ in range(args.reps):
+    t, state = time_calls(step, state, min_iters=3, max_iters=200, target_s=0.2, warmup=2)
+    times.append(t)
+  best, median = best_and_median(times)
+
+  prof = {}
+  if jax.default_backend() == "gpu":
+    with tempfile.TemporaryDirectory() as tdir:
+      with jax.profiler.trace(tdir, create_perfetto_trace=True):
+        for _ in range(4):
+          state = step(state)
+        jax.block_until_ready(state)
+      tr = trace_calls(tdir, "forward", top=12)
+    calls = tr["calls"][1:] or tr["calls"]
+    busy = float(np.median([c["device_busy_us"] for c in calls]))
+    copies = [k for k in tr["top_kinds"] if "emcpy" in k[0]]
+    prof = {"device_busy_us": busy, "top_kinds": tr["top_kinds"],
+            "memcpy_per_call": float(np.median([c["memcpy"] for c in calls])),
+            "memcpy_us_per_call": sum(k[2] for k in copies)}
+  rate = copy_rate(min(4 * 2**30, max(wbytes, 2**20))) if jax.default_backend() == "gpu" \
+      else None
+  ceiling_s = stack_bytes / (rate / 2) if rate else None  # read the layer weights once
+  row = {"tag": args.tag, "form": args.form, "layers": cfg.num_layers, "rows": args.rows,
+         "layer_weight_bytes": stack_bytes, "call_s": best, "call_median_s": median,
+         "copy_rate_bytes_s": rate, "read_once_s": ceiling_s,
+         "ratio_to_read_once": (best / ceiling_s) if ceiling_s else None, **prof}
+  doc = {"probe": "layer_weights", "environment": environment(), "row": row}
+  with open(args.json, "w") as f:
+    json.dump(doc, f, indent=1)
+  print(f"{args.tag:>14} {args.form:>8}  {best * 1e3:8.3f} ms"
+        + (f"  read-once {ceiling_s * 1e3:6.3f} ms  x{best / ceiling_s:5.2f}"
+           f"  memcpy {prof['memcpy_per_call']:5.0f} ({prof['memcpy_us_per_call'] / 1e3:6.3f} ms)"
+           f"  busy {prof['device_busy_us'] / 1e3:6.3f} ms" if ceiling_s else ""))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
