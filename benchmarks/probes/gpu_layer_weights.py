@@ -87,8 +87,8 @@ def unrolled_forward(model: Transformer, x, pos):
 
 
 def copy_rate(nbytes: int) -> float:
-  """Bytes per second of a device-to-device copy of ``nbytes`` (read once, written
-  once), the ceiling a pass that reads the weights once is set against."""
+  """Bytes of memory traffic per second (read and written) of a device-to-device copy of
+  ``nbytes``: the rate at which a pass that reads the weights once could read them."""
   src = jnp.zeros((nbytes // 4,), jnp.float32)
   f = jax.jit(lambda a: a + 1.0)  # one read, one write per element
   s, _ = time_calls(f, src, min_iters=3, max_iters=50, target_s=0.3, warmup=2)
@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
             "memcpy_us_per_call": sum(k[2] for k in copies)}
   rate = copy_rate(min(4 * 2**30, max(wbytes, 2**20))) if jax.default_backend() == "gpu" \
       else None
-  ceiling_s = stack_bytes / (rate / 2) if rate else None  # read the layer weights once
+  ceiling_s = stack_bytes / rate if rate else None  # the layer weights read once
   row = {"tag": args.tag, "form": args.form, "layers": cfg.num_layers, "rows": args.rows,
          "layer_weight_bytes": stack_bytes, "call_s": best, "call_median_s": median,
          "copy_rate_bytes_s": rate, "read_once_s": ceiling_s,
