@@ -12,7 +12,8 @@ import pytest
 
 from tests.probe_util import load_probe
 from ula_jax.bench import attention, fetch, summary
-from ula_jax.bench.common import best_and_median, environment, parse_list, parse_sizes
+from ula_jax.bench.common import (best_and_median, device_copy_rate, environment, parse_list,
+                                   parse_sizes)
 from ula_jax.kernels.fetch import evict_rows, fetch_rows
 from ula_jax.kernels.sparse_attention.pallas import AttentionConfig
 
@@ -408,3 +409,18 @@ def test_stacked_matmul_probe_reads_the_layers_weights(K, N, splits, rng, tmp_pa
   assert [(r["weight"], r["impl"]) for r in rows] == [
       ("a", "xla"), ("a", "pallas"), ("b", "xla"), ("b", "pallas")]
   assert all(r["max_rel_err"] < 1e-2 for r in rows)
+
+
+def test_device_copy_rate_is_the_copys_read_and_write_traffic(monkeypatch):
+  """Two bytes of traffic (one read, one written) per byte copied, over the seconds
+  ``time_calls`` measures for the copy of that many bytes."""
+  from ula_jax.bench import common
+  seen = {}
+
+  def fake_time_calls(step, state, **kw):
+    seen["bytes"] = state.nbytes
+    return 0.5, step(state)
+
+  monkeypatch.setattr(common, "time_calls", fake_time_calls)
+  assert device_copy_rate(4096) == 2 * 4096 / 0.5
+  assert seen["bytes"] == 4096

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 
@@ -30,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ula_jax.bench.common import best_and_median, environment, time_calls
+from ula_jax.bench.common import (best_and_median, device_copy_rate, environment,
+                                   time_calls)
 from ula_jax.bench.profile import trace_calls
 from ula_jax.models.config import ModelConfig
 from ula_jax.models.transformer import Transformer, _run_layers, param_bytes
@@ -86,15 +86,6 @@ def unrolled_forward(model: Transformer, x, pos):
   return x, c["acc"]
 
 
-def copy_rate(nbytes: int) -> float:
-  """Bytes of memory traffic per second (read and written) of a device-to-device copy of
-  ``nbytes``: the rate at which a pass that reads the weights once could read them."""
-  src = jnp.zeros((nbytes // 4,), jnp.float32)
-  f = jax.jit(lambda a: a + 1.0)  # one read, one write per element
-  s, _ = time_calls(f, src, min_iters=3, max_iters=50, target_s=0.3, warmup=2)
-  return 2 * nbytes / s  # read + write traffic
-
-
 def main(argv: list[str]) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--tag", default="base")
@@ -148,8 +139,8 @@ def main(argv: list[str]) -> int:
     prof = {"device_busy_us": busy, "top_kinds": tr["top_kinds"],
             "memcpy_per_call": float(np.median([c["memcpy"] for c in calls])),
             "memcpy_us_per_call": sum(k[2] for k in copies)}
-  rate = copy_rate(min(4 * 2**30, max(wbytes, 2**20))) if jax.default_backend() == "gpu" \
-      else None
+  gpu = jax.default_backend() == "gpu"
+  rate = device_copy_rate(min(4 * 2**30, max(wbytes, 2**20))) if gpu else None
   ceiling_s = stack_bytes / rate if rate else None  # the layer weights read once
   row = {"tag": args.tag, "form": args.form, "layers": cfg.num_layers, "rows": args.rows,
          "layer_weight_bytes": stack_bytes, "call_s": best, "call_median_s": median,

@@ -28,7 +28,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ula_jax.bench.common import best_and_median, environment, time_calls
+from ula_jax.bench.common import (best_and_median, device_copy_rate, environment,
+                                   time_calls)
 
 F32 = jnp.float32
 SHAPES = {"w_uq": (2048, 16384), "w_o": (16384, 1024), "w_uv": (512, 16384),
@@ -117,12 +118,7 @@ def main(argv: list[str]) -> int:
   bk, bn = (32, 64) if args.quick else (args.bk, args.bn)
   programs = 4 if args.quick else args.programs
 
-  rate = None
-  if gpu:
-    src = jnp.zeros((2**30 // 4,), F32)
-    s, _ = time_calls(jax.jit(lambda a: a + 1.0), src, min_iters=3, max_iters=50,
-                      target_s=0.3, warmup=2)
-    rate = 2 * 2**30 / s  # read + write traffic
+  rate = device_copy_rate(2**30) if gpu else None  # read + write traffic
   rows = []
   key = jax.random.key(0)
   for name, (K, N) in shapes.items():

@@ -84,6 +84,17 @@ def time_calls(step: Callable[[Any], Any], state: Any, *, min_iters: int, max_it
   return (time.perf_counter() - t0) / iters, state
 
 
+def device_copy_rate(nbytes: int) -> float:
+  """Bytes of memory traffic per second (read and written) of an elementwise copy of
+  ``nbytes`` in the default device's memory: the rate at which a kernel that only reads
+  could read, the ceiling the probes set weight reads against."""
+  import jax.numpy as jnp
+  src = jnp.zeros((max(nbytes // 4, 1),), jnp.float32)
+  s, _ = time_calls(jax.jit(lambda a: a + 1.0), src, min_iters=3, max_iters=50,
+                    target_s=0.3, warmup=2)
+  return 2 * src.nbytes / s
+
+
 def same_length_requests(n: int, prompt: int, output: int, vocab: int, seed: int) -> list:
   """``n`` engine requests of ``prompt`` random tokens and ``output`` new tokens each."""
   import numpy as np
