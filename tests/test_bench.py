@@ -385,23 +385,10 @@ def test_layer_weights_probe_forms_compute_the_same_pass(tmp_path):
   assert row["call_s"] > 0 and row["layer_weight_bytes"] > 0
 
 
-@pytest.mark.parametrize("K, N, splits", [(128, 128, 1), (256, 64, 4)])
-def test_stacked_matmul_probe_reads_the_layers_weights(K, N, splits, rng, tmp_path):
-  """gpu_stacked_matmul.py: the kernel's product of the rows and layer l's weights (l a
-  device scalar, K split into float32 partial sums) is the reference's for every layer;
-  its CPU smoke run writes its JSON."""
+def test_stacked_matmul_probe_runs_both_products(tmp_path):
+  """gpu_stacked_matmul.py's CPU smoke run: XLA's product and the kernel's
+  (``kernels.stacked_matmul``) for each shape, equal, in its JSON."""
   sm = load_probe("gpu_stacked_matmul")
-  L, M = 3, 16
-  x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-  w = jnp.asarray(rng.standard_normal((L, K, N)), jnp.float32)
-  f = jax.jit(lambda x, w, l: sm.stacked_matmul(x, w, l, bk=32, bn=64, splits=splits,
-                                                interpret=True))
-  for l in range(L):
-    np.testing.assert_allclose(np.asarray(f(x, w, jnp.int32(l))),
-                               np.asarray(x) @ np.asarray(w[l]), rtol=1e-4, atol=1e-4)
-  assert sm.splits_for(K, N, 32, 64, programs=8) == min(K // 32, 8 // (N // 64))
-  with pytest.raises(ValueError, match="N % 64 == 0"):
-    sm.stacked_matmul(x, w[:, :, :32], jnp.int32(0), bk=32, bn=64)
   out = tmp_path / "sm.json"
   assert sm.main(["--quick", "--layers", "2", "--rows", "16", "--reps", "1", "--json",
                   str(out)]) == 0

@@ -29,7 +29,8 @@ SYSTEMS = {
     # Every kernel choice decodes the same tokens (Pallas in interpret mode on CPU).
     "ula_small_pallas_kernels": ["memory.system=ula", f"memory.device_pool={SMALL_POOL}",
                                  "memory.host_pool=1024", "kernels.attention=pallas",
-                                 "kernels.fetch=pallas", "kernels.resolve=pallas"],
+                                 "kernels.fetch=pallas", "kernels.resolve=pallas",
+                                 "kernels.projections=pallas"],
     # The GPU's default form: the full resolve every step (no all-hit fast path), whose
     # kernels update the stacked metadata of every group in place.
     "ula_small_fused_resolve": ["memory.system=ula", f"memory.device_pool={SMALL_POOL}",

@@ -1,8 +1,9 @@
 """Whether a decode product can read a layer's weights in place of the stacked array: a
 loop over the layers of ``x @ w[l]`` (``w``: [L, K, N] stacked weights, ``l`` the loop's
 index, a device scalar) as XLA compiles it (a dynamic slice, which it copies out before
-the product) against a Pallas kernel that loads ``w[l]``'s blocks itself (grid over
-blocks of N and splits of K, float32 partial sums added after), each set against
+the product) against a Pallas kernel that loads ``w[l]``'s blocks itself
+(``kernels.stacked_matmul``: grid over blocks of N and splits of K, float32 partial sums
+added after), each set against
 reading the weights once at the device's copy rate (measured in the same process).
 
 Shapes: the large products of a ``glm5_narrow`` layer at ``--rows`` decode rows (the
@@ -18,70 +19,22 @@ up-projection as one 512 x 16384 product, the indexer's query 2048 x 4096).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from ula_jax.bench.common import (best_and_median, device_copy_rate, environment,
                                    time_calls)
+from ula_jax.kernels.stacked_matmul.pallas import (StackedMatmulConfig, splits_for,
+                                                   stacked_matmul_pallas)
 
 F32 = jnp.float32
 SHAPES = {"w_uq": (2048, 16384), "w_o": (16384, 1024), "w_uv": (512, 16384),
           "idx_q": (2048, 4096)}
 QUICK_SHAPES = {"a": (128, 256), "b": (512, 64)}
-
-
-def _kernel(l_ref, x_ref, w_ref, o_ref, *, bk: int, bn: int, ksteps: int):
-  n, s = pl.program_id(0), pl.program_id(1)
-  l = plgpu.load(l_ref.at[jnp.int32(0)])
-  cols = pl.ds(n * bn, bn)
-
-  def body(i, acc):
-    k = pl.ds((s * ksteps + i) * bk, bk)
-    xb = plgpu.load(x_ref.at[:, k])
-    wb = plgpu.load(w_ref.at[l, k, cols])
-    return acc + plgpu.dot(xb, wb)
-
-  acc = jax.lax.fori_loop(0, ksteps, body, jnp.zeros((x_ref.shape[0], bn), F32))
-  plgpu.store(o_ref.at[s, :, cols], acc)
-
-
-def stacked_matmul(x: jax.Array, w: jax.Array, l: jax.Array, *, bk: int = 64,
-                   bn: int = 128, splits: int = 1, num_warps: int = 4, num_stages: int = 3,
-                   interpret: bool = False) -> jax.Array:
-  """``x @ w[l]`` in float32 reading ``w[l]`` in place: x [M, K], w [L, K, N], l []."""
-  M, K = x.shape
-  _, _, N = w.shape
-  if N % bn or K % (bk * splits):
-    raise ValueError(f"K={K}, N={N}: need N % {bn} == 0 and K % {bk * splits} == 0")
-  ksteps = K // (bk * splits)
-  any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  parts = pl.pallas_call(
-      functools.partial(_kernel, bk=bk, bn=bn, ksteps=ksteps),
-      out_shape=jax.ShapeDtypeStruct((splits, M, N), F32),
-      grid=(N // bn, splits),
-      in_specs=[any_spec] * 3,
-      out_specs=any_spec,
-      interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-      name="stacked_matmul",
-  )(jnp.asarray(l, jnp.int32).reshape(1), x, w)
-  return parts.sum(axis=0)
-
-
-def splits_for(K: int, N: int, bk: int, bn: int, programs: int) -> int:
-  """K splits so that the grid has about ``programs`` programs (at least one K block
-  each)."""
-  s = 1
-  while (N // bn) * s * 2 <= programs and K % (bk * s * 2) == 0:
-    s *= 2
-  return s
 
 
 def layer_loop(product):
@@ -125,10 +78,11 @@ def main(argv: list[str]) -> int:
     kx, kw, key = jax.random.split(key, 3)
     x = jax.random.normal(kx, (args.rows, K), F32).astype(jnp.bfloat16)
     w = (jax.random.normal(kw, (args.layers, K, N), F32) / np.sqrt(K)).astype(jnp.bfloat16)
+    config = StackedMatmulConfig(block_k=bk, block_n=bn, num_warps=args.warps,
+                                 num_stages=args.stages, programs=programs)
     splits = splits_for(K, N, bk, bn, programs)
-    kern = lambda xc, w, l: stacked_matmul(xc, w, l, bk=bk, bn=bn, splits=splits,
-                                           num_warps=args.warps, num_stages=args.stages,
-                                           interpret=interpret)
+    kern = lambda xc, w, l: stacked_matmul_pallas(xc, w, l, config=config,
+                                                  interpret=interpret)
     xla = lambda xc, w, l: jnp.dot(xc, w[l], preferred_element_type=F32)
     # One product: the kernel against XLA's.
     got = jax.jit(kern)(x, w, jnp.int32(args.layers - 1))

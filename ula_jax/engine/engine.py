@@ -380,6 +380,7 @@ class Engine:
             "warning: model.checkpoint=%r has no MTP weights; the draft block is drawn from "
             "model.param_seed (the tokens are the same, fewer drafts are accepted)",
             cfg.model.checkpoint)
+    model.use_projections(kernels.projections, interpret)
     self.graphdef, params = nnx.split(model)
     replicated = NamedSharding(mesh, P())
     self.params = jax.tree.map(lambda x: global_array(x, replicated), params)

@@ -11,10 +11,15 @@ router run in float32.
 Tensor parallelism splits attention heads: a ``HeadRange`` names the heads one rank
 computes, and ``MLAttention`` slices its per-head weights to it (parameters stay whole on
 every rank). Without one, every head is computed.
+
+Inside the layer stack's scans, a parameter may hold an ``InPlaceWeight`` instead of its
+array (``kernels.projections``, set by ``transformer._run_layers``): the layer's weight
+left in the stacked array, which the largest products read in place.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -25,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from ula_jax.kernels.sparse_attention.reference import masked_softmax
+from ula_jax.kernels.stacked_matmul import stacked_matmul
 from ula_jax.models.config import ModelConfig
 
 F32 = jnp.float32
@@ -120,6 +126,46 @@ def _heads(w: jax.Array, axis: int, heads: HeadRange | None) -> jax.Array:
 
 
 
+@dataclasses.dataclass(frozen=True)
+class InPlaceWeight:
+  """One layer's weight left inside its stack's array, as a parameter's value.
+
+  stack: [L, K, N] the stacked parameter, layer axes merged and the product's axes
+         flattened (a free reshape of the array the scans would slice)
+  index: [] int32 this layer's row of ``stack``
+  shape: the layer's own weight shape (K x N values)
+  impl, interpret: ``kernels.stacked_matmul``'s (the ``kernels.projections`` field)
+
+  ``matmul`` multiplies by the layer's weight without slicing it out; any other read
+  (``param[...]``) gets the slice, so every use stays correct.
+  """
+
+  stack: jax.Array
+  index: jax.Array
+  shape: tuple[int, ...]
+  impl: str
+  interpret: bool | None
+
+  @property
+  def dtype(self):
+    return self.stack.dtype
+
+  def matmul(self, x: jax.Array) -> jax.Array:
+    """[M, K] -> [M, N] float32."""
+    return stacked_matmul(x, self.stack, self.index, impl=self.impl,
+                          interpret=self.interpret)
+
+  def __getitem__(self, key):
+    layer = jax.lax.dynamic_index_in_dim(self.stack, self.index, 0, keepdims=False)
+    return layer.reshape(self.shape)[key]
+
+
+def _in_place(param: nnx.Variable, heads: HeadRange | None) -> InPlaceWeight | None:
+  """The parameter's ``InPlaceWeight`` when the product can read it in place (all heads)."""
+  value = param.get_value()
+  return value if isinstance(value, InPlaceWeight) and heads is None else None
+
+
 class MLAttention(nnx.Module):
   """Multi-head latent attention.
 
@@ -160,7 +206,11 @@ class MLAttention(nnx.Module):
             store and every attention path sees the same bytes.
     """
     cq_nq = self.query_latent(x_nd)
-    q_nhe = jnp.einsum("nq,qhe->nhe", cq_nq, _heads(self.w_uq[...], 1, heads))
+    if (w_uq := _in_place(self.w_uq, heads)) is not None:
+      q_nhe = w_uq.matmul(cq_nq).reshape(cq_nq.shape[0], *w_uq.shape[1:]).astype(
+          jnp.result_type(cq_nq.dtype, w_uq.dtype))
+    else:
+      q_nhe = jnp.einsum("nq,qhe->nhe", cq_nq, _heads(self.w_uq[...], 1, heads))
     q_nope, q_rope = q_nhe[..., :self.nope_dim], q_nhe[..., self.nope_dim:]
     q_rope = apply_rope(q_rope, pos_n[:, None], self.rope_theta)
     c_nc = self.kv_norm(x_nd @ self.w_dkv[...])
@@ -187,6 +237,9 @@ class MLAttention(nnx.Module):
     """
     w_uv = _heads(self.w_uv[...], 0, heads)
     v_nhv = jnp.einsum("nhc,hcv->nhv", o_lat_nhc.astype(w_uv.dtype), w_uv)
+    if (w_o := _in_place(self.w_o, heads)) is not None:
+      out = w_o.matmul(v_nhv.reshape(v_nhv.shape[0], -1))
+      return out.astype(dtype or jnp.result_type(v_nhv.dtype, w_o.dtype))
     return jnp.einsum("nhv,hvd->nd", v_nhv, _heads(self.w_o[...], 0, heads),
                       preferred_element_type=dtype)
 

@@ -50,8 +50,8 @@ from ula_jax.models.config import ModelConfig
 from ula_jax.kernels.indexer import SCRATCH_BYTES, index_scores, prefix_topk, select_topk
 from ula_jax.kernels.sparse_attention.prefill import (dense_causal_attention,
                                                       sparse_attention_rows)
-from ula_jax.models.layers import (F32, MLP, HeadRange, Indexer, MLAttention, MoE, RMSNorm,
-                                   normal_param)
+from ula_jax.models.layers import (F32, MLP, HeadRange, Indexer, InPlaceWeight, MLAttention,
+                                   MoE, RMSNorm, normal_param)
 from ula_jax.models.mtp import MTPBlock
 
 
@@ -192,6 +192,20 @@ class Transformer(nnx.Module):
     self.lm_head = normal_param(rngs, (cfg.hidden_size, cfg.vocab_size), cfg.hidden_size,
                           cfg.dtype)
     self.mtp = MTPBlock(cfg, rngs=rngs)
+    self.projections = "xla"  # kernels.projections (use_projections)
+    self.projections_interpret: bool | None = None
+
+  def use_projections(self, impl: str, interpret: bool | None = None) -> None:
+    """``kernels.projections``: with 'pallas' the layer stack's largest products (the
+    query up-projection and the output projection) read each layer's weights in place
+    from the stacked arrays (``kernels.stacked_matmul``) where the rows are few enough
+    (a decode step) and every head is computed; 'xla' slices them out (XLA copies each
+    slice). A static setting: it is part of the model's graph definition."""
+    from ula_jax.kernels.stacked_matmul import IMPLS
+    if impl not in IMPLS:
+      raise ValueError(f"kernels.projections={impl!r}: expected one of {list(IMPLS)}")
+    self.projections = impl
+    self.projections_interpret = interpret
 
   def block(self, group: int) -> GroupBlock:
     """Group ``group``'s layers and indexer, with its own (unstacked) parameters."""
@@ -248,36 +262,74 @@ def _run_layers(model: Transformer, x_nd: jax.Array, pos_n: jax.Array, carry: An
   returns (final hidden [N, D], carry)
   """
   share = model.cfg.index_share
+  in_place = model.projections != "xla" and heads is None
 
-  def run_body(sel, graphdef):
+  def run_body(sel, graphdef, weights, first):
+    # weights: {name: (stack [G * n, K, N], shape)} read in place; layer l's row of
+    # each is first + l (first: the run's row of layer 0).
     def body(xc, xs):
       x, c = xc
       p, l = xs
       layer = nnx.merge(graphdef, p)
+      for name, (stack, shape) in weights.items():
+        getattr(layer.attn, name).set_value(InPlaceWeight(
+            stack, first + l, shape, model.projections, model.projections_interpret))
       out, c = attend(l, layer, layer.pre_attention(x, pos_n, heads), sel, c)
       return (layer.post_attention(x, out), c), None
     return body
 
   for seg, stack in zip(group_segments(model.cfg), model.segments):
     graphdef, params = nnx.split(stack)
+    params, stacks = _left_in_place(params, seg) if in_place else (params, {})
 
-    def body(xc, xs, graphdef=graphdef, seg=seg):
+    def body(xc, xs, graphdef=graphdef, seg=seg, stacks=stacks):
       x, c = xc
       p, g = xs
       block = nnx.merge(graphdef, p)
       l0 = g * share
       sel, c = select(g, (l0, len(seg.dense)), block.indexer_input(x), block.indexer, c)
       start = 0
-      for (_, n), run in zip(seg.runs, block.runs):
+      for j, ((_, n), run) in enumerate(zip(seg.runs, block.runs)):
         run_graphdef, run_params = nnx.split(run)
         layers = l0 + jnp.arange(start, start + n, dtype=jnp.int32)
-        (x, c), _ = jax.lax.scan(run_body(sel, run_graphdef), (x, c), (run_params, layers))
+        # Row of layer l in a run's stack [G * n, ...]: (g - first group) * n + (l - l0 - start).
+        first = (g - seg.first_group) * n - l0 - start
+        (x, c), _ = jax.lax.scan(run_body(sel, run_graphdef, stacks.get(j, {}), first),
+                                 (x, c), (run_params, layers))
         start += n
       return (x, c), None
 
     groups = jnp.arange(seg.first_group, seg.first_group + seg.num_groups, dtype=jnp.int32)
     (x_nd, carry), _ = jax.lax.scan(body, (x_nd, carry), (params, groups))
   return x_nd, carry
+
+
+IN_PLACE = ("w_uq", "w_o")  # MLAttention's products that read their weights in place
+
+
+def _left_in_place(params: nnx.State, seg: Segment) -> tuple[nnx.State, dict]:
+  """A segment's stacked parameters with ``IN_PLACE`` weights taken out of the scans.
+
+  returns (params with each such weight replaced by a [G, n, 0] placeholder, so that no
+  scan slices or copies it; {run j: {name: (stack [G * n, K, N], layer shape)}}: the
+  whole arrays, layer axes merged and the product's axes flattened, as
+  ``InPlaceWeight`` reads them). K is the product's contracted size: the first axis of
+  ``w_uq`` [Q, H, E], the first two of ``w_o`` [H, V, D].
+  """
+  stacks: dict[int, dict] = {}
+  contracted = {"w_uq": 1, "w_o": 2}
+
+  def take(path, leaf):
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    if len(keys) >= 4 and keys[0] == "runs" and keys[2] == "attn" and keys[3] in IN_PLACE:
+      j, name = keys[1], keys[3]
+      G, n, *shape = leaf.shape
+      K = int(np.prod(shape[:contracted[name]]))
+      stacks.setdefault(j, {})[name] = (leaf.reshape(G * n, K, -1), tuple(shape))
+      return jnp.zeros((G, n, 0), leaf.dtype)
+    return leaf
+
+  return jax.tree_util.tree_map_with_path(take, params), stacks
 
 
 def tp_sum(x: jax.Array, axis: str) -> jax.Array:

@@ -1,0 +1,118 @@
+"""kernels.stacked_matmul: the Pallas product reading layer ``index``'s weights in place
+against the reference (slice, then product), in interpret mode on fresh random inputs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ula_jax.kernels.stacked_matmul import stacked_matmul
+from ula_jax.models.config import ModelConfig
+from ula_jax.models.layers import HeadRange
+from ula_jax.models.transformer import Transformer, _run_layers, group_segments
+from ula_jax.kernels.stacked_matmul.pallas import (MAX_ROWS, StackedMatmulConfig, blocks,
+                                                   fits, splits_for, stacked_matmul_pallas)
+
+SMALL = StackedMatmulConfig(block_k=32, block_n=64, programs=8)
+
+
+@pytest.mark.parametrize("M, K, N, dtype", [
+    (1, 64, 64, jnp.float32),     # one row, one block: no split
+    (7, 256, 128, jnp.float32),   # rows padded to 16; K split in 4
+    (33, 512, 64, jnp.bfloat16),  # bf16 operands, float32 sums; K split in 8
+])
+def test_pallas_reads_each_layers_weights(M, K, N, dtype, rng):
+  L = 4
+  x = jnp.asarray(rng.standard_normal((M, K)), dtype)
+  w = jnp.asarray(rng.standard_normal((L, K, N)) / np.sqrt(K), dtype)
+  f = jax.jit(lambda x, w, i: stacked_matmul_pallas(x, w, i, config=SMALL, interpret=True))
+  for i in rng.permutation(L):
+    got = np.asarray(f(x, w, jnp.int32(i)))
+    want = np.asarray(x, np.float32) @ np.asarray(w[i], np.float32)
+    assert got.dtype == np.float32 and got.shape == (M, N)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"layer {i}")
+    np.testing.assert_allclose(got, np.asarray(stacked_matmul(x, w, jnp.int32(i))),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_blocks_shrink_to_divide_the_weight():
+  assert blocks(2048, 16384, StackedMatmulConfig()) == (64, 128)
+  assert blocks(32, 96, StackedMatmulConfig()) == (32, 32)  # the tiny model's sizes
+  assert blocks(40, 64, StackedMatmulConfig()) == (0, 64)  # 8 divides 40: too small
+
+
+def test_splits_give_about_the_programs_asked_for():
+  assert splits_for(2048, 16384, 64, 128, 264) == 2  # 128 column blocks x 2
+  assert splits_for(16384, 1024, 64, 128, 264) == 32  # 8 column blocks x 32
+  assert splits_for(128, 64, 64, 64, 264) == 2  # never below one K block a split
+  assert splits_for(64, 64, 64, 64, 264) == 1
+
+
+def test_shapes_the_kernel_does_not_take_use_the_reference(rng):
+  """A prefill chunk's rows (more than MAX_ROWS) and blocks that do not divide K or N
+  take the reference's product: the same result, no kernel."""
+  x, w = jnp.zeros((4, 64)), jnp.zeros((2, 64, 64))  # a shape it takes
+  assert "pallas_call" in str(jax.make_jaxpr(
+      lambda x, w: stacked_matmul_pallas(x, w, jnp.int32(1), config=SMALL))(x, w))
+  for M, K, N in [(MAX_ROWS + 1, 64, 64), (4, 40, 64), (4, 64, 72)]:
+    assert not fits(M, K, N, SMALL)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((2, K, N)), jnp.float32)
+    f = lambda x, w: stacked_matmul_pallas(x, w, jnp.int32(1), config=SMALL)
+    assert "pallas_call" not in str(jax.make_jaxpr(f)(x, w))
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(x, w)), np.asarray(x) @ np.asarray(w[1]),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_bad_arguments_are_named():
+  x, w = jnp.zeros((2, 64)), jnp.zeros((3, 64, 64))
+  with pytest.raises(ValueError, match=r"kernels.projections='mosaic': expected one of "
+                     r"\['xla', 'pallas'\]"):
+    stacked_matmul(x, w, 0, impl="mosaic")
+  with pytest.raises(ValueError, match=r"x \(2, 32\) and w \(3, 64, 64\): expected"):
+    stacked_matmul(x[:, :32], w, 0)
+
+
+def _layer_stack(model, x, pos, heads=None):
+  """The model's layer stack (``transformer._run_layers``) with each layer's products
+  around attention; the absorbed query stands in for attention's latent output."""
+
+  def select(g, layers, first, indexer, c):
+    return None, c
+
+  def attend(l, layer, proj, sel, c):
+    out = layer.attn.out(layer.attn.absorb(proj.q_nope, heads), heads)
+    return out, c + jnp.sum(proj.q_rope.astype(jnp.float32))
+
+  return _run_layers(model, x, pos, jnp.float32(0), select=select, attend=attend,
+                     heads=heads)
+
+
+def test_the_layer_stack_reads_its_projections_in_place(rng):
+  """kernels.projections=pallas: every layer's query up-projection and output projection
+  go through the kernel, with the stacked weights out of the scans (placeholders), and
+  the stack computes what the sliced weights compute; with a head range (tensor
+  parallelism) the products stay XLA's."""
+  cfg = ModelConfig(preset="tiny", num_layers=6)  # a mixed first group, then MoE groups
+  model = Transformer(cfg)
+  x = jnp.asarray(rng.standard_normal((3, cfg.hidden_size)), jnp.float32)
+  pos = jnp.asarray([5, 9, 40], jnp.int32)
+  want = jax.jit(lambda x: _layer_stack(model, x, pos))(x)
+  assert "pallas_call" not in str(jax.make_jaxpr(lambda x: _layer_stack(model, x, pos))(x))
+
+  model.use_projections("pallas", interpret=True)
+  jaxpr = str(jax.make_jaxpr(lambda x: _layer_stack(model, x, pos))(x))
+  runs = sum(len(seg.runs) for seg in group_segments(cfg))  # one traced body per run
+  assert jaxpr.count("pallas_call") == 2 * runs
+  got = jax.jit(lambda x: _layer_stack(model, x, pos))(x)
+  assert float(jnp.abs(want[0] - x).max()) > 1e-3
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4)
+
+  heads = HeadRange(0, cfg.num_heads)
+  assert "pallas_call" not in str(jax.make_jaxpr(
+      lambda x: _layer_stack(model, x, pos, heads))(x))
+  with pytest.raises(ValueError, match=r"kernels.projections='triton': expected one of"):
+    model.use_projections("triton")

@@ -1,0 +1,45 @@
+"""A decode product with one layer's weights, read in place from the stacked array.
+
+The layer stack runs as ``lax.scan`` over parameters stacked along a layer axis. A
+product of the rows with layer ``l``'s slice of such an array, as XLA compiles it, copies
+the slice out first (a dynamic slice at the loop's index is materialised before a GEMM
+reads it): every decode step writes and reads every layer's weights once more than it
+needs to. ``stacked_matmul`` multiplies by ``w[l]`` without the slice:
+
+* ``'xla'`` (``reference.py``): ``x @ w[l]``, the plain jax product (slice and GEMM).
+* ``'pallas'`` (``pallas.py``): a Pallas kernel that loads ``w[l]``'s blocks itself
+  (Triton on GPU; interpret mode elsewhere), for decode-sized row counts; other shapes
+  fall back to the reference.
+
+Both return float32 (the products accumulate in float32). The config field is
+``kernels.projections``; the model uses it for the largest per-layer products of a
+decode step (``models.layers.InPlaceWeight``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ula_jax.kernels.stacked_matmul.reference import stacked_matmul_reference
+
+IMPLS = ("xla", "pallas")
+
+
+def stacked_matmul(x: jax.Array, w: jax.Array, index: jax.Array, *, impl: str = "xla",
+                   interpret: bool | None = None) -> jax.Array:
+  """``x @ w[index]`` in float32.
+
+  x: [M, K]; w: [L, K, N] (layers stacked on the first axis); index: [] int32 in [0, L)
+  returns [M, N] float32
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"kernels.projections={impl!r}: expected one of {list(IMPLS)}")
+  if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+    raise ValueError(f"stacked_matmul: x {x.shape} and w {w.shape}: expected [M, K] and "
+                     "[L, K, N]")
+  index = jnp.asarray(index, jnp.int32)
+  if impl == "pallas":
+    from ula_jax.kernels.stacked_matmul.pallas import stacked_matmul_pallas
+    return stacked_matmul_pallas(x, w, index, interpret=interpret)
+  return stacked_matmul_reference(x, w, index)

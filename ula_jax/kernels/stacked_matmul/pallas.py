@@ -1,0 +1,115 @@
+"""``x @ w[index]`` as a Pallas kernel that reads layer ``index``'s weights in place.
+
+Grid: blocks of ``block_n`` output columns x splits of K. Program (n, s) loads the
+layer's [block_k, block_n] weight blocks of its K range straight from the stacked array
+(``w_ref.at[index, k, cols]``; nothing copies the layer out), multiplies them with the
+rows' [M, block_k] blocks and writes a float32 partial sum; the splits' partial sums are
+added after. K is split until the grid has about ``programs`` programs, so a product
+with few output columns (the output projection: 1024) still spreads its weight reads
+over the GPU. The rows are padded to a multiple of 16 (the smallest dot Triton emits).
+
+Blocks are the config's, or smaller powers of 2 where they do not divide K or N.
+Decode-sized products only: more than ``MAX_ROWS`` rows (a prefill chunk), or a K or N
+with no power-of-2 divisor of at least 16, take the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ula_jax.kernels.fetch.pallas import default_interpret
+from ula_jax.kernels.stacked_matmul.reference import stacked_matmul_reference
+
+F32 = jnp.float32
+MAX_ROWS = 256  # rows a program holds at once ([MAX_ROWS, block_k] and the accumulator)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedMatmulConfig:
+  """Launch of the kernel (static). ``programs``: the grid size K splits aim for (two
+  programs per SM of an H100 / H200)."""
+
+  block_k: int = 64
+  block_n: int = 128
+  num_warps: int = 4
+  num_stages: int = 3
+  programs: int = 264
+
+
+def splits_for(K: int, N: int, block_k: int, block_n: int, programs: int) -> int:
+  """K splits (a power of 2) for a grid of about ``programs`` programs, each split at
+  least one block of K."""
+  s = 1
+  while (N // block_n) * s * 2 <= programs and K % (block_k * s * 2) == 0:
+    s *= 2
+  return s
+
+
+def _kernel(i_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, ksteps: int):
+  n, s = pl.program_id(0), pl.program_id(1)
+  layer = plgpu.load(i_ref.at[jnp.int32(0)])
+  cols = pl.ds(n * block_n, block_n)
+
+  def body(t, acc):
+    k = pl.ds((s * ksteps + t) * block_k, block_k)
+    return acc + plgpu.dot(plgpu.load(x_ref.at[:, k]), plgpu.load(w_ref.at[layer, k, cols]))
+
+  acc = jax.lax.fori_loop(0, ksteps, body, jnp.zeros((x_ref.shape[0], block_n), F32))
+  plgpu.store(o_ref.at[s, :, cols], acc)
+
+
+def _block(size: int, most: int) -> int:
+  """The largest power of 2 up to ``most`` that divides ``size`` (0 when below 16, the
+  smallest dot operand Triton emits)."""
+  b = most
+  while b >= 16 and size % b:
+    b //= 2
+  return b if b >= 16 else 0
+
+
+def blocks(K: int, N: int, config: StackedMatmulConfig) -> tuple[int, int]:
+  """(block_k, block_n) for a [K, N] weight: the config's, or smaller powers of 2 that
+  divide K and N; 0 where none of at least 16 does."""
+  return _block(K, config.block_k), _block(N, config.block_n)
+
+
+def fits(M: int, K: int, N: int, config: StackedMatmulConfig) -> bool:
+  """Whether the kernel takes the shape (else the reference does)."""
+  return M <= MAX_ROWS and all(blocks(K, N, config))
+
+
+def stacked_matmul_pallas(x: jax.Array, w: jax.Array, index: jax.Array, *,
+                          config: StackedMatmulConfig = StackedMatmulConfig(),
+                          interpret: bool | None = None) -> jax.Array:
+  """x [M, K], w [L, K, N], index [] int32 -> [M, N] float32, ``w[index]`` read in
+  place. An index outside [0, L) is clipped (as a dynamic slice clips it)."""
+  M, K = x.shape
+  L, _, N = w.shape
+  if not fits(M, K, N, config):
+    return stacked_matmul_reference(x, w, index)
+  interpret = default_interpret() if interpret is None else interpret
+  block_k, block_n = blocks(K, N, config)
+  Mp = max(16, -(-M // 16) * 16)
+  xp = jnp.pad(x.astype(w.dtype), ((0, Mp - M), (0, 0)))
+  splits = splits_for(K, N, block_k, block_n, config.programs)
+  ksteps = K // (block_k * splits)
+  layer = jnp.clip(jnp.asarray(index, jnp.int32), 0, L - 1).reshape(1)
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  parts = pl.pallas_call(
+      functools.partial(_kernel, block_k=block_k, block_n=block_n, ksteps=ksteps),
+      out_shape=jax.ShapeDtypeStruct((splits, Mp, N), F32),
+      grid=(N // block_n, splits),
+      in_specs=[any_spec] * 3,
+      out_specs=any_spec,
+      interpret=interpret,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+      name="ula_stacked_matmul",
+  )(layer, xp, w)
+  return parts.sum(axis=0)[:M]
