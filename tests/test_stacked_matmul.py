@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ula_jax.kernels.stacked_matmul import stacked_matmul
+from ula_jax.kernels.stacked_matmul import projections_impl, stacked_matmul
 from ula_jax.models.config import ModelConfig
 from ula_jax.models.layers import HeadRange
 from ula_jax.models.transformer import Transformer, _run_layers, group_segments
@@ -116,3 +116,13 @@ def test_the_layer_stack_reads_its_projections_in_place(rng):
       lambda x: _layer_stack(model, x, pos, heads))(x))
   with pytest.raises(ValueError, match=r"kernels.projections='triton': expected one of"):
     model.use_projections("triton")
+
+
+def test_auto_takes_the_kernel_on_a_gpu_only():
+  assert projections_impl("auto", "gpu", interpret=False) == "pallas"
+  assert projections_impl("auto", "gpu", interpret=True) == "xla"
+  assert projections_impl("auto", "cpu", interpret=True) == "xla"
+  assert projections_impl("pallas", "cpu", interpret=True) == "pallas"
+  with pytest.raises(ValueError, match=r"kernels.projections='fast': expected one of "
+                     r"\['auto', 'xla', 'pallas'\]"):
+    projections_impl("fast", "gpu", interpret=False)

@@ -13,6 +13,7 @@ process). Run it once per ``XLA_FLAGS`` setting (flags must precede jax's start)
 
     PYTHONPATH=. XLA_FLAGS=... python benchmarks/probes/gpu_layer_weights.py \\
         --tag base --json out.json [--form scan|unrolled] [--layers 16] [--rows 64]
+        [--projections xla|pallas]
 
 ``--quick``: a CPU-sized smoke run (model ``tiny``).
 """
@@ -94,12 +95,16 @@ def main(argv: list[str]) -> int:
   p.add_argument("--rows", type=int, default=64)
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--json", default="layer_weights.json")
+  p.add_argument("--projections", choices=("xla", "pallas"), default="xla",
+                 help="kernels.projections: the query up-projection and output projection "
+                 "read in place by kernels.stacked_matmul (pallas) or sliced (xla)")
   p.add_argument("--hlo", default=None, help="write the compiled program's HLO here")
   p.add_argument("--quick", action="store_true")
   args = p.parse_args(argv)
 
   cfg = model_config(args.layers, args.quick)
   model = Transformer(cfg)
+  model.use_projections(args.projections)
   graphdef, params = nnx.split(model)
   wbytes = param_bytes(cfg)
   stack_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize
@@ -142,7 +147,8 @@ def main(argv: list[str]) -> int:
   gpu = jax.default_backend() == "gpu"
   rate = device_copy_rate(min(4 * 2**30, max(wbytes, 2**20))) if gpu else None
   ceiling_s = stack_bytes / rate if rate else None  # the layer weights read once
-  row = {"tag": args.tag, "form": args.form, "layers": cfg.num_layers, "rows": args.rows,
+  row = {"tag": args.tag, "form": args.form, "projections": args.projections,
+         "layers": cfg.num_layers, "rows": args.rows,
          "layer_weight_bytes": stack_bytes, "call_s": best, "call_median_s": median,
          "copy_rate_bytes_s": rate, "read_once_s": ceiling_s,
          "ratio_to_read_once": (best / ceiling_s) if ceiling_s else None, **prof}

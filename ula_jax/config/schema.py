@@ -438,13 +438,14 @@ class KernelsConfig(Section):
       "again the plain way (after such a step, the plain way until a step moves nothing): "
       "with 'cond' where resolve_fast_path is true, with kernels.resolve in full and no "
       "conditional where it is false. Systems without a fast path ignore it")
-  projections: Literal["xla", "pallas"] = Field(
-      "xla", description="a decode step's query up-projection and output projection: "
+  projections: Literal["auto", "xla", "pallas"] = Field(
+      "auto", description="a decode step's query up-projection and output projection: "
       "'xla' multiplies by each layer's weights sliced out of the stacked arrays (XLA "
       "copies every slice before the product reads it), 'pallas' a kernel that reads them "
       "in place (kernels.stacked_matmul; up to 256 rows a product, all heads: tensor "
-      "parallelism and prefill chunks keep 'xla'). Sums in another order: the tokens may "
-      "differ from 'xla''s in the last bits, every system of a run alike")
+      "parallelism and prefill chunks keep 'xla'), 'auto' pallas on a GPU (measured "
+      "faster) and xla elsewhere. Sums in another order: the tokens may differ from "
+      "'xla''s in the last bits, every system of a run alike")
   interpret: bool | None = Field(
       None, description="run Pallas kernels in interpret mode; None = interpret on CPU only")
   deterministic: bool = Field(

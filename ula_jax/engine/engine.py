@@ -59,6 +59,7 @@ from ula_jax.memory.ula.resolve import fast_path_for
 from ula_jax.kernels import byte_offsets_overflow
 from ula_jax.kernels.auto import concrete
 from ula_jax.kernels.indexer.decode import scores_mode, topk_mode
+from ula_jax.kernels.stacked_matmul import projections_impl
 from ula_jax.kernels.indexer.synthetic import NOTE as SELECTIONS_NOTE, SyntheticSelection
 from ula_jax.mesh import auto_kernels, interpret_kernels
 from ula_jax.core.addressing import PageAllocator, addrs_of_positions, all_addrs
@@ -380,7 +381,8 @@ class Engine:
             "warning: model.checkpoint=%r has no MTP weights; the draft block is drawn from "
             "model.param_seed (the tokens are the same, fewer drafts are accepted)",
             cfg.model.checkpoint)
-    model.use_projections(kernels.projections, interpret)
+    self.projections = projections_impl(cfg.kernels.projections, platform, interpret)
+    model.use_projections(self.projections, interpret)
     self.graphdef, params = nnx.split(model)
     replicated = NamedSharding(mesh, P())
     self.params = jax.tree.map(lambda x: global_array(x, replicated), params)
@@ -1288,9 +1290,10 @@ class Engine:
         "prefill_chunk": self.chunk,
         "kernels": concrete(self.kernels),
         # How decode steps scored and selected (``kernels.decode_scores`` as it applied
-        # to this window, ``kernels.decode_topk``).
+        # to this window, ``kernels.decode_topk``) and multiplied (``kernels.projections``).
         "decode_scores": self.decode_scores,
         "decode_topk": self.decode_topk,
+        "projections": self.projections,
         "resolve_fast_path": self.resolve_fast_path,
     }
     if self.synthetic:

@@ -24,6 +24,18 @@ import jax.numpy as jnp
 from ula_jax.kernels.stacked_matmul.reference import stacked_matmul_reference
 
 IMPLS = ("xla", "pallas")
+MODES = ("auto",) + IMPLS
+
+
+def projections_impl(mode: str, platform: str, interpret: bool) -> str:
+  """``kernels.projections=mode`` on ``platform``: 'auto' is 'pallas' on a GPU that runs
+  Pallas compiled (measured faster there: the slices XLA copies are gone), 'xla'
+  elsewhere (interpret mode would only be slower)."""
+  if mode not in MODES:
+    raise ValueError(f"kernels.projections={mode!r}: expected one of {list(MODES)}")
+  if mode != "auto":
+    return mode
+  return "pallas" if platform == "gpu" and not interpret else "xla"
 
 
 def stacked_matmul(x: jax.Array, w: jax.Array, index: jax.Array, *, impl: str = "xla",
