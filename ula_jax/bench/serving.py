@@ -191,7 +191,7 @@ def run_point(args: argparse.Namespace, s: Setup, batch: int,
          "output": output, "steps": len(full), "median_step_s": median,
          "tokens_per_s": batch / median, "peak_admitted": max(m.admitted for m in res.steps),
          "wall_s": wall, "distinct_fraction": res.capacity.get("distinct_fraction"),
-         "kernels": res.summary["kernels"],
+         "kernels": res.summary["kernels"], "projections": res.summary["projections"],
          "full_batch_stats": {k: sum(m.extra.get(k, 0) for m in full) for k in keys}}
   if profile:
     out["profile"] = profile_run(engine, reqs, profile, batch)

@@ -100,7 +100,7 @@ def measure(config: str, overrides: list[str], systems: list[str], *, batch: int
     res = runs[-1][1]
     return {"median_step_s": statistics.median(times), "steps": len(times) * n,
             "steps_per_dispatch": n, "misses": sum(m for _, _, m in runs),
-            "kernels": res.summary["kernels"],
+            "kernels": res.summary["kernels"], "projections": res.summary["projections"],
             "tokens": [r.output_tokens for r in res.requests],
             "round_median_step_s": [statistics.median(ts) for ts, _, _ in runs]}
 
