@@ -37,6 +37,30 @@ def test_pallas_reads_each_layers_weights(M, K, N, dtype, rng):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("B, shared, transposed", [
+    (4, False, False),  # per-head products (the value up-projection)
+    (4, False, True),   # weights stored [N, K] (the key up-projection)
+    (3, True, False),   # rows shared by every batch element (the experts' first products)
+])
+def test_pallas_batched_products(B, shared, transposed, rng):
+  L, M, K, N = 3, 5, 64, 128
+  x = jnp.asarray(rng.standard_normal((1 if shared else B, M, K)), jnp.float32)
+  wshape = (L, B, N, K) if transposed else (L, B, K, N)
+  w = jnp.asarray(rng.standard_normal(wshape) / np.sqrt(K), jnp.float32)
+  f = jax.jit(lambda x, w, i: stacked_matmul_pallas(x, w, i, transposed=transposed,
+                                                    config=SMALL, interpret=True))
+  for i in rng.permutation(L):
+    wl = np.asarray(w[i])
+    wl = np.swapaxes(wl, -1, -2) if transposed else wl
+    want = np.broadcast_to(np.asarray(x), (B, M, K)) @ wl
+    got = np.asarray(f(x, w, jnp.int32(i)))
+    assert got.shape == (B, M, N)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"layer {i}")
+    np.testing.assert_allclose(np.asarray(stacked_matmul(x, w, jnp.int32(i),
+                                                         transposed=transposed)),
+                               want, rtol=1e-4, atol=1e-4)
+
+
 def test_blocks_shrink_to_divide_the_weight():
   assert blocks(2048, 16384, StackedMatmulConfig()) == (64, 128)
   assert blocks(32, 96, StackedMatmulConfig()) == (32, 32)  # the tiny model's sizes
@@ -91,10 +115,11 @@ def _layer_stack(model, x, pos, heads=None):
 
 
 def test_the_layer_stack_reads_its_projections_in_place(rng):
-  """kernels.projections=pallas: every layer's query up-projection and output projection
-  go through the kernel, with the stacked weights out of the scans (placeholders), and
-  the stack computes what the sliced weights compute; with a head range (tensor
-  parallelism) the products stay XLA's."""
+  """kernels.projections=pallas: every layer's products with its own weights (MLA's
+  up-projections and output projection, the experts) go through the kernel, with the
+  stacked weights out of the scans (placeholders), and the stack computes what the
+  sliced weights compute; with a head range (tensor parallelism) the products stay
+  XLA's."""
   cfg = ModelConfig(preset="tiny", num_layers=6)  # a mixed first group, then MoE groups
   model = Transformer(cfg)
   x = jnp.asarray(rng.standard_normal((3, cfg.hidden_size)), jnp.float32)
@@ -104,8 +129,9 @@ def test_the_layer_stack_reads_its_projections_in_place(rng):
 
   model.use_projections("pallas", interpret=True)
   jaxpr = str(jax.make_jaxpr(lambda x: _layer_stack(model, x, pos))(x))
-  runs = sum(len(seg.runs) for seg in group_segments(cfg))  # one traced body per run
-  assert jaxpr.count("pallas_call") == 2 * runs
+  # One traced body per run: MLA's four products, and the experts' three in MoE runs.
+  runs = [dense for seg in group_segments(cfg) for dense, _ in seg.runs]
+  assert jaxpr.count("pallas_call") == sum(4 if dense else 7 for dense in runs) == 18
   got = jax.jit(lambda x: _layer_stack(model, x, pos))(x)
   assert float(jnp.abs(want[0] - x).max()) > 1e-3
   np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-4)

@@ -130,10 +130,13 @@ def _heads(w: jax.Array, axis: int, heads: HeadRange | None) -> jax.Array:
 class InPlaceWeight:
   """One layer's weight left inside its stack's array, as a parameter's value.
 
-  stack: [L, K, N] the stacked parameter, layer axes merged and the product's axes
-         flattened (a free reshape of the array the scans would slice)
+  stack: [L, B, K, N] the stacked parameter with its layer axes merged, its batch axes
+         (heads, experts; B = 1 for none) and the product's contracted and output axes
+         each flattened: a free reshape of the array the scans would slice ([L, B, N,
+         K] when ``transposed``)
   index: [] int32 this layer's row of ``stack``
-  shape: the layer's own weight shape (K x N values)
+  shape: the layer's own weight shape
+  transposed: the weight holds its output axes before its contracted ones
   impl, interpret: ``kernels.stacked_matmul``'s (the ``kernels.projections`` field)
 
   ``matmul`` multiplies by the layer's weight without slicing it out; any other read
@@ -143,6 +146,7 @@ class InPlaceWeight:
   stack: jax.Array
   index: jax.Array
   shape: tuple[int, ...]
+  transposed: bool
   impl: str
   interpret: bool | None
 
@@ -151,16 +155,16 @@ class InPlaceWeight:
     return self.stack.dtype
 
   def matmul(self, x: jax.Array) -> jax.Array:
-    """[M, K] -> [M, N] float32."""
-    return stacked_matmul(x, self.stack, self.index, impl=self.impl,
-                          interpret=self.interpret)
+    """[B | 1, M, K] -> [B, M, N] float32 (per batch element, rows shared when 1)."""
+    return stacked_matmul(x, self.stack, self.index, transposed=self.transposed,
+                          impl=self.impl, interpret=self.interpret)
 
   def __getitem__(self, key):
     layer = jax.lax.dynamic_index_in_dim(self.stack, self.index, 0, keepdims=False)
     return layer.reshape(self.shape)[key]
 
 
-def _in_place(param: nnx.Variable, heads: HeadRange | None) -> InPlaceWeight | None:
+def _in_place(param: nnx.Variable, heads: HeadRange | None = None) -> InPlaceWeight | None:
   """The parameter's ``InPlaceWeight`` when the product can read it in place (all heads)."""
   value = param.get_value()
   return value if isinstance(value, InPlaceWeight) and heads is None else None
@@ -207,7 +211,7 @@ class MLAttention(nnx.Module):
     """
     cq_nq = self.query_latent(x_nd)
     if (w_uq := _in_place(self.w_uq, heads)) is not None:
-      q_nhe = w_uq.matmul(cq_nq).reshape(cq_nq.shape[0], *w_uq.shape[1:]).astype(
+      q_nhe = w_uq.matmul(cq_nq[None])[0].reshape(cq_nq.shape[0], *w_uq.shape[1:]).astype(
           jnp.result_type(cq_nq.dtype, w_uq.dtype))
     else:
       q_nhe = jnp.einsum("nq,qhe->nhe", cq_nq, _heads(self.w_uq[...], 1, heads))
@@ -225,6 +229,9 @@ class MLAttention(nnx.Module):
 
   def absorb(self, q_nope_nhd: jax.Array, heads: HeadRange | None = None) -> jax.Array:
     """q_lat[h] = q_nope[h] W_uk[h]^T: [N, H, dn] -> [N, H, C] (H = heads.count when split)."""
+    if (w_uk := _in_place(self.w_uk, heads)) is not None:  # [H, C, dn]: stored [N, K]
+      q_hnc = w_uk.matmul(jnp.swapaxes(q_nope_nhd, 0, 1))
+      return jnp.swapaxes(q_hnc, 0, 1).astype(jnp.result_type(q_nope_nhd.dtype, w_uk.dtype))
     return jnp.einsum("nhd,hcd->nhc", q_nope_nhd, _heads(self.w_uk[...], 0, heads))
 
   def out(self, o_lat_nhc: jax.Array, heads: HeadRange | None = None,
@@ -235,10 +242,14 @@ class MLAttention(nnx.Module):
            rank's share of the output, to be summed over the ranks
     dtype: accumulation and result dtype of the W_o product (None = the weights')
     """
-    w_uv = _heads(self.w_uv[...], 0, heads)
-    v_nhv = jnp.einsum("nhc,hcv->nhv", o_lat_nhc.astype(w_uv.dtype), w_uv)
+    if (w_uv := _in_place(self.w_uv, heads)) is not None:
+      v_hnv = w_uv.matmul(jnp.swapaxes(o_lat_nhc.astype(w_uv.dtype), 0, 1))
+      v_nhv = jnp.swapaxes(v_hnv, 0, 1).astype(w_uv.dtype)
+    else:
+      w_uv = _heads(self.w_uv[...], 0, heads)
+      v_nhv = jnp.einsum("nhc,hcv->nhv", o_lat_nhc.astype(w_uv.dtype), w_uv)
     if (w_o := _in_place(self.w_o, heads)) is not None:
-      out = w_o.matmul(v_nhv.reshape(v_nhv.shape[0], -1))
+      out = w_o.matmul(v_nhv.reshape(1, v_nhv.shape[0], -1))[0]
       return out.astype(dtype or jnp.result_type(v_nhv.dtype, w_o.dtype))
     return jnp.einsum("nhv,hvd->nd", v_nhv, _heads(self.w_o[...], 0, heads),
                       preferred_element_type=dtype)
@@ -354,9 +365,17 @@ class MoE(nnx.Module):
     return jnp.einsum("nk,nke->ne", top_p, jax.nn.one_hot(top_i, E, dtype=F32))
 
   def __call__(self, x_nd: jax.Array) -> jax.Array:
-    h_nef = (jax.nn.silu(jnp.einsum("nd,edf->nef", x_nd, self.w_gate[...]))
-             * jnp.einsum("nd,edf->nef", x_nd, self.w_up[...]))
-    y_ned = jnp.einsum("nef,efd->ned", h_nef, self.w_down[...])
+    w_gate, w_up, w_down = (_in_place(self.w_gate), _in_place(self.w_up),
+                            _in_place(self.w_down))
+    if w_gate is not None and w_up is not None and w_down is not None:
+      dt = jnp.result_type(x_nd.dtype, w_gate.dtype)
+      h_enf = (jax.nn.silu(w_gate.matmul(x_nd[None]).astype(dt))
+               * w_up.matmul(x_nd[None]).astype(dt))
+      y_ned = jnp.swapaxes(w_down.matmul(h_enf).astype(dt), 0, 1)
+    else:
+      h_nef = (jax.nn.silu(jnp.einsum("nd,edf->nef", x_nd, self.w_gate[...]))
+               * jnp.einsum("nd,edf->nef", x_nd, self.w_up[...]))
+      y_ned = jnp.einsum("nef,efd->ned", h_nef, self.w_down[...])
     y_nd = jnp.einsum("ned,ne->nd", y_ned.astype(F32), self.gates(x_nd)).astype(x_nd.dtype)
     if self.shared is not None:
       y_nd = y_nd + self.shared(x_nd)

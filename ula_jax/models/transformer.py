@@ -196,11 +196,12 @@ class Transformer(nnx.Module):
     self.projections_interpret: bool | None = None
 
   def use_projections(self, impl: str, interpret: bool | None = None) -> None:
-    """``kernels.projections``: with 'pallas' the layer stack's largest products (the
-    query up-projection and the output projection) read each layer's weights in place
-    from the stacked arrays (``kernels.stacked_matmul``) where the rows are few enough
-    (a decode step) and every head is computed; 'xla' slices them out (XLA copies each
-    slice). A static setting: it is part of the model's graph definition."""
+    """``kernels.projections``: with 'pallas' the layer stack's products with per-layer
+    weights (``IN_PLACE``: MLA's up-projections and output projection, the experts) read
+    each layer's weights in place from the stacked arrays (``kernels.stacked_matmul``)
+    where the rows are few enough (a decode step) and every head is computed; 'xla'
+    slices them out (XLA copies each slice). A static setting: it is part of the model's
+    graph definition."""
     from ula_jax.kernels.stacked_matmul import IMPLS
     if impl not in IMPLS:
       raise ValueError(f"kernels.projections={impl!r}: expected one of {list(IMPLS)}")
@@ -265,22 +266,23 @@ def _run_layers(model: Transformer, x_nd: jax.Array, pos_n: jax.Array, carry: An
   in_place = model.projections != "xla" and heads is None
 
   def run_body(sel, graphdef, weights, first):
-    # weights: {name: (stack [G * n, K, N], shape)} read in place; layer l's row of
-    # each is first + l (first: the run's row of layer 0).
+    # weights: {(module, name): (stack [G * n, B, K, N], shape, transposed)} read in
+    # place; layer l's row of each is first + l (first: the run's row of layer 0).
     def body(xc, xs):
       x, c = xc
       p, l = xs
       layer = nnx.merge(graphdef, p)
-      for name, (stack, shape) in weights.items():
-        getattr(layer.attn, name).set_value(InPlaceWeight(
-            stack, first + l, shape, model.projections, model.projections_interpret))
+      for (module, name), (stack, shape, transposed) in weights.items():
+        getattr(getattr(layer, module), name).set_value(InPlaceWeight(
+            stack, first + l, shape, transposed, model.projections,
+            model.projections_interpret))
       out, c = attend(l, layer, layer.pre_attention(x, pos_n, heads), sel, c)
       return (layer.post_attention(x, out), c), None
     return body
 
   for seg, stack in zip(group_segments(model.cfg), model.segments):
     graphdef, params = nnx.split(stack)
-    params, stacks = _left_in_place(params, seg) if in_place else (params, {})
+    params, stacks = _left_in_place(params) if in_place else (params, {})
 
     def body(xc, xs, graphdef=graphdef, seg=seg, stacks=stacks):
       x, c = xc
@@ -304,30 +306,43 @@ def _run_layers(model: Transformer, x_nd: jax.Array, pos_n: jax.Array, carry: An
   return x_nd, carry
 
 
-IN_PLACE = ("w_uq", "w_o")  # MLAttention's products that read their weights in place
+# The products that read their weights in place: (module, parameter) -> (batch axes,
+# contracted axes, transposed) of the layer's weight. The experts' weights only where the
+# layer is a MoE one (3-D weights; a dense layer's MLP has 2-D ones).
+IN_PLACE = {
+    ("attn", "w_uq"): (0, 1, False),   # [Q | H, E]
+    ("attn", "w_o"): (0, 2, False),    # [H, V | D]
+    ("attn", "w_uv"): (1, 1, False),   # [H | C | V]
+    ("attn", "w_uk"): (1, 1, True),    # [H | C | dn], contracted over dn
+    ("ffn", "w_gate"): (1, 1, False),  # [E | D | F]
+    ("ffn", "w_up"): (1, 1, False),
+    ("ffn", "w_down"): (1, 1, False),  # [E | F | D]
+}
 
 
-def _left_in_place(params: nnx.State, seg: Segment) -> tuple[nnx.State, dict]:
-  """A segment's stacked parameters with ``IN_PLACE`` weights taken out of the scans.
+def _left_in_place(params: nnx.State) -> tuple[nnx.State, dict]:
+  """A segment's stacked parameters with the ``IN_PLACE`` weights taken out of the scans.
 
   returns (params with each such weight replaced by a [G, n, 0] placeholder, so that no
-  scan slices or copies it; {run j: {name: (stack [G * n, K, N], layer shape)}}: the
-  whole arrays, layer axes merged and the product's axes flattened, as
-  ``InPlaceWeight`` reads them). K is the product's contracted size: the first axis of
-  ``w_uq`` [Q, H, E], the first two of ``w_o`` [H, V, D].
+  scan slices or copies it; {run j: {(module, name): (stack [G * n, B, K, N], layer
+  shape, transposed)}}: the whole arrays, layer axes merged, batch, contracted and output
+  axes each flattened (output before contracted when transposed), as ``InPlaceWeight``
+  reads them).
   """
   stacks: dict[int, dict] = {}
-  contracted = {"w_uq": 1, "w_o": 2}
 
   def take(path, leaf):
     keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    if len(keys) >= 4 and keys[0] == "runs" and keys[2] == "attn" and keys[3] in IN_PLACE:
-      j, name = keys[1], keys[3]
-      G, n, *shape = leaf.shape
-      K = int(np.prod(shape[:contracted[name]]))
-      stacks.setdefault(j, {})[name] = (leaf.reshape(G * n, K, -1), tuple(shape))
-      return jnp.zeros((G, n, 0), leaf.dtype)
-    return leaf
+    spec = IN_PLACE.get(tuple(keys[2:4])) if len(keys) >= 4 and keys[0] == "runs" else None
+    G, n, *shape = leaf.shape
+    if spec is None or (keys[2] == "ffn" and len(shape) != 3):
+      return leaf
+    nb, nk, transposed = spec
+    batch = int(np.prod(shape[:nb]))
+    first = int(np.prod(shape[nb:nb + nk]))
+    stacks.setdefault(keys[1], {})[tuple(keys[2:4])] = (
+        leaf.reshape(G * n, batch, first, -1), tuple(shape), transposed)
+    return jnp.zeros((G, n, 0), leaf.dtype)
 
   return jax.tree_util.tree_map_with_path(take, params), stacks
 

@@ -38,20 +38,26 @@ def projections_impl(mode: str, platform: str, interpret: bool) -> str:
   return "pallas" if platform == "gpu" and not interpret else "xla"
 
 
-def stacked_matmul(x: jax.Array, w: jax.Array, index: jax.Array, *, impl: str = "xla",
-                   interpret: bool | None = None) -> jax.Array:
+def stacked_matmul(x: jax.Array, w: jax.Array, index: jax.Array, *, transposed: bool = False,
+                   impl: str = "xla", interpret: bool | None = None) -> jax.Array:
   """``x @ w[index]`` in float32.
 
-  x: [M, K]; w: [L, K, N] (layers stacked on the first axis); index: [] int32 in [0, L)
-  returns [M, N] float32
+  x: [M, K] with w [L, K, N] (layers stacked on the first axis), or batched (heads,
+     experts): x [B, M, K] or [1, M, K] (shared) with w [L, B, K, N]
+  transposed: w holds [..., N, K]; the product is ``x @ w[index]^T`` per batch element
+  index: [] int32 in [0, L)
+  returns [M, N] or [B, M, N] float32
   """
   if impl not in IMPLS:
     raise ValueError(f"kernels.projections={impl!r}: expected one of {list(IMPLS)}")
-  if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+  k_axis = -1 if transposed else -2
+  if (x.ndim, w.ndim) not in ((2, 3), (3, 4)) or x.shape[-1] != w.shape[k_axis] or (
+      x.ndim == 3 and x.shape[0] not in (1, w.shape[1])):
     raise ValueError(f"stacked_matmul: x {x.shape} and w {w.shape}: expected [M, K] and "
-                     "[L, K, N]")
+                     "[L, K, N], or [B | 1, M, K] and [L, B, K, N] ([..., N, K] when "
+                     "transposed)")
   index = jnp.asarray(index, jnp.int32)
   if impl == "pallas":
     from ula_jax.kernels.stacked_matmul.pallas import stacked_matmul_pallas
-    return stacked_matmul_pallas(x, w, index, interpret=interpret)
-  return stacked_matmul_reference(x, w, index)
+    return stacked_matmul_pallas(x, w, index, transposed=transposed, interpret=interpret)
+  return stacked_matmul_reference(x, w, index, transposed=transposed)

@@ -1,10 +1,11 @@
 """``x @ w[index]`` as a Pallas kernel that reads layer ``index``'s weights in place.
 
-Grid: blocks of ``block_n`` output columns x splits of K. Program (n, s) loads the
-layer's [block_k, block_n] weight blocks of its K range straight from the stacked array
-(``w_ref.at[index, k, cols]``; nothing copies the layer out), multiplies them with the
-rows' [M, block_k] blocks and writes a float32 partial sum; the splits' partial sums are
-added after. K is split until the grid has about ``programs`` programs, so a product
+Grid: batch elements (heads, experts; 1 for a plain product) x blocks of ``block_n``
+output columns x splits of K. Program (b, n, s) loads the layer's [block_k, block_n]
+weight blocks of its K range straight from the stacked array (``w_ref.at[index, b, k,
+cols]``, or [block_n, block_k] blocks of a weight stored [N, K]; nothing copies the layer
+out), multiplies them with the rows' [M, block_k] blocks and writes a float32 partial
+sum; the splits' partial sums are added after. K is split until the grid has about ``programs`` programs, so a product
 with few output columns (the output projection: 1024) still spreads its weight reads
 over the GPU. The rows are padded to a multiple of 16 (the smallest dot Triton emits).
 
@@ -51,17 +52,23 @@ def splits_for(K: int, N: int, block_k: int, block_n: int, programs: int) -> int
   return s
 
 
-def _kernel(i_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, ksteps: int):
-  n, s = pl.program_id(0), pl.program_id(1)
+def _kernel(i_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, ksteps: int,
+            shared_x: bool, transposed: bool):
+  b, n, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   layer = plgpu.load(i_ref.at[jnp.int32(0)])
+  xb_ref = x_ref.at[0 if shared_x else b]
   cols = pl.ds(n * block_n, block_n)
 
   def body(t, acc):
     k = pl.ds((s * ksteps + t) * block_k, block_k)
-    return acc + plgpu.dot(plgpu.load(x_ref.at[:, k]), plgpu.load(w_ref.at[layer, k, cols]))
+    if transposed:  # the weight is stored [N, K]
+      wb = plgpu.load(w_ref.at[layer, b, cols, k])
+      return acc + plgpu.dot(plgpu.load(xb_ref.at[:, k]), wb, trans_b=True)
+    wb = plgpu.load(w_ref.at[layer, b, k, cols])
+    return acc + plgpu.dot(plgpu.load(xb_ref.at[:, k]), wb)
 
-  acc = jax.lax.fori_loop(0, ksteps, body, jnp.zeros((x_ref.shape[0], block_n), F32))
-  plgpu.store(o_ref.at[s, :, cols], acc)
+  acc = jax.lax.fori_loop(0, ksteps, body, jnp.zeros((xb_ref.shape[0], block_n), F32))
+  plgpu.store(o_ref.at[s, b, :, cols], acc)
 
 
 def _block(size: int, most: int) -> int:
@@ -85,26 +92,37 @@ def fits(M: int, K: int, N: int, config: StackedMatmulConfig) -> bool:
 
 
 def stacked_matmul_pallas(x: jax.Array, w: jax.Array, index: jax.Array, *,
+                          transposed: bool = False,
                           config: StackedMatmulConfig = StackedMatmulConfig(),
                           interpret: bool | None = None) -> jax.Array:
-  """x [M, K], w [L, K, N], index [] int32 -> [M, N] float32, ``w[index]`` read in
-  place. An index outside [0, L) is clipped (as a dynamic slice clips it)."""
-  M, K = x.shape
-  L, _, N = w.shape
+  """``x @ w[index]`` in float32, ``w[index]`` read in place.
+
+  x: [M, K] with w [L, K, N], or batched: x [B, M, K] (or [1, M, K], shared by every
+  batch element) with w [L, B, K, N]; transposed: w holds [..., N, K] (the product is
+  then ``x @ w[index]^T`` per batch element). index: [] int32, clipped to [0, L) (as a
+  dynamic slice clips it). returns [M, N] or [B, M, N] float32.
+  """
+  if x.ndim == 2:
+    return stacked_matmul_pallas(x[None], w[:, None], index, transposed=transposed,
+                                 config=config, interpret=interpret)[0]
+  _, M, K = x.shape
+  L, B = w.shape[:2]
+  N = w.shape[2] if transposed else w.shape[3]
   if not fits(M, K, N, config):
-    return stacked_matmul_reference(x, w, index)
+    return stacked_matmul_reference(x, w, index, transposed=transposed)
   interpret = default_interpret() if interpret is None else interpret
   block_k, block_n = blocks(K, N, config)
   Mp = max(16, -(-M // 16) * 16)
-  xp = jnp.pad(x.astype(w.dtype), ((0, Mp - M), (0, 0)))
-  splits = splits_for(K, N, block_k, block_n, config.programs)
+  xp = jnp.pad(x.astype(w.dtype), ((0, 0), (0, Mp - M), (0, 0)))
+  splits = splits_for(K, B * N, block_k, block_n, config.programs)
   ksteps = K // (block_k * splits)
   layer = jnp.clip(jnp.asarray(index, jnp.int32), 0, L - 1).reshape(1)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
   parts = pl.pallas_call(
-      functools.partial(_kernel, block_k=block_k, block_n=block_n, ksteps=ksteps),
-      out_shape=jax.ShapeDtypeStruct((splits, Mp, N), F32),
-      grid=(N // block_n, splits),
+      functools.partial(_kernel, block_k=block_k, block_n=block_n, ksteps=ksteps,
+                        shared_x=x.shape[0] == 1, transposed=transposed),
+      out_shape=jax.ShapeDtypeStruct((splits, B, Mp, N), F32),
+      grid=(B, N // block_n, splits),
       in_specs=[any_spec] * 3,
       out_specs=any_spec,
       interpret=interpret,
@@ -112,4 +130,4 @@ def stacked_matmul_pallas(x: jax.Array, w: jax.Array, index: jax.Array, *,
                                            num_stages=config.num_stages),
       name="ula_stacked_matmul",
   )(layer, xp, w)
-  return parts.sum(axis=0)[:M]
+  return parts.sum(axis=0)[:, :M]
