@@ -439,8 +439,9 @@ class KernelsConfig(Section):
       "with 'cond' where resolve_fast_path is true, with kernels.resolve in full and no "
       "conditional where it is false. Systems without a fast path ignore it")
   projections: Literal["auto", "xla", "pallas"] = Field(
-      "auto", description="a decode step's query up-projection and output projection: "
-      "'xla' multiplies by each layer's weights sliced out of the stacked arrays (XLA "
+      "auto", description="a decode step's products with each layer's own weights (MLA's "
+      "up-projections and output projection, the experts): "
+      "'xla' multiplies by the weights sliced out of the stacked arrays (XLA "
       "copies every slice before the product reads it), 'pallas' a kernel that reads them "
       "in place (kernels.stacked_matmul; up to 256 rows a product, all heads: tensor "
       "parallelism and prefill chunks keep 'xla'), 'auto' pallas on a GPU (measured "
