@@ -12,8 +12,8 @@ needs to. ``stacked_matmul`` multiplies by ``w[l]`` without the slice:
   fall back to the reference.
 
 Both return float32 (the products accumulate in float32). The config field is
-``kernels.projections``; the model uses it for the largest per-layer products of a
-decode step (``models.layers.InPlaceWeight``).
+``kernels.projections``; the model uses it for every decode product with a layer's own
+weights (``models.transformer.IN_PLACE``, ``models.layers.InPlaceWeight``).
 """
 
 from __future__ import annotations
