@@ -334,9 +334,9 @@ def _left_in_place(params: nnx.State) -> tuple[nnx.State, dict]:
   def take(path, leaf):
     keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
     spec = IN_PLACE.get(tuple(keys[2:4])) if len(keys) >= 4 and keys[0] == "runs" else None
-    G, n, *shape = leaf.shape
-    if spec is None or (keys[2] == "ffn" and len(shape) != 3):
+    if spec is None or (keys[2] == "ffn" and leaf.ndim != 5):  # [G, n] + a layer's shape
       return leaf
+    G, n, *shape = leaf.shape
     nb, nk, transposed = spec
     batch = int(np.prod(shape[:nb]))
     first = int(np.prod(shape[nb:nb + nk]))
