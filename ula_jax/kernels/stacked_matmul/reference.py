@@ -16,5 +16,6 @@ def stacked_matmul_reference(x: jax.Array, w: jax.Array, index: jax.Array, *,
   x = x.astype(w.dtype)
   if x.ndim == 2:
     return jnp.dot(x, wl, preferred_element_type=jnp.float32)
-  x = jnp.broadcast_to(x, (wl.shape[0],) + x.shape[1:])
+  if x.shape[0] == 1 and wl.shape[0] > 1:  # rows shared: no broadcast copy of them
+    return jnp.einsum("mk,bkn->bmn", x[0], wl, preferred_element_type=jnp.float32)
   return jnp.einsum("bmk,bkn->bmn", x, wl, preferred_element_type=jnp.float32)
