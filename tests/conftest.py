@@ -145,10 +145,30 @@ def rng(seed) -> np.random.Generator:
   return np.random.default_rng(seed)
 
 
+# The modules whose tests take longest on a 2-core machine (``--durations``), longest
+# first. They run first: with ``--dist worksteal`` a worker that runs dry takes the other's
+# queued tests, so the run ends on short tests instead of one worker finishing a long one
+# alone while the other waits.
+HEAVY_MODULES = (
+    "test_multiprocess", "test_train", "test_triton_ir", "test_deep_model", "test_speculate",
+    "test_kv_layout", "test_exactness", "test_tp_capacity", "test_decode_scores",
+    "test_trace_run", "test_experiments", "test_stacked_ula_tp", "test_compilation",
+    "test_bench_multi", "test_steps_per_dispatch", "test_ula_tp_properties",
+    "test_exactness_tp",
+)
+
+
+def _heavy_first(items: list) -> None:
+  rank = {name: i for i, name in enumerate(HEAVY_MODULES)}
+  items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2],
+                                       len(HEAVY_MODULES)))  # stable: order kept within
+
+
 def pytest_collection_modifyitems(config, items):
-  """``gpu``-marked tests need a CUDA device; on other machines they are deselected (not
-  skipped): they run on a GPU host (``benchmarks/probes/gpu_kernels.sh``), and their
-  interpret-mode twins run here."""
+  """Long-running modules first (``HEAVY_MODULES``). ``gpu``-marked tests need a CUDA
+  device; on other machines they are deselected (not skipped): they run on a GPU host
+  (``benchmarks/probes/gpu_kernels.sh``), and their interpret-mode twins run here."""
+  _heavy_first(items)
   if jax.default_backend() == "gpu":
     return
   keep = [item for item in items if item.get_closest_marker("gpu") is None]
