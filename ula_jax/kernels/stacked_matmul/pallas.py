@@ -5,9 +5,10 @@ output columns x splits of K. Program (b, n, s) loads the layer's [block_k, bloc
 weight blocks of its K range straight from the stacked array (``w_ref.at[index, b, k,
 cols]``, or [block_n, block_k] blocks of a weight stored [N, K]; nothing copies the layer
 out), multiplies them with the rows' [M, block_k] blocks and writes a float32 partial
-sum; the splits' partial sums are added after. K is split until the grid has about ``programs`` programs, so a product
-with few output columns (the output projection: 1024) still spreads its weight reads
-over the GPU. The rows are padded to a multiple of 16 (the smallest dot Triton emits).
+sum; the splits' partial sums are added after. K is split until the grid has about
+``programs`` programs, so a product with few output columns (the output projection:
+1024) still spreads its weight reads over the GPU. The rows are padded to a multiple of
+16 (the smallest dot Triton emits).
 
 Blocks are the config's, or smaller powers of 2 where they do not divide K or N.
 Decode-sized products only: more than ``MAX_ROWS`` rows (a prefill chunk), or a K or N
