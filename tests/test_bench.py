@@ -382,6 +382,9 @@ def test_layer_weights_probe_forms_compute_the_same_pass(tmp_path):
   assert lw.main(["--quick", "--layers", "4", "--reps", "1", "--json", str(out)]) == 0
   row = json.loads(out.read_text())["row"]
   assert (row["form"], row["layers"], row["rows"]) == ("scan", 4, 64)
+  glm5 = lw.model_config(16, quick=False)  # the GLM-5 experiment's model, 16 layers
+  assert (glm5.preset, glm5.num_layers, glm5.hidden_size, glm5.moe_intermediate_size) == (
+      "glm5", 16, 1024, 256)
   assert row["call_s"] > 0 and row["layer_weight_bytes"] > 0
 
 

@@ -32,7 +32,9 @@ from flax import nnx
 
 from ula_jax.bench.common import (best_and_median, device_copy_rate, environment,
                                    time_calls)
+from ula_jax.bench.prefill import DEFAULT_CONFIG as GLM5_CONFIG
 from ula_jax.bench.profile import trace_calls
+from ula_jax.config import load_config
 from ula_jax.models.config import ModelConfig
 from ula_jax.models.transformer import Transformer, _run_layers, param_bytes
 
@@ -40,10 +42,11 @@ F32 = jnp.float32
 
 
 def model_config(layers: int, quick: bool) -> ModelConfig:
+  """``tiny`` (quick), else the GLM-5 experiment's model (``glm5_narrow``) with
+  ``layers`` layers."""
   if quick:
     return ModelConfig(preset="tiny", num_layers=layers)
-  return ModelConfig(preset="glm5", hidden_size=1024, intermediate_size=2048,
-                     moe_intermediate_size=256, num_layers=layers)
+  return load_config(GLM5_CONFIG, [f"model.num_layers={layers}"]).model
 
 
 def _select(g, layers, first, indexer, c):

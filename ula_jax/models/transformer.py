@@ -48,6 +48,7 @@ from ula_jax.core.addressing import addrs_of_positions
 from ula_jax.core.types import INVALID, DecodeMemory, Resolution
 from ula_jax.models.config import ModelConfig
 from ula_jax.kernels.indexer import SCRATCH_BYTES, index_scores, prefix_topk, select_topk
+from ula_jax.kernels.stacked_matmul import check_impl
 from ula_jax.kernels.sparse_attention.prefill import (dense_causal_attention,
                                                       sparse_attention_rows)
 from ula_jax.models.layers import (F32, MLP, HeadRange, Indexer, InPlaceWeight, MLAttention,
@@ -202,9 +203,7 @@ class Transformer(nnx.Module):
     where the rows are few enough (a decode step) and every head is computed; 'xla'
     slices them out (XLA copies each slice). A static setting: it is part of the model's
     graph definition."""
-    from ula_jax.kernels.stacked_matmul import IMPLS
-    if impl not in IMPLS:
-      raise ValueError(f"kernels.projections={impl!r}: expected one of {list(IMPLS)}")
+    check_impl(impl)
     self.projections = impl
     self.projections_interpret = interpret
 

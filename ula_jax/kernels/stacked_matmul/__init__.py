@@ -27,6 +27,12 @@ IMPLS = ("xla", "pallas")
 MODES = ("auto",) + IMPLS
 
 
+def check_impl(impl: str) -> None:
+  """ValueError naming ``kernels.projections`` unless ``impl`` is one of ``IMPLS``."""
+  if impl not in IMPLS:
+    raise ValueError(f"kernels.projections={impl!r}: expected one of {list(IMPLS)}")
+
+
 def projections_impl(mode: str, platform: str, interpret: bool) -> str:
   """``kernels.projections=mode`` on ``platform``: 'auto' is 'pallas' on a GPU that runs
   Pallas compiled (measured faster there: the slices XLA copies are gone), 'xla'
@@ -48,8 +54,7 @@ def stacked_matmul(x: jax.Array, w: jax.Array, index: jax.Array, *, transposed: 
   index: [] int32 in [0, L)
   returns [M, N] or [B, M, N] float32
   """
-  if impl not in IMPLS:
-    raise ValueError(f"kernels.projections={impl!r}: expected one of {list(IMPLS)}")
+  check_impl(impl)
   k_axis = -1 if transposed else -2
   if (x.ndim, w.ndim) not in ((2, 3), (3, 4)) or x.shape[-1] != w.shape[k_axis] or (
       x.ndim == 3 and x.shape[0] not in (1, w.shape[1])):
