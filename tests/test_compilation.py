@@ -7,13 +7,12 @@ import jax
 import jax.numpy as jnp
 
 from tests.engine_util import make_requests, run_engine
-from ula_jax.core.compilation import CompileLog, default_cache_dir
+from ula_jax.core.compilation import CompileLog, default_cache_dir, enable_persistent_cache
 
 
 def test_compile_log_counts_programs_by_function(rng):
-  # A constant of its own: no persistent cache this process may use (an engine run of
-  # an earlier test turns on the user's, where an earlier session may have left this
-  # program) holds the program.
+  # A constant of its own: no persistent cache this process may use (a cache given by
+  # the environment may hold programs of earlier sessions) holds the program.
   offset = float(rng.integers(1, 2**24))
 
   def twice_plus_one(x):
@@ -35,6 +34,23 @@ def test_compile_log_counts_programs_by_function(rng):
 def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   assert default_cache_dir() == tmp_path / "ula_jax" / "xla"
+
+
+def test_cache_without_a_folder_keeps_the_one_jax_has(monkeypatch, tmp_path):
+  # The folder jax is configured with (JAX_COMPILATION_CACHE_DIR, the test session's)
+  # stays; without one, default_cache_dir().
+  restore = jax.config.jax_compilation_cache_dir
+  try:
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "given"))
+    assert enable_persistent_cache() == tmp_path / "given"
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "given")
+    assert enable_persistent_cache(tmp_path / "named") == tmp_path / "named"
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert enable_persistent_cache() == tmp_path / "xdg" / "ula_jax" / "xla"
+    assert (tmp_path / "xdg" / "ula_jax" / "xla").is_dir()
+  finally:
+    jax.config.update("jax_compilation_cache_dir", restore)
 
 
 def test_run_summary_says_what_each_step_compiled():

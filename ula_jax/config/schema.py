@@ -345,8 +345,9 @@ class EngineConfig(Section):
       True, description="keep compiled programs in jax's persistent compilation cache, so "
       "a second run of the same shapes compiles nothing")
   compilation_cache_dir: str | None = Field(
-      None, description="folder of the persistent compilation cache; None = "
-      "$XDG_CACHE_HOME/ula_jax/xla (~/.cache/ula_jax/xla)")
+      None, description="folder of the persistent compilation cache; None = the folder jax is "
+      "configured with (JAX_COMPILATION_CACHE_DIR), else $XDG_CACHE_HOME/ula_jax/xla "
+      "(~/.cache/ula_jax/xla)")
   checkpoint_every: int = Field(
       0, ge=0, description="engine steps between checkpoints of the run (memory-system "
       "state, scheduler, metrics; the latest kept in the run directory's checkpoint/), one "

@@ -30,10 +30,12 @@ def default_cache_dir() -> pathlib.Path:
 
 
 def enable_persistent_cache(path: str | pathlib.Path | None = None) -> pathlib.Path:
-  """Turns on jax's persistent compilation cache in ``path`` (default:
-  ``default_cache_dir()``) for every program, however quick to compile; returns the
-  folder. Call before the first compilation of the process."""
-  path = pathlib.Path(path or default_cache_dir()).expanduser()
+  """Turns on jax's persistent compilation cache in ``path`` for every program, however
+  quick to compile; returns the folder. Without ``path``: the folder jax is already
+  configured with (``JAX_COMPILATION_CACHE_DIR``, or a test session's), else
+  ``default_cache_dir()``. Call before the first compilation of the process."""
+  path = pathlib.Path(path or jax.config.jax_compilation_cache_dir
+                      or default_cache_dir()).expanduser()
   path.mkdir(parents=True, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", str(path))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
