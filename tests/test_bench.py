@@ -398,7 +398,11 @@ def test_stacked_matmul_probe_runs_both_products(tmp_path):
   rows = json.loads(out.read_text())["rows"]
   assert [(r["weight"], r["impl"]) for r in rows] == [
       ("a", "xla"), ("a", "pallas"), ("b", "xla"), ("b", "pallas")]
-  assert all(r["max_rel_err"] < 1e-2 for r in rows)
+  assert all(r["max_rel_err"] < 1e-2 for r in rows if r["impl"] == "pallas")
+  assert rows[3]["transposed"] and rows[3]["splits"] == 2
+  c = sm.parse_configs("64,128,4,3,264; 128,64,8,4,132;")
+  assert [(x.block_k, x.block_n, x.num_warps, x.num_stages, x.programs) for x in c] == [
+      (64, 128, 4, 3, 264), (128, 64, 8, 4, 132)]
 
 
 def test_device_copy_rate_is_the_copys_read_and_write_traffic(monkeypatch):

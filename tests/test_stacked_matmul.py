@@ -61,6 +61,30 @@ def test_pallas_batched_products(B, shared, transposed, rng):
                                want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("K", [32, 256])  # one program over K; K split in 8
+def test_out_dtype_rounds_the_float32_sums_once(K, rng):
+  """A bfloat16 result is the float32 product rounded: the same bits whether the grid
+  stores the rounded sums itself (no K split) or adds partial sums first, and whatever
+  the implementation."""
+  L, M, N = 3, 9, 64
+  x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((L, K, N)) / np.sqrt(K), jnp.bfloat16)
+  assert splits_for(K, N, 32, 64, SMALL.programs) == (1 if K == 32 else 8)
+  poison = jnp.full((M, N), jnp.nan, jnp.bfloat16)
+  f = jax.jit(lambda x, w, i, out: out.at[:].set(stacked_matmul_pallas(
+      x, w, i, out_dtype=jnp.bfloat16, config=SMALL, interpret=True)))
+  for i in rng.permutation(L):
+    f32 = stacked_matmul_pallas(x, w, jnp.int32(i), config=SMALL, interpret=True)
+    got = f(x, w, jnp.int32(i), poison)
+    assert got.dtype == jnp.bfloat16 and got.shape == (M, N)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(f32.astype(jnp.bfloat16), np.float32))
+    ref = stacked_matmul(x, w, jnp.int32(i), out_dtype=jnp.bfloat16)
+    assert ref.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(got, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
 def test_blocks_shrink_to_divide_the_weight():
   assert blocks(2048, 16384, StackedMatmulConfig()) == (64, 128)
   assert blocks(32, 96, StackedMatmulConfig()) == (32, 32)  # the tiny model's sizes

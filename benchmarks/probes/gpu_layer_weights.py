@@ -33,7 +33,7 @@ from flax import nnx
 from ula_jax.bench.common import (best_and_median, device_copy_rate, environment,
                                    time_calls)
 from ula_jax.bench.prefill import DEFAULT_CONFIG as GLM5_CONFIG
-from ula_jax.bench.profile import trace_calls
+from ula_jax.bench.profile import device_op_events, trace_calls
 from ula_jax.config import load_config
 from ula_jax.models.config import ModelConfig
 from ula_jax.models.transformer import Transformer, _run_layers, param_bytes
@@ -90,6 +90,22 @@ def unrolled_forward(model: Transformer, x, pos):
   return x, c["acc"]
 
 
+def write_ops(trace_dir: str, path: str) -> None:
+  """The trace's device operations: totals by (name, HLO op) where the events' args name
+  one, and the args of the first copies (what each copy moves, as the trace says)."""
+  ops = device_op_events(trace_dir)
+  per: dict = {}
+  for e in ops:
+    a = e.get("args", {})
+    k = (str(e.get("name", "")), str(a.get("hlo_op", a.get("long_name", ""))))
+    n, us = per.get(k, (0, 0.0))
+    per[k] = (n + 1, us + e["dur"])
+  rows = sorted(([n, op, c, us] for (n, op), (c, us) in per.items()), key=lambda r: -r[3])
+  copies = [e.get("args", {}) for e in ops if "emcpy" in str(e.get("name", ""))][:60]
+  with open(path, "w") as f:
+    json.dump({"by_op": rows[:400], "copy_args": copies}, f, indent=1)
+
+
 def main(argv: list[str]) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--tag", default="base")
@@ -102,6 +118,8 @@ def main(argv: list[str]) -> int:
                  help="kernels.projections: the query up-projection and output projection "
                  "read in place by kernels.stacked_matmul (pallas) or sliced (xla)")
   p.add_argument("--hlo", default=None, help="write the compiled program's HLO here")
+  p.add_argument("--ops", default=None, help="write the profiled device operations here "
+                 "(totals by HLO op where the trace names it; the copies' trace args)")
   p.add_argument("--quick", action="store_true")
   args = p.parse_args(argv)
 
@@ -141,6 +159,8 @@ def main(argv: list[str]) -> int:
           state = step(state)
         jax.block_until_ready(state)
       tr = trace_calls(tdir, "forward", top=12)
+      if args.ops:
+        write_ops(tdir, args.ops)
     calls = tr["calls"][1:] or tr["calls"]
     busy = float(np.median([c["device_busy_us"] for c in calls]))
     copies = [k for k in tr["top_kinds"] if "emcpy" in k[0]]

@@ -154,10 +154,11 @@ class InPlaceWeight:
   def dtype(self):
     return self.stack.dtype
 
-  def matmul(self, x: jax.Array) -> jax.Array:
-    """[B | 1, M, K] -> [B, M, N] float32 (per batch element, rows shared when 1)."""
+  def matmul(self, x: jax.Array, out_dtype) -> jax.Array:
+    """[B | 1, M, K] -> [B, M, N] (per batch element, rows shared when 1), accumulated in
+    float32 and rounded once to ``out_dtype``."""
     return stacked_matmul(x, self.stack, self.index, transposed=self.transposed,
-                          impl=self.impl, interpret=self.interpret)
+                          out_dtype=out_dtype, impl=self.impl, interpret=self.interpret)
 
   def __getitem__(self, key):
     layer = jax.lax.dynamic_index_in_dim(self.stack, self.index, 0, keepdims=False)
@@ -211,8 +212,8 @@ class MLAttention(nnx.Module):
     """
     cq_nq = self.query_latent(x_nd)
     if (w_uq := _in_place(self.w_uq, heads)) is not None:
-      q_nhe = w_uq.matmul(cq_nq[None])[0].reshape(cq_nq.shape[0], *w_uq.shape[1:]).astype(
-          jnp.result_type(cq_nq.dtype, w_uq.dtype))
+      q_nhe = w_uq.matmul(cq_nq[None], jnp.result_type(cq_nq.dtype, w_uq.dtype))[0].reshape(
+          cq_nq.shape[0], *w_uq.shape[1:])
     else:
       q_nhe = jnp.einsum("nq,qhe->nhe", cq_nq, _heads(self.w_uq[...], 1, heads))
     q_nope, q_rope = q_nhe[..., :self.nope_dim], q_nhe[..., self.nope_dim:]
@@ -230,8 +231,9 @@ class MLAttention(nnx.Module):
   def absorb(self, q_nope_nhd: jax.Array, heads: HeadRange | None = None) -> jax.Array:
     """q_lat[h] = q_nope[h] W_uk[h]^T: [N, H, dn] -> [N, H, C] (H = heads.count when split)."""
     if (w_uk := _in_place(self.w_uk, heads)) is not None:  # [H, C, dn]: stored [N, K]
-      q_hnc = w_uk.matmul(jnp.swapaxes(q_nope_nhd, 0, 1))
-      return jnp.swapaxes(q_hnc, 0, 1).astype(jnp.result_type(q_nope_nhd.dtype, w_uk.dtype))
+      q_hnc = w_uk.matmul(jnp.swapaxes(q_nope_nhd, 0, 1),
+                          jnp.result_type(q_nope_nhd.dtype, w_uk.dtype))
+      return jnp.swapaxes(q_hnc, 0, 1)
     return jnp.einsum("nhd,hcd->nhc", q_nope_nhd, _heads(self.w_uk[...], 0, heads))
 
   def out(self, o_lat_nhc: jax.Array, heads: HeadRange | None = None,
@@ -243,14 +245,14 @@ class MLAttention(nnx.Module):
     dtype: accumulation and result dtype of the W_o product (None = the weights')
     """
     if (w_uv := _in_place(self.w_uv, heads)) is not None:
-      v_hnv = w_uv.matmul(jnp.swapaxes(o_lat_nhc.astype(w_uv.dtype), 0, 1))
-      v_nhv = jnp.swapaxes(v_hnv, 0, 1).astype(w_uv.dtype)
+      v_hnv = w_uv.matmul(jnp.swapaxes(o_lat_nhc.astype(w_uv.dtype), 0, 1), w_uv.dtype)
+      v_nhv = jnp.swapaxes(v_hnv, 0, 1)
     else:
       w_uv = _heads(self.w_uv[...], 0, heads)
       v_nhv = jnp.einsum("nhc,hcv->nhv", o_lat_nhc.astype(w_uv.dtype), w_uv)
     if (w_o := _in_place(self.w_o, heads)) is not None:
-      out = w_o.matmul(v_nhv.reshape(1, v_nhv.shape[0], -1))[0]
-      return out.astype(dtype or jnp.result_type(v_nhv.dtype, w_o.dtype))
+      return w_o.matmul(v_nhv.reshape(1, v_nhv.shape[0], -1),
+                        dtype or jnp.result_type(v_nhv.dtype, w_o.dtype))[0]
     return jnp.einsum("nhv,hvd->nd", v_nhv, _heads(self.w_o[...], 0, heads),
                       preferred_element_type=dtype)
 
@@ -369,9 +371,8 @@ class MoE(nnx.Module):
                             _in_place(self.w_down))
     if w_gate is not None and w_up is not None and w_down is not None:
       dt = jnp.result_type(x_nd.dtype, w_gate.dtype)
-      h_enf = (jax.nn.silu(w_gate.matmul(x_nd[None]).astype(dt))
-               * w_up.matmul(x_nd[None]).astype(dt))
-      y_ned = jnp.swapaxes(w_down.matmul(h_enf).astype(dt), 0, 1)
+      h_enf = jax.nn.silu(w_gate.matmul(x_nd[None], dt)) * w_up.matmul(x_nd[None], dt)
+      y_ned = jnp.swapaxes(w_down.matmul(h_enf, dt), 0, 1)
     else:
       h_nef = (jax.nn.silu(jnp.einsum("nd,edf->nef", x_nd, self.w_gate[...]))
                * jnp.einsum("nd,edf->nef", x_nd, self.w_up[...]))

@@ -11,7 +11,8 @@ needs to. ``stacked_matmul`` multiplies by ``w[l]`` without the slice:
   (Triton on GPU; interpret mode elsewhere), for decode-sized row counts; other shapes
   fall back to the reference.
 
-Both return float32 (the products accumulate in float32). The config field is
+Both accumulate in float32 and round once to the caller's dtype (``out_dtype``; a grid
+without K splits stores the rounded sums directly). The config field is
 ``kernels.projections``; the model uses it for every decode product with a layer's own
 weights (``models.transformer.IN_PLACE``, ``models.layers.InPlaceWeight``).
 """
@@ -45,14 +46,16 @@ def projections_impl(mode: str, platform: str, interpret: bool) -> str:
 
 
 def stacked_matmul(x: jax.Array, w: jax.Array, index: jax.Array, *, transposed: bool = False,
-                   impl: str = "xla", interpret: bool | None = None) -> jax.Array:
-  """``x @ w[index]`` in float32.
+                   out_dtype=jnp.float32, impl: str = "xla",
+                   interpret: bool | None = None) -> jax.Array:
+  """``x @ w[index]``, accumulated in float32, rounded once to ``out_dtype``.
 
   x: [M, K] with w [L, K, N] (layers stacked on the first axis), or batched (heads,
      experts): x [B, M, K] or [1, M, K] (shared) with w [L, B, K, N]
   transposed: w holds [..., N, K]; the product is ``x @ w[index]^T`` per batch element
   index: [] int32 in [0, L)
-  returns [M, N] or [B, M, N] float32
+  returns [M, N] or [B, M, N] in ``out_dtype`` (the same values as the float32 product
+  cast to it)
   """
   check_impl(impl)
   k_axis = -1 if transposed else -2
@@ -64,5 +67,6 @@ def stacked_matmul(x: jax.Array, w: jax.Array, index: jax.Array, *, transposed: 
   index = jnp.asarray(index, jnp.int32)
   if impl == "pallas":
     from ula_jax.kernels.stacked_matmul.pallas import stacked_matmul_pallas
-    return stacked_matmul_pallas(x, w, index, transposed=transposed, interpret=interpret)
-  return stacked_matmul_reference(x, w, index, transposed=transposed)
+    return stacked_matmul_pallas(x, w, index, transposed=transposed, out_dtype=out_dtype,
+                                 interpret=interpret)
+  return stacked_matmul_reference(x, w, index, transposed=transposed).astype(out_dtype)

@@ -68,7 +68,7 @@ def _kernel(i_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, ksteps: i
     return acc + plgpu.dot(xb, plgpu.load(w_ref.at[layer, b, k, cols]))
 
   acc = jax.lax.fori_loop(0, ksteps, body, jnp.zeros((x_ref.shape[1], block_n), F32))
-  plgpu.store(o_ref.at[s, b, :, cols], acc)
+  plgpu.store(o_ref.at[s, b, :, cols], acc.astype(o_ref.dtype))
 
 
 def _block(size: int, most: int) -> int:
@@ -92,24 +92,27 @@ def fits(M: int, K: int, N: int, config: StackedMatmulConfig) -> bool:
 
 
 def stacked_matmul_pallas(x: jax.Array, w: jax.Array, index: jax.Array, *,
-                          transposed: bool = False,
+                          transposed: bool = False, out_dtype=F32,
                           config: StackedMatmulConfig = StackedMatmulConfig(),
                           interpret: bool | None = None) -> jax.Array:
-  """``x @ w[index]`` in float32, ``w[index]`` read in place.
+  """``x @ w[index]``, accumulated in float32 and returned in ``out_dtype``, ``w[index]``
+  read in place.
 
   x: [M, K] with w [L, K, N], or batched: x [B, M, K] (or [1, M, K], shared by every
   batch element) with w [L, B, K, N]; transposed: w holds [..., N, K] (the product is
   then ``x @ w[index]^T`` per batch element). index: [] int32, clipped to [0, L) (as a
-  dynamic slice clips it). returns [M, N] or [B, M, N] float32.
+  dynamic slice clips it). returns [M, N] or [B, M, N] in ``out_dtype``: the float32
+  sums rounded once (a grid without K splits stores them so; with splits the float32
+  partial sums are added, then rounded).
   """
   if x.ndim == 2:
     return stacked_matmul_pallas(x[None], w[:, None], index, transposed=transposed,
-                                 config=config, interpret=interpret)[0]
+                                 out_dtype=out_dtype, config=config, interpret=interpret)[0]
   _, M, K = x.shape
   L, B = w.shape[:2]
   N = w.shape[2] if transposed else w.shape[3]
   if not fits(M, K, N, config):
-    return stacked_matmul_reference(x, w, index, transposed=transposed)
+    return stacked_matmul_reference(x, w, index, transposed=transposed).astype(out_dtype)
   interpret = default_interpret() if interpret is None else interpret
   block_k, block_n = blocks(K, N, config)
   Mp = max(16, -(-M // 16) * 16)
@@ -121,7 +124,7 @@ def stacked_matmul_pallas(x: jax.Array, w: jax.Array, index: jax.Array, *,
   parts = pl.pallas_call(
       functools.partial(_kernel, block_k=block_k, block_n=block_n, ksteps=ksteps,
                         shared_x=x.shape[0] == 1, transposed=transposed),
-      out_shape=jax.ShapeDtypeStruct((splits, B, Mp, N), F32),
+      out_shape=jax.ShapeDtypeStruct((splits, B, Mp, N), F32 if splits > 1 else out_dtype),
       grid=(B, N // block_n, splits),
       in_specs=[any_spec] * 3,
       out_specs=any_spec,
@@ -130,4 +133,6 @@ def stacked_matmul_pallas(x: jax.Array, w: jax.Array, index: jax.Array, *,
                                            num_stages=config.num_stages),
       name="ula_stacked_matmul",
   )(layer, xp, w)
-  return parts.sum(axis=0)[:, :M]
+  if splits == 1:
+    return parts[0, :, :M]
+  return parts.sum(axis=0)[:, :M].astype(out_dtype)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Where a GLM-5-geometry decode step's weight reads go, in one device call (run from
+# anywhere; config wheels in .whl/ when the machine lacks them):
+#
+#     OUT=/some/dir bash benchmarks/probes/gpu_weights.sh
+#
+# 1. the layer stack of 78 layers at 64 rows, products read in place
+#    (benchmarks/probes/gpu_layer_weights.py --projections pallas): its time against
+#    reading the weights once, its compiled HLO and its device operations by HLO op
+#    (what the remaining copies are);
+# 2. every product of a layer under each launch config in SM_CONFIGS
+#    (benchmarks/probes/gpu_stacked_matmul.py --shapes model).
+# With FETCH=1 on an H200, first the judged fetch ratios (gpu_decode_ratios.sh
+# PARTS=fetch, its own folder under $OUT/ratios). Results under $OUT: JSONs, logs.tgz.
+set -u
+cd "$(dirname "$0")/../.."
+# shellcheck source=benchmarks/probes/gpu_steps.sh
+source benchmarks/probes/gpu_steps.sh
+gpu_setup gpu_weights "${TIME_LIMIT_S:-560}" outside
+config_wheels
+if [ "${FETCH:-0}" = 1 ]; then
+  STEP_TAIL=40 step ratios 200 env OUT="$OUT/ratios" PARTS=fetch TIME_LIMIT_S=190 \
+    bash benchmarks/probes/gpu_decode_ratios.sh
+fi
+STEP_TAIL=4 step layers 200 "$PY" benchmarks/probes/gpu_layer_weights.py --tag pallas78 \
+  --layers 78 --rows 64 --projections pallas --json "$OUT/lw78_pallas.json" \
+  --hlo "$WORK/hlo_lw78_pallas.txt" --ops "$OUT/lw78_ops.json"
+STEP_TAIL=14 step sweep 330 "$PY" benchmarks/probes/gpu_stacked_matmul.py --shapes model \
+  --layers 16 --rows 64 --reps 3 --json "$OUT/sm_sweep.json" \
+  --configs "${SM_CONFIGS:-64,128,4,3,264;128,128,4,3,264;64,128,8,4,264;128,64,4,4,264;64,256,8,3,264;64,128,4,3,132;64,128,4,3,528;128,128,8,4,132;256,64,4,3,264}"
+tar -czf "$OUT/logs.tgz" -C "$WORK" .
+print_steps
