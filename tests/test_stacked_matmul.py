@@ -128,7 +128,9 @@ def _layer_stack(model, x, pos, heads=None):
   around attention; the absorbed query stands in for attention's latent output."""
 
   def select(g, layers, first, indexer, c):
-    return None, c
+    q_i, w = indexer.query(first.h, first.c_q, pos)
+    key = indexer.key(first.h, pos)
+    return None, c + sum(jnp.sum(a.astype(jnp.float32)) for a in (q_i, w, key))
 
   def attend(l, layer, proj, sel, c):
     out = layer.attn.out(layer.attn.absorb(proj.q_nope, heads), heads)
@@ -140,7 +142,7 @@ def _layer_stack(model, x, pos, heads=None):
 
 def test_the_layer_stack_reads_its_projections_in_place(rng):
   """kernels.projections=pallas: every layer's products with its own weights (MLA's
-  up-projections and output projection, the experts) go through the kernel, with the
+  seven, the experts', the MLPs') and the indexers' go through the kernel, with the
   stacked weights out of the scans (placeholders), and the stack computes what the
   sliced weights compute; with a head range (tensor parallelism) the products stay
   XLA's."""
@@ -153,9 +155,14 @@ def test_the_layer_stack_reads_its_projections_in_place(rng):
 
   model.use_projections("pallas", interpret=True)
   jaxpr = str(jax.make_jaxpr(lambda x: _layer_stack(model, x, pos))(x))
-  # One traced body per run: MLA's four products, and the experts' three in MoE runs.
-  runs = [dense for seg in group_segments(cfg) for dense, _ in seg.runs]
-  assert jaxpr.count("pallas_call") == sum(4 if dense else 7 for dense in runs) == 18
+  # One traced body per run: MLA's seven products, then a dense layer's MLP (three) or
+  # the experts' and the shared expert's (six). Per segment, the group's first layer's
+  # query down-projection (the indexer's input) and the indexer's query and key
+  # products; its head weights (64 x 4: no block of 16 divides 4) take the reference.
+  segments = group_segments(cfg)
+  runs = [dense for seg in segments for dense, _ in seg.runs]
+  assert jaxpr.count("pallas_call") == (sum(10 if dense else 13 for dense in runs)
+                                        + 3 * len(segments)) == 42
   got = jax.jit(lambda x: _layer_stack(model, x, pos))(x)
   assert float(jnp.abs(want[0] - x).max()) > 1e-3
   np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-4)

@@ -14,7 +14,7 @@ every rank). Without one, every head is computed.
 
 Inside the layer stack's scans, a parameter may hold an ``InPlaceWeight`` instead of its
 array (``kernels.projections``, set by ``transformer._run_layers``): the layer's weight
-left in the stacked array, which the largest products read in place.
+left in the stacked array, which its products read in place.
 """
 
 from __future__ import annotations
@@ -171,6 +171,16 @@ def _in_place(param: nnx.Variable, heads: HeadRange | None = None) -> InPlaceWei
   return value if isinstance(value, InPlaceWeight) and heads is None else None
 
 
+def _dot(x_nk: jax.Array, param: nnx.Variable) -> jax.Array:
+  """``x [N, K] @ param [K, ...]`` -> [N, ...] in the operands' dtype: read in place when
+  the parameter holds an ``InPlaceWeight``."""
+  if (w := _in_place(param)) is not None:
+    out = w.matmul(x_nk[None], jnp.result_type(x_nk.dtype, w.dtype))[0]
+    return out.reshape(x_nk.shape[0], *w.shape[1:])
+  w = param[...]
+  return jnp.einsum("nk,k...->n...", x_nk, w) if w.ndim > 2 else x_nk @ w
+
+
 class MLAttention(nnx.Module):
   """Multi-head latent attention.
 
@@ -218,15 +228,15 @@ class MLAttention(nnx.Module):
       q_nhe = jnp.einsum("nq,qhe->nhe", cq_nq, _heads(self.w_uq[...], 1, heads))
     q_nope, q_rope = q_nhe[..., :self.nope_dim], q_nhe[..., self.nope_dim:]
     q_rope = apply_rope(q_rope, pos_n[:, None], self.rope_theta)
-    c_nc = self.kv_norm(x_nd @ self.w_dkv[...])
-    kr_nr = apply_rope(x_nd @ self.w_kr[...], pos_n, self.rope_theta)
+    c_nc = self.kv_norm(_dot(x_nd, self.w_dkv))
+    kr_nr = apply_rope(_dot(x_nd, self.w_kr), pos_n, self.rope_theta)
     entry = self.layout.encode(jnp.concatenate([c_nc, kr_nr], axis=-1))
     return cq_nq, q_nope, q_rope, entry
 
   def query_latent(self, x_nd: jax.Array) -> jax.Array:
     """The q latent c_q [N, Q] of a normed hidden state [N, D] (what the indexer reads
     besides the hidden state)."""
-    return self.q_norm(x_nd @ self.w_dq[...])
+    return self.q_norm(_dot(x_nd, self.w_dq))
 
   def absorb(self, q_nope_nhd: jax.Array, heads: HeadRange | None = None) -> jax.Array:
     """q_lat[h] = q_nope[h] W_uk[h]^T: [N, H, dn] -> [N, H, C] (H = heads.count when split)."""
@@ -312,15 +322,15 @@ class Indexer(nnx.Module):
             ) -> tuple[jax.Array, jax.Array]:
     """x_nd: [N, D] normed hidden; cq_nq: [N, Q]; pos_n: [N] int32 positions
     -> q_I [N, I, K], w [N, I] float32."""
-    q_nik = self._rotate(jnp.einsum("nq,qik->nik", cq_nq, self.w_q[...]), pos_n[:, None])
+    q_nik = self._rotate(_dot(cq_nq, self.w_q), pos_n[:, None])
     I = q_nik.shape[1]
-    w_ni = (x_nd @ self.w_w[...]).astype(F32) * I ** -0.5
+    w_ni = _dot(x_nd, self.w_w).astype(F32) * I ** -0.5
     return q_nik, w_ni
 
   def key(self, x_nd: jax.Array, pos_n: jax.Array) -> jax.Array:
     """[N, D] normed hidden, [N] int32 positions -> [N, K] index keys in kv_dtype (the
     stored precision)."""
-    return self._rotate(self.k_norm(x_nd @ self.w_k[...]), pos_n).astype(self.key_dtype)
+    return self._rotate(self.k_norm(_dot(x_nd, self.w_k)), pos_n).astype(self.key_dtype)
 
 
 # ----------------------------------------------------------------------------------
@@ -337,8 +347,8 @@ class MLP(nnx.Module):
     self.w_down = normal_param(rngs, (width, hidden), width, dtype)
 
   def __call__(self, x_nd: jax.Array) -> jax.Array:
-    h_nf = jax.nn.silu(x_nd @ self.w_gate[...]) * (x_nd @ self.w_up[...])
-    return h_nf @ self.w_down[...]
+    h_nf = jax.nn.silu(_dot(x_nd, self.w_gate)) * _dot(x_nd, self.w_up)
+    return _dot(h_nf, self.w_down)
 
 
 class MoE(nnx.Module):

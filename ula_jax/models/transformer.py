@@ -103,10 +103,16 @@ class GroupBlock(nnx.Module):
                           for d, n in _runs(dense)])
     self.indexer = Indexer(cfg, rngs=rngs)
 
-  def indexer_input(self, x_nd: jax.Array) -> IndexerInput:
-    """The first layer's normed input and q latent for hidden state ``x_nd`` [N, D]."""
+  def first_layer(self) -> DecoderLayer:
+    """The group's first layer, with its own (unstacked) parameters."""
     graphdef, params = nnx.split(self.runs[0])
-    first = nnx.merge(graphdef, jax.tree.map(lambda x: x[0], params))
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x[0], params))
+
+  def indexer_input(self, x_nd: jax.Array, first: DecoderLayer | None = None
+                    ) -> IndexerInput:
+    """The first layer's normed input and q latent for hidden state ``x_nd`` [N, D]
+    (``first``: that layer, when the caller has it)."""
+    first = self.first_layer() if first is None else first
     h_nd = first.attn_norm(x_nd)
     return IndexerInput(h_nd, first.attn.query_latent(h_nd))
 
@@ -198,7 +204,7 @@ class Transformer(nnx.Module):
 
   def use_projections(self, impl: str, interpret: bool | None = None) -> None:
     """``kernels.projections``: with 'pallas' the layer stack's products with per-layer
-    weights (``IN_PLACE``: MLA's up-projections and output projection, the experts) read
+    weights (``IN_PLACE``: MLA's projections, the experts and MLPs, the indexer's) read
     each layer's weights in place from the stacked arrays (``kernels.stacked_matmul``)
     where the rows are few enough (a decode step) and every head is computed; 'xla'
     slices them out (XLA copies each slice). A static setting: it is part of the model's
@@ -264,17 +270,21 @@ def _run_layers(model: Transformer, x_nd: jax.Array, pos_n: jax.Array, carry: An
   share = model.cfg.index_share
   in_place = model.projections != "xla" and heads is None
 
+  def place(module, weights, row):
+    # weights: {path: (stack, shape, transposed)}, read in place at ``row`` of each.
+    for path, (stack, shape, transposed) in weights.items():
+      owner = functools.reduce(getattr, path[:-1], module)
+      getattr(owner, path[-1]).set_value(InPlaceWeight(
+          stack, row, shape, transposed, model.projections, model.projections_interpret))
+    return module
+
   def run_body(sel, graphdef, weights, first):
-    # weights: {(module, name): (stack [G * n, B, K, N], shape, transposed)} read in
-    # place; layer l's row of each is first + l (first: the run's row of layer 0).
+    # weights: {path: (stack [G * n, B, K, N], shape, transposed)} read in place; layer
+    # l's row of each is first + l (first: the run's row of layer 0).
     def body(xc, xs):
       x, c = xc
       p, l = xs
-      layer = nnx.merge(graphdef, p)
-      for (module, name), (stack, shape, transposed) in weights.items():
-        getattr(getattr(layer, module), name).set_value(InPlaceWeight(
-            stack, first + l, shape, transposed, model.projections,
-            model.projections_interpret))
+      layer = place(nnx.merge(graphdef, p), weights, first + l)
       out, c = attend(l, layer, layer.pre_attention(x, pos_n, heads), sel, c)
       return (layer.post_attention(x, out), c), None
     return body
@@ -288,7 +298,11 @@ def _run_layers(model: Transformer, x_nd: jax.Array, pos_n: jax.Array, carry: An
       p, g = xs
       block = nnx.merge(graphdef, p)
       l0 = g * share
-      sel, c = select(g, (l0, len(seg.dense)), block.indexer_input(x), block.indexer, c)
+      place(block.indexer, stacks.get("indexer", {}), g - seg.first_group)
+      first_layer = place(block.first_layer(), stacks.get(0, {}),
+                          (g - seg.first_group) * seg.runs[0][1])
+      sel, c = select(g, (l0, len(seg.dense)), block.indexer_input(x, first_layer),
+                      block.indexer, c)
       start = 0
       for j, ((_, n), run) in enumerate(zip(seg.runs, block.runs)):
         run_graphdef, run_params = nnx.split(run)
@@ -305,43 +319,61 @@ def _run_layers(model: Transformer, x_nd: jax.Array, pos_n: jax.Array, carry: An
   return x_nd, carry
 
 
-# The products that read their weights in place: (module, parameter) -> (batch axes,
-# contracted axes, transposed) of the layer's weight. The experts' weights only where the
-# layer is a MoE one (3-D weights; a dense layer's MLP has 2-D ones).
+# The products that read their weights in place, by the parameter's path in a layer (or
+# in a group's indexer, under "indexer"): {rank of the layer's weight: (batch axes,
+# contracted axes, transposed)}. The feed-forward weights by rank: a MoE layer's experts
+# [E | D | F], a dense layer's MLP [D | F].
 IN_PLACE = {
-    ("attn", "w_uq"): (0, 1, False),   # [Q | H, E]
-    ("attn", "w_o"): (0, 2, False),    # [H, V | D]
-    ("attn", "w_uv"): (1, 1, False),   # [H | C | V]
-    ("attn", "w_uk"): (1, 1, True),    # [H | C | dn], contracted over dn
-    ("ffn", "w_gate"): (1, 1, False),  # [E | D | F]
-    ("ffn", "w_up"): (1, 1, False),
-    ("ffn", "w_down"): (1, 1, False),  # [E | F | D]
+    ("attn", "w_dq"): {2: (0, 1, False)},    # [D | Q]
+    ("attn", "w_dkv"): {2: (0, 1, False)},   # [D | C]
+    ("attn", "w_kr"): {2: (0, 1, False)},    # [D | R]
+    ("attn", "w_uq"): {3: (0, 1, False)},    # [Q | H, E]
+    ("attn", "w_o"): {3: (0, 2, False)},     # [H, V | D]
+    ("attn", "w_uv"): {3: (1, 1, False)},    # [H | C | V]
+    ("attn", "w_uk"): {3: (1, 1, True)},     # [H | C | dn], contracted over dn
+    ("ffn", "w_gate"): {3: (1, 1, False), 2: (0, 1, False)},
+    ("ffn", "w_up"): {3: (1, 1, False), 2: (0, 1, False)},
+    ("ffn", "w_down"): {3: (1, 1, False), 2: (0, 1, False)},
+    ("ffn", "shared", "w_gate"): {2: (0, 1, False)},
+    ("ffn", "shared", "w_up"): {2: (0, 1, False)},
+    ("ffn", "shared", "w_down"): {2: (0, 1, False)},
+    ("indexer", "w_q"): {3: (0, 1, False)},  # [Q | I, K]
+    ("indexer", "w_k"): {2: (0, 1, False)},  # [D | K]
+    ("indexer", "w_w"): {2: (0, 1, False)},  # [D | I]
 }
 
 
 def _left_in_place(params: nnx.State) -> tuple[nnx.State, dict]:
   """A segment's stacked parameters with the ``IN_PLACE`` weights taken out of the scans.
 
-  returns (params with each such weight replaced by a [G, n, 0] placeholder, so that no
-  scan slices or copies it; {run j: {(module, name): (stack [G * n, B, K, N], layer
-  shape, transposed)}}: the whole arrays, layer axes merged, batch, contracted and output
-  axes each flattened (output before contracted when transposed), as ``InPlaceWeight``
-  reads them).
+  returns (params with each such weight replaced by a zero-size placeholder ([G, n, 0]
+  for a layer's, [G, 0] for an indexer's), so that no scan slices or copies it; {run j
+  or "indexer": {path: (stack [G * n, B, K, N] or [G, B, K, N], layer shape,
+  transposed)}}: the whole arrays, layer axes merged, batch, contracted and output axes
+  each flattened (output before contracted when transposed), as ``InPlaceWeight`` reads
+  them).
   """
-  stacks: dict[int, dict] = {}
+  stacks: dict = {}
 
   def take(path, leaf):
     keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    spec = IN_PLACE.get(tuple(keys[2:4])) if len(keys) >= 4 and keys[0] == "runs" else None
-    if spec is None or (keys[2] == "ffn" and leaf.ndim != 5):  # [G, n] + a layer's shape
+    if keys[-1] == "value":
+      keys = keys[:-1]
+    if keys[0] == "runs":
+      owner, name, lead = keys[1], tuple(keys[2:]), 2  # [G, n] + a layer's shape
+    else:
+      owner, name, lead = keys[0], tuple(keys), 1  # [G] + the indexer's shape
+    spec = IN_PLACE.get(name, {}).get(leaf.ndim - lead)
+    if spec is None:
       return leaf
-    G, n, *shape = leaf.shape
+    shape = leaf.shape[lead:]
     nb, nk, transposed = spec
     batch = int(np.prod(shape[:nb]))
     first = int(np.prod(shape[nb:nb + nk]))
-    stacks.setdefault(keys[1], {})[tuple(keys[2:4])] = (
-        leaf.reshape(G * n, batch, first, -1), tuple(shape), transposed)
-    return jnp.zeros((G, n, 0), leaf.dtype)
+    stacks.setdefault(owner, {})[name[1:] if owner == "indexer" else name] = (
+        leaf.reshape(-1, batch, first, int(np.prod(shape)) // (batch * first)),
+        tuple(shape), transposed)
+    return jnp.zeros(leaf.shape[:lead] + (0,), leaf.dtype)
 
   return jax.tree_util.tree_map_with_path(take, params), stacks
 
