@@ -25,7 +25,7 @@ if [ "${FETCH:-0}" = 1 ]; then
 fi
 STEP_TAIL=4 step layers 200 "$PY" benchmarks/probes/gpu_layer_weights.py --tag pallas78 \
   --layers 78 --rows 64 --projections pallas --json "$OUT/lw78_pallas.json" \
-  --hlo "$WORK/hlo_lw78_pallas.txt" --ops "$OUT/lw78_ops.json"
+  --hlo "$WORK/hlo_lw78_pallas.txt" --ops "$WORK/lw78_ops.json"
 # The all-hit GLM-5 decode step (resident and ula, batch 32, 4K prompts), as the
 # projections' earlier measurement ran it (RESULTS.md, "GLM-5 geometry on one GPU").
 STEP_TAIL=10 step step 220 "$PY" -m ula_jax.cli.main bench step_cost \
