@@ -12,6 +12,8 @@
 #   xla_all     ula with XLA attention, XLA fetch, jnp resolve
 #   no_tune     xla_all with XLA's autotuning off
 #   resident    resident with the Mosaic attention
+#   proj_xla    full with kernels.projections=xla (the layers' products sliced, no
+#               stacked-matmul kernels: what those kernels add to the compile)
 # Results: compile_<variant>.json under $OUT, steps.txt printed last.
 set -u
 cd "$(dirname "$0")/../.."
@@ -27,7 +29,7 @@ variant() {  # variant NAME SYSTEM ATTENTION FETCH RESOLVE [XLA_FLAGS]
   # shellcheck disable=SC2086
   XLA_FLAGS="${6:-${XLA_FLAGS:-}}" step "$name" 150 $CLI bench compile $BASE --systems "$2" \
     --json "$OUT/compile_$name.json" kernels.attention="$3" kernels.fetch="$4" \
-    kernels.resolve="$5"
+    kernels.resolve="$5" ${EXTRA:-}
 }
 for v in ${VARIANTS:-full xla_attn xla_all no_tune resident}; do
   case $v in
@@ -36,6 +38,7 @@ for v in ${VARIANTS:-full xla_attn xla_all no_tune resident}; do
     xla_all) variant xla_all ula xla xla jnp ;;
     no_tune) variant no_tune ula xla xla jnp --xla_gpu_autotune_level=0 ;;
     resident) variant resident resident mosaic xla jnp ;;
+    proj_xla) EXTRA=kernels.projections=xla variant proj_xla ula mosaic pallas pallas_fused ;;
   esac
 done
 print_steps | tee "$OUT/steps.txt"
