@@ -6,12 +6,12 @@ config given (block of K, block of N, warps, pipeline stages, the grid size its 
 aim for), each set against reading the weights once at the device's copy rate
 (measured in the same process).
 
-Shapes (``--shapes model``): every product of a ``glm5_narrow`` layer at ``--rows``
-decode rows, batched as the model runs them (``models.transformer.IN_PLACE``: the query
-up-projection, the key up-projection per head with its weights stored [N, K], the value
-up-projection per head, the output projection, the experts' three), and those that
-still slice their weights (the query and KV down-projections, the shared expert's, the
-indexer's query). ``--shapes legacy``: the four plain products of the first version.
+Shapes (``--shapes model``): every product of a ``glm5_narrow`` layer and group at
+``--rows`` decode rows, batched as the model runs them (``models.transformer.IN_PLACE``:
+MLA's down-projections, the query up-projection, the key up-projection per head with its
+weights stored [N, K], the value up-projection per head, the output projection, the
+experts' three, the shared expert's, a dense layer's MLP, the indexer's three).
+``--shapes legacy``: the four plain products of the first version.
 
     PYTHONPATH=. python benchmarks/probes/gpu_stacked_matmul.py --json out.json \\
         [--layers 16] [--rows 64] [--shapes model|legacy] \\
@@ -48,9 +48,14 @@ MODEL_SHAPES = {
     "e_down": (8, 256, 1024, False, False),
     "w_dq": (1, 1024, 2048, True, False),
     "w_dkv": (1, 1024, 512, True, False),
+    "w_kr": (1, 1024, 64, True, False),
     "sh_gate": (1, 1024, 256, True, False),
     "sh_down": (1, 256, 1024, True, False),
+    "mlp_gate": (1, 1024, 2048, True, False),
+    "mlp_down": (1, 2048, 1024, True, False),
     "idx_q": (1, 2048, 4096, True, False),
+    "idx_k": (1, 1024, 128, True, False),
+    "idx_w": (1, 1024, 32, True, False),
 }
 LEGACY_SHAPES = {"w_uq": (1, 2048, 16384, True, False), "w_o": (1, 16384, 1024, True, False),
                  "w_uv": (1, 512, 16384, True, False), "idx_q": (1, 2048, 4096, True, False)}
