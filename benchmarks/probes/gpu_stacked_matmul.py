@@ -152,6 +152,7 @@ def main(argv: list[str]) -> int:
       print(f"{name:>8} {B:3d}x{K:5d}x{N:<5d} {tag:>20}  {best / args.layers * 1e6:8.2f} us"
             + (f"  fraction {ceiling / best:5.2f}" if ceiling else "")
             + (f"  rel err {err:.1e}" if err is not None else ""))
+    write(args.json, rows)  # after each shape: a run cut short keeps what it measured
   # Per shape, the fastest config.
   print("== fastest per shape (us a product; fraction of reading the weights once)")
   for name in shapes:
@@ -163,10 +164,14 @@ def main(argv: list[str]) -> int:
           f"  ({c['bk']},{c['bn']},{c['warps']},{c['stages']},{c['programs']} s{best['splits']})"
           + (f"  fraction {best['fraction_of_read_once']:5.2f}"
              if best["fraction_of_read_once"] else ""))
-  doc = {"probe": "stacked_matmul", "environment": environment(), "rows": rows}
-  with open(args.json, "w") as f:
-    json.dump(doc, f, indent=1)
+  write(args.json, rows)
   return 0
+
+
+def write(path: str, rows: list[dict]) -> None:
+  with open(path, "w") as f:
+    json.dump({"probe": "stacked_matmul", "environment": environment(), "rows": rows}, f,
+              indent=1)
 
 
 if __name__ == "__main__":

@@ -11,28 +11,31 @@
 # 2. the all-hit GLM-5 decode step, resident and ula (bench step_cost, batch 32);
 # 3. every product of a layer under each launch config in SM_CONFIGS
 #    (benchmarks/probes/gpu_stacked_matmul.py --shapes model).
-# With FETCH=1 on an H200, first the judged fetch ratios (gpu_decode_ratios.sh
-# PARTS=fetch, its own folder under $OUT/ratios). Results under $OUT: JSONs, logs.tgz.
+# PARTS (default "layers step sweep") picks among 1-3 (each fits one device call on
+# its own; all three may not). With FETCH=1 on an H200, first the judged fetch ratios
+# (gpu_decode_ratios.sh PARTS=fetch, its own folder under $OUT/ratios). Results under
+# $OUT: JSONs, logs.tgz.
 set -u
 cd "$(dirname "$0")/../.."
 # shellcheck source=benchmarks/probes/gpu_steps.sh
 source benchmarks/probes/gpu_steps.sh
 gpu_setup gpu_weights "${TIME_LIMIT_S:-560}" outside
 config_wheels
+wants() { [[ " ${PARTS:-layers step sweep} " == *" $1 "* ]]; }
 if [ "${FETCH:-0}" = 1 ]; then
   STEP_TAIL=40 step ratios 200 env OUT="$OUT/ratios" PARTS=fetch TIME_LIMIT_S=190 \
     bash benchmarks/probes/gpu_decode_ratios.sh
 fi
-STEP_TAIL=4 step layers 200 "$PY" benchmarks/probes/gpu_layer_weights.py --tag pallas78 \
+wants layers && STEP_TAIL=4 step layers 200 "$PY" benchmarks/probes/gpu_layer_weights.py --tag pallas78 \
   --layers 78 --rows 64 --projections pallas --json "$OUT/lw78_pallas.json" \
   --hlo "$WORK/hlo_lw78_pallas.txt" --ops "$WORK/lw78_ops.json"
 # The all-hit GLM-5 decode step (resident and ula, batch 32, 4K prompts), as the
 # projections' earlier measurement ran it (RESULTS.md, "GLM-5 geometry on one GPU").
-STEP_TAIL=10 step step 220 "$PY" -m ula_jax.cli.main bench step_cost \
+wants step && STEP_TAIL=10 step step 220 "$PY" -m ula_jax.cli.main bench step_cost \
   --config experiments/glm5_summarization/config.yaml --systems resident,ula --batch 32 \
   --prompt 4096 --output 56 --json "$OUT/step_pallas.json" workload.prefill=synthetic \
   kernels.projections=pallas
-STEP_TAIL=14 step sweep 330 "$PY" benchmarks/probes/gpu_stacked_matmul.py --shapes model \
+wants sweep && STEP_TAIL=20 step sweep 400 "$PY" benchmarks/probes/gpu_stacked_matmul.py --shapes model \
   --layers 16 --rows 64 --reps 3 --json "$OUT/sm_sweep.json" \
   --configs "${SM_CONFIGS:-64,128,4,3,264;128,128,4,3,264;64,128,8,4,264;128,64,4,4,264;64,256,8,3,264;64,128,4,3,132;128,128,8,4,132;256,64,4,3,264;64,32,4,4,264}"
 tar -czf "$OUT/logs.tgz" -C "$WORK" .
