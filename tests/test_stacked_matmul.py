@@ -175,6 +175,22 @@ def test_the_layer_stack_reads_its_projections_in_place(rng):
     model.use_projections("triton")
 
 
+def test_in_place_rows_with_one_layer_groups(rng):
+  """Groups of one layer (DeepSeek-V3.2's index sharing) in segments of several groups,
+  the first two dense: each group's indexer and first layer read their own rows."""
+  cfg = ModelConfig(preset="tiny", num_layers=5, index_share=1, num_dense_layers=2)
+  model = Transformer(cfg)
+  x = jnp.asarray(rng.standard_normal((2, cfg.hidden_size)), jnp.float32)
+  pos = jnp.asarray([3, 17], jnp.int32)
+  want = jax.jit(lambda x: _layer_stack(model, x, pos))(x)
+  model.use_projections("pallas", interpret=True)
+  got = jax.jit(lambda x: _layer_stack(model, x, pos))(x)
+  assert [(s.num_groups, s.dense) for s in group_segments(cfg)] == [(2, (True,)),
+                                                                    (3, (False,))]
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4)
+
+
 def test_auto_takes_the_kernel_on_a_gpu_only():
   assert projections_impl("auto", "gpu", interpret=False) == "pallas"
   assert projections_impl("auto", "gpu", interpret=True) == "xla"
