@@ -388,7 +388,7 @@ def test_layer_weights_probe_forms_compute_the_same_pass(tmp_path):
   assert row["call_s"] > 0 and row["layer_weight_bytes"] > 0
 
 
-def test_stacked_matmul_probe_runs_both_products(tmp_path):
+def test_stacked_matmul_probe_runs_both_products(tmp_path, monkeypatch):
   """gpu_stacked_matmul.py's CPU smoke run: XLA's product and the kernel's
   (``kernels.stacked_matmul``) for each shape, equal, in its JSON."""
   sm = load_probe("gpu_stacked_matmul")
@@ -400,6 +400,17 @@ def test_stacked_matmul_probe_runs_both_products(tmp_path):
       ("a", "xla"), ("a", "pallas"), ("b", "xla"), ("b", "pallas")]
   assert all(r["max_rel_err"] < 1e-2 for r in rows if r["impl"] == "pallas")
   assert rows[3]["transposed"] and rows[3]["splits"] == 2
+  # A launch that fails (here every Pallas one) is recorded and the sweep goes on.
+  def refuse(*a, **k):
+    raise RuntimeError("out of shared memory\nmore")
+
+  monkeypatch.setattr(sm, "stacked_matmul_pallas", refuse)
+  assert sm.main(["--quick", "--layers", "2", "--rows", "16", "--reps", "1", "--json",
+                  str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["weight"], r["impl"], r.get("failed")) for r in rows] == [
+      ("a", "xla", None), ("a", "pallas", "RuntimeError: out of shared memory"),
+      ("b", "xla", None), ("b", "pallas", "RuntimeError: out of shared memory")]
   c = sm.parse_configs("64,128,4,3,264; 128,64,8,4,132;")
   assert [(x.block_k, x.block_n, x.num_warps, x.num_stages, x.programs) for x in c] == [
       (64, 128, 4, 3, 264), (128, 64, 8, 4, 132)]
