@@ -411,9 +411,10 @@ def test_stacked_matmul_probe_runs_both_products(tmp_path, monkeypatch):
   assert [(r["weight"], r["impl"], r.get("failed")) for r in rows] == [
       ("a", "xla", None), ("a", "pallas", "RuntimeError: out of shared memory"),
       ("b", "xla", None), ("b", "pallas", "RuntimeError: out of shared memory")]
-  c = sm.parse_configs("64,128,4,3,264; 128,64,8,4,132;")
-  assert [(x.block_k, x.block_n, x.num_warps, x.num_stages, x.programs) for x in c] == [
-      (64, 128, 4, 3, 264), (128, 64, 8, 4, 132)]
+  c = sm.parse_configs("64,128,4,3,264; 128,64,8,4,132,0.25;")
+  assert [(x.block_k, x.block_n, x.num_warps, x.num_stages, x.programs, x.max_partials)
+          for x in c] == [(64, 128, 4, 3, 264, None), (128, 64, 8, 4, 132, 0.25)]
+  assert [sm.tag(x) for x in c] == ["64,128,4,3,264", "128,64,8,4,132,0.25"]
 
 
 def test_device_copy_rate_is_the_copys_read_and_write_traffic(monkeypatch):

@@ -96,6 +96,12 @@ def test_splits_give_about_the_programs_asked_for():
   assert splits_for(16384, 1024, 64, 128, 264) == 32  # 8 column blocks x 32
   assert splits_for(128, 64, 64, 64, 264) == 2  # never below one K block a split
   assert splits_for(64, 64, 64, 64, 264) == 1
+  # A cap on the float32 partial sums: at 64 rows a 1024-deep weight in 16 splits
+  # writes 4 x 16 x 64 bytes a column, twice its 2 x 1024; a quarter allows 2 splits.
+  assert splits_for(1024, 2048, 64, 128, 264) == 16
+  assert splits_for(1024, 2048, 64, 128, 264, rows=64, max_partials=2.0) == 16
+  assert splits_for(1024, 2048, 64, 128, 264, rows=64, max_partials=0.25) == 2
+  assert splits_for(256, 1024, 64, 128, 264, rows=64, max_partials=0.25) == 1
 
 
 def test_shapes_the_kernel_does_not_take_use_the_reference(rng):

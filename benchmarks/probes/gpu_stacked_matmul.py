@@ -65,13 +65,20 @@ DEFAULT_CONFIGS = "64,128,4,3,264"
 
 
 def parse_configs(text: str) -> list[StackedMatmulConfig]:
-  """``"bk,bn,warps,stages,programs;..."`` -> configs."""
+  """``"bk,bn,warps,stages,programs[,max_partials];..."`` -> configs."""
   out = []
   for part in filter(None, (p.strip() for p in text.split(";"))):
-    bk, bn, warps, stages, programs = (int(v) for v in part.split(","))
+    fields = part.split(",")
+    bk, bn, warps, stages, programs = (int(v) for v in fields[:5])
     out.append(StackedMatmulConfig(block_k=bk, block_n=bn, num_warps=warps,
-                                   num_stages=stages, programs=programs))
+                                   num_stages=stages, programs=programs,
+                                   max_partials=float(fields[5]) if len(fields) > 5 else None))
   return out
+
+
+def tag(c: StackedMatmulConfig) -> str:
+  return (f"{c.block_k},{c.block_n},{c.num_warps},{c.num_stages},{c.programs}"
+          + (f",{c.max_partials:g}" if c.max_partials is not None else ""))
 
 
 def layer_loop(product, x_shape):
@@ -126,7 +133,8 @@ def main(argv: list[str]) -> int:
     for impl, c, prod in variants:
       err = failure = None
       bk, bn = blocks(K, N, c) if c else (None, None)
-      splits = splits_for(K, B * N, bk, bn, c.programs) if c and bk and bn else None
+      splits = (splits_for(K, B * N, bk, bn, c.programs, rows=max(16, -(-args.rows // 16) * 16),
+                           max_partials=c.max_partials) if c and bk and bn else None)
       try:
         if c is not None:
           got = jax.jit(prod)(x, w, jnp.int32(args.layers - 1)).astype(F32)
@@ -148,17 +156,14 @@ def main(argv: list[str]) -> int:
       rows.append({"weight": name, "B": B, "K": K, "N": N, "shared_rows": shared,
                    "transposed": transposed, "layers": args.layers, "rows": args.rows,
                    "impl": impl, "splits": splits,
-                   "config": None if c is None else {
-                       "bk": c.block_k, "bn": c.block_n, "warps": c.num_warps,
-                       "stages": c.num_stages, "programs": c.programs},
+                   "config": None if c is None else dataclasses.asdict(c),
                    "loop_s": best, "loop_median_s": median, "weight_bytes": wbytes,
                    "us_per_product": best / args.layers * 1e6,
                    "read_once_s": ceiling,
                    "fraction_of_read_once": ceiling / best if ceiling else None,
                    "max_rel_err": err})
-      tag = "xla" if c is None else (f"{c.block_k},{c.block_n},{c.num_warps},"
-                                     f"{c.num_stages},{c.programs} s{splits}")
-      print(f"{name:>8} {B:3d}x{K:5d}x{N:<5d} {tag:>20}  {best / args.layers * 1e6:8.2f} us"
+      label = "xla" if c is None else f"{tag(c)} s{splits}"
+      print(f"{name:>8} {B:3d}x{K:5d}x{N:<5d} {label:>24}  {best / args.layers * 1e6:8.2f} us"
             + (f"  fraction {ceiling / best:5.2f}" if ceiling else "")
             + (f"  rel err {err:.1e}" if err is not None else ""))
     write(args.json, rows)  # after each shape: a run cut short keeps what it measured
@@ -172,9 +177,9 @@ def main(argv: list[str]) -> int:
       print(f"{name:>8}  no measurement")
       continue
     best = min(ran, key=lambda r: r["loop_s"])
-    c = best["config"]
+    c = StackedMatmulConfig(**best["config"])
     print(f"{name:>8}  xla {xr['us_per_product']:8.2f}  pallas {best['us_per_product']:8.2f}"
-          f"  ({c['bk']},{c['bn']},{c['warps']},{c['stages']},{c['programs']} s{best['splits']})"
+          f"  ({tag(c)} s{best['splits']})"
           + (f"  fraction {best['fraction_of_read_once']:5.2f}"
              if best["fraction_of_read_once"] else ""))
   write(args.json, rows)

@@ -9,7 +9,8 @@
 #    reading the weights once, its compiled HLO and its device operations by HLO op
 #    (what the remaining copies are);
 # 2. the all-hit GLM-5 decode step, resident and ula (bench step_cost, batch 32);
-# 3. every product of a layer under each launch config in SM_CONFIGS
+# 3. every product of a layer under each launch config in SM_CONFIGS (block of K, of N,
+#    warps, stages, programs[, cap on the K splits' float32 partial sums])
 #    (benchmarks/probes/gpu_stacked_matmul.py --shapes model).
 # PARTS (default "layers step sweep") picks among 1-3 (each fits one device call on
 # its own; all three may not). With FETCH=1 on an H200, first the judged fetch ratios
@@ -37,6 +38,6 @@ wants step && STEP_TAIL=10 step step 220 "$PY" -m ula_jax.cli.main bench step_co
   kernels.projections=pallas
 wants sweep && STEP_TAIL=20 step sweep 400 "$PY" benchmarks/probes/gpu_stacked_matmul.py --shapes model \
   --layers 16 --rows 64 --reps 3 --json "$OUT/sm_sweep.json" \
-  --configs "${SM_CONFIGS:-64,128,4,3,264;128,128,4,3,264;64,128,8,4,264;128,64,4,4,264;64,256,8,3,264;64,128,4,3,132;128,128,8,4,132;256,64,4,3,264;64,32,4,4,264}"
+  --configs "${SM_CONFIGS:-64,128,4,3,264;64,128,4,3,264,0.25;64,128,4,3,264,1;128,128,4,3,264;64,128,8,4,264;64,256,8,3,264;64,128,4,3,132;128,128,8,4,132;64,32,4,4,264}"
 tar -czf "$OUT/logs.tgz" -C "$WORK" .
 print_steps

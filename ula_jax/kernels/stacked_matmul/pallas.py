@@ -35,20 +35,28 @@ MAX_ROWS = 256  # rows a program holds at once ([MAX_ROWS, block_k] and the accu
 @dataclasses.dataclass(frozen=True)
 class StackedMatmulConfig:
   """Launch of the kernel (static). ``programs``: the grid size K splits aim for (two
-  programs per SM of an H100 / H200)."""
+  programs per SM of an H100 / H200). ``max_partials``: a cap on the splits, the
+  float32 partial sums they write as a fraction of the weight bytes the product reads
+  (None: no cap; at 64 rows a split in 16 of a 1024-deep weight writes twice the
+  weight's bytes)."""
 
   block_k: int = 64
   block_n: int = 128
   num_warps: int = 4
   num_stages: int = 3
   programs: int = 264
+  max_partials: float | None = None
 
 
-def splits_for(K: int, N: int, block_k: int, block_n: int, programs: int) -> int:
+def splits_for(K: int, N: int, block_k: int, block_n: int, programs: int, *,
+               rows: int = 0, itemsize: int = 2, max_partials: float | None = None) -> int:
   """K splits (a power of 2) for a grid of about ``programs`` programs, each split at
-  least one block of K."""
+  least one block of K; with ``max_partials``, no more than keep the float32 partial
+  sums of ``rows`` rows (4 x splits x rows bytes a column) within that fraction of the
+  weight's bytes (``itemsize`` x K a column)."""
   s = 1
-  while (N // block_n) * s * 2 <= programs and K % (block_k * s * 2) == 0:
+  while ((N // block_n) * s * 2 <= programs and K % (block_k * s * 2) == 0
+         and (max_partials is None or 4 * 2 * s * rows <= max_partials * itemsize * K)):
     s *= 2
   return s
 
@@ -117,7 +125,8 @@ def stacked_matmul_pallas(x: jax.Array, w: jax.Array, index: jax.Array, *,
   block_k, block_n = blocks(K, N, config)
   Mp = max(16, -(-M // 16) * 16)
   xp = jnp.pad(x.astype(w.dtype), ((0, 0), (0, Mp - M), (0, 0)))
-  splits = splits_for(K, B * N, block_k, block_n, config.programs)
+  splits = splits_for(K, B * N, block_k, block_n, config.programs, rows=Mp,
+                      itemsize=w.dtype.itemsize, max_partials=config.max_partials)
   ksteps = K // (block_k * splits)
   layer = jnp.clip(jnp.asarray(index, jnp.int32), 0, L - 1).reshape(1)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
