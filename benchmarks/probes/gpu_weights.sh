@@ -38,6 +38,6 @@ wants step && STEP_TAIL=10 step step 220 "$PY" -m ula_jax.cli.main bench step_co
   kernels.projections=pallas
 wants sweep && STEP_TAIL=20 step sweep 400 "$PY" benchmarks/probes/gpu_stacked_matmul.py --shapes model \
   --layers 16 --rows 64 --reps 3 --json "$OUT/sm_sweep.json" \
-  --configs "${SM_CONFIGS:-64,128,4,3,264;64,128,4,3,264,0.25;64,128,4,3,264,1;128,128,4,3,264;64,128,8,4,264;64,256,8,3,264;64,128,4,3,132;128,128,8,4,132;64,32,4,4,264}"
+  --configs "${SM_CONFIGS:-64,128,4,3,264;64,128,4,3,264,0.25;64,128,4,3,264,1;128,128,4,3,264;64,128,8,4,264;64,256,8,3,264;64,128,4,3,132;64,32,4,4,264,0;64,32,4,4,264}"
 tar -czf "$OUT/logs.tgz" -C "$WORK" .
 print_steps
