@@ -357,13 +357,13 @@ def _left_in_place(params: nnx.State) -> tuple[nnx.State, dict]:
 
   def take(path, leaf):
     keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    if keys[-1] == "value":
-      keys = keys[:-1]
     if keys[0] == "runs":
-      owner, name, lead = keys[1], tuple(keys[2:]), 2  # [G, n] + a layer's shape
+      owner, keys, lead = keys[1], keys[2:], 2  # [G, n] + a layer's shape
     else:
-      owner, name, lead = keys[0], tuple(keys), 1  # [G] + the indexer's shape
-    spec = IN_PLACE.get(name, {}).get(leaf.ndim - lead)
+      owner, lead = keys[0], 1  # [G] + the indexer's shape
+    # The parameter's path, with or without the state's key for its value ("value").
+    name = next((tuple(k) for k in (keys, keys[:-1]) if tuple(k) in IN_PLACE), None)
+    spec = IN_PLACE[name].get(leaf.ndim - lead) if name else None
     if spec is None:
       return leaf
     shape = leaf.shape[lead:]
