@@ -1,6 +1,7 @@
 """ula in TP mode decodes exactly what ``resident`` decodes on the same mesh, for every
 layout, on dp=1/tp=8 and dp=2/tp=4, with local buffers small enough to miss on most
-steps (and, in the request layout on dp=2/tp=4, host pools entries move to and from)."""
+steps (and, on dp=2/tp=4 in the request and mod layouts, host pools entries move to and
+from, the latter's rows entry-major)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,12 @@ def _requests():
   return make_requests(num=4, seed=77, prompt=(12, 60), output=(5, 9))
 
 
-def _ula(tp: int, layout: str, policy: str, host: int = 0) -> list[str]:
+def _ula(tp: int, layout: str, policy: str, host: int = 0,
+         host_layout: str = "layer_major") -> list[str]:
   pool = RANK_TOKENS // tp - host  # per rank, beside the buffer
   return ["memory.system=ula", f"memory.layout={layout}", f"memory.policy={policy}",
           f"memory.local_buffer={BUFFER}", f"memory.device_pool={BUFFER + pool}",
-          f"memory.host_pool={host}"]
+          f"memory.host_pool={host}", f"memory.host_layout={host_layout}"]
 
 
 CASES = {  # name -> (mesh, memory overrides)
@@ -40,6 +42,9 @@ CASES = {  # name -> (mesh, memory overrides)
     "mod_dp2_tp4": ("dp2_tp4", _ula(4, "mod", "lru")),
     "block_dp2_tp4": ("dp2_tp4", _ula(4, "block", "pb_lru")),
     "request_host_dp2_tp4": ("dp2_tp4", _ula(4, "request", "lru", host=30)),
+    # Each rank's host pool with an entry's layers side by side.
+    "mod_host_entry_major_dp2_tp4": ("dp2_tp4", _ula(4, "mod", "pb_lru", host=30,
+                                                     host_layout="entry_major")),
 }
 
 

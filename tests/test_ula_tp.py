@@ -355,9 +355,11 @@ def test_merge_topk_by_hand():
 
 
 @functools.lru_cache(maxsize=None)
-def driver(layout: str, host: int, policy: str, dp: int = 2, tp: int = 4) -> TPDriver:
+def driver(layout: str, host: int, policy: str, dp: int = 2, tp: int = 4,
+           host_layout: str = "layer_major") -> TPDriver:
   # 8 device-pool tokens per rank (+ host): 32 tokens per dp rank without a host pool.
-  cfg = make_cfg(layout=layout, device_pool=STEP + 8, host_pool=host, policy=policy)
+  cfg = make_cfg(layout=layout, device_pool=STEP + 8, host_pool=host, policy=policy,
+                 host_layout=host_layout)
   s = build(cfg, dp=dp, tp=tp, max_context=24)
   s.validate()
   return TPDriver(s, mesh_of(dp, tp))
@@ -367,11 +369,16 @@ def _rows(rng, shape):
   return rng.standard_normal(shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("layout, host, policy", [
-    ("mod", 0, "pb_lru"), ("block", 0, "lru"), ("request", 0, "pb_lru"),
-    ("mod", 16, "lru"), ("request", 16, "pb_lru")])
-def test_random_steps_read_what_was_written(rng, layout, host, policy):
-  d = driver(layout, host, policy)
+@pytest.mark.parametrize("layout, host, policy, host_layout", [
+    ("mod", 0, "pb_lru", "layer_major"), ("block", 0, "lru", "layer_major"),
+    ("request", 0, "pb_lru", "layer_major"), ("mod", 16, "lru", "layer_major"),
+    ("request", 16, "pb_lru", "layer_major"), ("mod", 16, "pb_lru", "entry_major")])
+def test_random_steps_read_what_was_written(rng, layout, host, policy, host_layout):
+  d = driver(layout, host, policy, host_layout=host_layout)
+  if host:  # each rank's host pool takes the layout (an entry's layers side by side)
+    assert d.sys.store.ula.host_layout == host_layout
+    assert d.sys.store.ula.host_base_stride(1)[1] == (
+        GEO.num_layers if host_layout == "entry_major" else 1)
   s, dp, k, W = d.sys, 2, GEO.top_k, GEO.entry_width
   d.state = s.init_state(d.mesh)
   N = s.num_logical

@@ -71,9 +71,6 @@ def test_booleans_still_set_boolean_fields():
     (["memory.local_buffer=64"], r"memory.local_buffer=64 is not used by memory.system='resident'"),
     (["memory.system=hisparse", "memory.host_layout=entry_major"],
      r"memory.host_layout='entry_major' is not used by memory.system='hisparse' \(only by ula\)"),
-    (["memory.system=ula", "mesh.dp=1", "mesh.tp=2", "memory.host_layout=entry_major"],
-     r"memory.host_layout='entry_major' is implemented for ula in DP mode only \(mesh.tp = 1, "
-     r"here 2\); use 'layer_major' with mesh.tp > 1"),
     (["memory={system: resident, host_pool: 8}"], r"memory.host_pool=8 is not used"),
 ])
 def test_a_field_the_system_does_not_read_is_an_error(overrides, match):

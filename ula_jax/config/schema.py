@@ -154,7 +154,7 @@ class MemoryConfig(Section):
       "bucket): exact LRU order is kept between slots touched at most this many rounds "
       "apart; older ones are equally cold")
   host_layout: Literal["layer_major", "entry_major"] = Field(
-      "layer_major", description="ula's host pool rows (DP mode, mesh.tp = 1): layer_major "
+      "layer_major", description="ula's host pool rows (in TP mode each rank's host pool): layer_major "
       "puts layer l's host slot h at row l * Hr + h (a region per layer), entry_major at row "
       "h * L + l (an entry's rows of every layer side by side, so a group's fetch or "
       "write-back of one entry reads or writes one stretch of host memory, not one per "
@@ -754,10 +754,6 @@ def combination_problems(cfg: ExperimentConfig) -> list[str]:
             f"fewer than one decode step needs on the device: {need} "
             f"(model.index_topk={top_k})")
     if mesh.tp > 1:
-      if mem.host_layout != "layer_major":
-        problems.append(
-            f"memory.host_layout={mem.host_layout!r} is implemented for ula in DP mode "
-            f"only (mesh.tp = 1, here {mesh.tp}); use 'layer_major' with mesh.tp > 1")
       if mem.layout == "replicated":
         problems.append(
             "memory.layout='replicated' is resident's TP layout (a full copy per rank); "

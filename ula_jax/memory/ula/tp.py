@@ -416,7 +416,8 @@ class UlaTP(MemorySystem):
         # A DP-mode ula over the rank's local addresses keeps its two tiers exclusive.
         owner_cfg = MemoryConfig(
             system="ula", device_pool=self.device_slots, host_pool=self.host_slots,
-            policy=self.policy_name, pb_lru_buckets=self.buckets)
+            policy=self.policy_name, pb_lru_buckets=self.buckets,
+            host_layout=self.cfg.host_layout)
         self.store = TieredStore(Ula(owner_cfg, self.geo, MeshInfo(1, 1), max_batch=self.max_batch,
                                      page_size=1, max_context=self.max_context,
                                      step_rows=self.step_rows))
