@@ -62,8 +62,9 @@ class TPDriver:
   outputs come back with leading ``[dp, tp]`` axes so tests can compare the ranks.
   """
 
-  def __init__(self, system: UlaTP, mesh):
+  def __init__(self, system: UlaTP, mesh, group_moves: bool = False):
     self.sys, self.mesh = system, mesh
+    self.group_moves = group_moves  # move_group per group, as the model calls it
     self.state = system.init_state(mesh)
     self.specs = system.state_specs(self.state)
     self._fns: dict = {}
@@ -109,7 +110,10 @@ class TPDriver:
       for g in range(s.geo.num_groups):
         st = s.write_index_keys(st, g, new_addr, keys[g])
         st, res = s.resolve(st, g, sel_addr, sel_valid, new_addr, active)
-        for l in s.geo.group_layers(g):
+        layers = s.geo.group_layers(g)
+        if self.group_moves:
+          st = s.move_group(st, layers[0], len(layers), res)
+        for l in () if self.group_moves else layers:
           st = s.move_layer(st, l, res)
         for l in s.geo.group_layers(g):
           st = s.write_token(st, l, res, entries[l], active)
@@ -356,25 +360,29 @@ def test_merge_topk_by_hand():
 
 @functools.lru_cache(maxsize=None)
 def driver(layout: str, host: int, policy: str, dp: int = 2, tp: int = 4,
-           host_layout: str = "layer_major") -> TPDriver:
+           host_layout: str = "layer_major", group_moves: bool = False) -> TPDriver:
   # 8 device-pool tokens per rank (+ host): 32 tokens per dp rank without a host pool.
   cfg = make_cfg(layout=layout, device_pool=STEP + 8, host_pool=host, policy=policy,
                  host_layout=host_layout)
   s = build(cfg, dp=dp, tp=tp, max_context=24)
   s.validate()
-  return TPDriver(s, mesh_of(dp, tp))
+  return TPDriver(s, mesh_of(dp, tp), group_moves)
 
 
 def _rows(rng, shape):
   return rng.standard_normal(shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("layout, host, policy, host_layout", [
-    ("mod", 0, "pb_lru", "layer_major"), ("block", 0, "lru", "layer_major"),
-    ("request", 0, "pb_lru", "layer_major"), ("mod", 16, "lru", "layer_major"),
-    ("request", 16, "pb_lru", "layer_major"), ("mod", 16, "pb_lru", "entry_major")])
-def test_random_steps_read_what_was_written(rng, layout, host, policy, host_layout):
-  d = driver(layout, host, policy, host_layout=host_layout)
+@pytest.mark.parametrize("layout, host, policy, host_layout, group_moves", [
+    ("mod", 0, "pb_lru", "layer_major", False), ("block", 0, "lru", "layer_major", False),
+    ("request", 0, "pb_lru", "layer_major", True), ("mod", 16, "lru", "layer_major", False),
+    ("request", 16, "pb_lru", "layer_major", True),
+    ("mod", 16, "pb_lru", "entry_major", True)])
+def test_random_steps_read_what_was_written(rng, layout, host, policy, host_layout,
+                                            group_moves):
+  """Every rank reads what was written, with each layer's moves or each group's at once
+  (``move_group``: the owners' host copies of a group in one launch each way)."""
+  d = driver(layout, host, policy, host_layout=host_layout, group_moves=group_moves)
   if host:  # each rank's host pool takes the layout (an entry's layers side by side)
     assert d.sys.store.ula.host_layout == host_layout
     assert d.sys.store.ula.host_base_stride(1)[1] == (

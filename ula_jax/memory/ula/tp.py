@@ -317,6 +317,10 @@ class DirectStore:
     del layer, plan
     return rk
 
+  def move_group(self, rk: DirectState, first_layer, num_layers: int, plan) -> DirectState:
+    del first_layer, num_layers, plan
+    return rk
+
   def dev_pool(self, rk: DirectState, layer) -> tuple[jax.Array, jax.Array]:
     """(pool [num_layers * C, W], base [] int32): ``layer``'s slot s is row base + s."""
     return rk.pools, jnp.asarray(layer, _I32) * self.capacity
@@ -371,6 +375,12 @@ class TieredStore:
     dummy = jnp.zeros((0,), _I32)
     return self.ula.move_layer(rk, layer, Resolution(slots=dummy, valid=dummy,
                                                      new_slot=dummy, plan=plan))
+
+  def move_group(self, rk: UlaState, first_layer, num_layers: int, plan) -> UlaState:
+    """The group's layers in one fetch and one evict launch (``Ula.move_group``)."""
+    dummy = jnp.zeros((0,), _I32)
+    return self.ula.move_group(rk, first_layer, num_layers, Resolution(
+        slots=dummy, valid=dummy, new_slot=dummy, plan=plan))
 
   def dev_pool(self, rk: UlaState, layer) -> tuple[jax.Array, jax.Array]:
     """(pool [num_layers * Sd, W], base [] int32): ``layer``'s slot s is row base + s."""
@@ -727,13 +737,26 @@ class UlaTP(MemorySystem):
                              stats=stats)
 
   def move_layer(self, state: UlaTPState, layer, res: Resolution) -> UlaTPState:
-    p: TPPlan = res.plan
-    ranked = self.store.move_layer(state.ranked, layer, p.owner)
-    pool, base = self.store.dev_pool(ranked, layer)
+    ranked = self.store.move_layer(state.ranked, layer, res.plan.owner)
+    return self._deliver(state.replace(ranked=ranked), layer, res.plan)
+
+  def move_group(self, state: UlaTPState, first_layer, num_layers: int,
+                 res: Resolution) -> UlaTPState:
+    """The owners' host moves for the group's layers at once (one fetch and one evict
+    launch with a host pool), then each layer's misses delivered to the buffers (a
+    layer's delivery reads only its own rows, which no other layer's move touches)."""
+    ranked = self.store.move_group(state.ranked, first_layer, num_layers, res.plan.owner)
+    return jax.lax.fori_loop(
+        0, num_layers, lambda i, st: self._deliver(st, first_layer + i, res.plan),
+        state.replace(ranked=ranked))
+
+  def _deliver(self, state: UlaTPState, layer, p: TPPlan) -> UlaTPState:
+    """``layer``'s misses from their owners' device pools to every rank's buffer."""
+    pool, base = self.store.dev_pool(state.ranked, layer)
     buf = deliver_misses(pool, p.my_slot, p.my_dst, p.busiest, state.shared.buffers,
                          pool_base=base, pool_rows=self.store.device_slots,
                          buf_base=jnp.asarray(layer, _I32) * self.buffer_slots)
-    return UlaTPState(shared=state.shared.replace(buffers=buf), ranked=ranked)
+    return state.replace(shared=state.shared.replace(buffers=buf))
 
   def write_token(self, state: UlaTPState, layer, res: Resolution, entry, active
                   ) -> UlaTPState:
