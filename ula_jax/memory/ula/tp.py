@@ -32,8 +32,9 @@ Per decode step and layer group (the order of ``base.py``):
    rank computes the same plan: hits, misses (selected entries not in the buffer),
    victims (policy), the buffer slot of every entry. With a host pool the owners of
    the misses plan, in their own DP ``ula``, to bring them to their device pool.
-4. ``move_layer``: owners copy host entries to their device pool if needed, gather the
-   misses they own, and one all-gather over ``tp`` (rows copied, never summed, so the
+4. ``move_group`` (or ``move_layer`` per layer): owners copy host entries to their device
+   pool if needed (a group's layers in one launch each way), then for each layer gather
+   the misses they own, and one all-gather over ``tp`` (rows copied, never summed, so the
    bits arrive unchanged) delivers every miss to every rank's buffer
    (``deliver_misses``; ``resolve`` lists each rank's own misses once per group,
    ``own_misses``). Shapes are static: each rank contributes as many rows as the
