@@ -343,6 +343,45 @@ def test_deliver_misses_moves_exactly_the_misses_bit_for_bit(rng, dtype, tp, n, 
     np.testing.assert_array_equal(got[r].view(np.uint8), want.view(np.uint8))
 
 
+@pytest.mark.parametrize("tp, n", [(2, 0), (2, 31), (4, 48)])
+def test_deliver_misses_of_a_group_in_one_gather(rng, tp, n):
+  """Three layers' misses at once ([n] row offsets, one all-gather) write what three
+  one-layer deliveries write, bit for bit, and nothing else."""
+  F, S, L, W, layers = 48, 40, 64, 5, 3
+  pools = rng.standard_normal((tp, layers * S, W)).astype(np.float32)
+  owner = rng.integers(0, tp, F)
+  local = rng.integers(0, S, F)
+  slots = np.where(owner[None] == np.arange(tp)[:, None], local[None], -1).astype(np.int32)
+  slots[:, n:] = -1
+  dst = np.full((F,), -1, np.int32)
+  dst[:n] = rng.permutation(L)[:n]
+  buf = np.full((tp, layers * L, W), 7.0, np.float32)
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:tp]), ("tp",))
+
+  def group(pool, slot, dst, buf):
+    ls = jnp.arange(layers, dtype=jnp.int32)
+    return deliver_misses(pool[0], *own_misses(slot[0], dst), buf[0], pool_base=ls * S,
+                          pool_rows=S, buf_base=ls * L)[None]
+
+  def each(pool, slot, dst, buf):
+    b = buf[0]
+    for l in range(layers):
+      b = deliver_misses(pool[0], *own_misses(slot[0], dst), b, pool_base=l * S,
+                         pool_rows=S, buf_base=l * L)
+    return b[None]
+
+  args = (jnp.asarray(pools), jnp.asarray(slots), jnp.asarray(dst), jnp.asarray(buf))
+  specs = dict(mesh=mesh, in_specs=(P("tp"), P("tp"), P(), P("tp")), out_specs=P("tp"))
+  got = np.asarray(jax.jit(compat.shard_map(group, **specs))(*args))
+  want = np.asarray(jax.jit(compat.shard_map(each, **specs))(*args))
+  np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+  by_hand = buf[0].copy()
+  for l in range(layers):
+    by_hand[l * L + dst[:n]] = pools[owner[:n], l * S + local[:n]]
+  for r in range(tp):
+    np.testing.assert_array_equal(got[r], by_hand)
+
+
 def test_merge_topk_by_hand():
   # Candidates from two ranks, out of position order; equal scores go to the lower position.
   scores = jnp.asarray([[1.0, 5.0, 2.0, 5.0, 0.5, -jnp.inf]], jnp.float32)

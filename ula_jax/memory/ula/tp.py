@@ -190,35 +190,40 @@ def deliver_misses(pool: jax.Array, my_slot: jax.Array, my_dst: jax.Array,
                    busiest: jax.Array, buf: jax.Array, axis: str = TP_AXIS, *,
                    pool_base: int | jax.Array = 0, pool_rows: int | None = None,
                    buf_base: int | jax.Array = 0) -> jax.Array:
-  """One layer's misses copied from their owners' device pools into every rank's buffer
-  (inside shard_map; the cross-device data path of TP mode).
+  """The misses of one layer, or of several layers at once, copied from their owners'
+  device pools into every rank's buffer (inside shard_map; the cross-device data path
+  of TP mode).
 
-  pool:    [R, W] this rank's device pool; the layer's slot ``s`` is row ``pool_base + s``
+  pool:    [R, W] this rank's device pool; a layer's slot ``s`` is row ``pool_base + s``
            (``pool_rows`` slots per layer, default ``R``: a pool of one layer)
   my_slot, my_dst, busiest: ``own_misses`` of the group's fetch lists (F a multiple of
-           ``FETCH_ALIGN``)
-  buf:     [R', W] this rank's buffers; buffer slot ``d`` is row ``buf_base + d``
-  pool_base, buf_base: [] int32 (Python or traced) row offsets of the layer
+           ``FETCH_ALIGN``), the same for every layer of the group
+  buf:     [R', W] this rank's buffers; a layer's buffer slot ``d`` is row ``buf_base + d``
+  pool_base, buf_base: [] int32 (Python or traced) row offsets of the layer, or [n] of
+           n layers (a group's): their rows then travel in one all-gather
   returns the buffers with every miss written, bit for bit, on every rank
 
   Each rank gathers the misses it owns from its pool and one all-gather over ``axis``
-  hands every rank everyone's rows with their buffer slots. The rows are copied, never
-  summed, so any payload arrives unchanged. Shapes are static: the all-gather carries
-  ``c`` rows per rank, the smallest of ``capacity_classes(F)`` that holds ``busiest``
-  (``lax.switch``; ``busiest`` is the same on every rank, so all take the same branch),
-  and nothing when no rank owns a miss.
+  hands every rank everyone's rows (every layer's) with their buffer slots. The rows are
+  copied, never summed, so any payload arrives unchanged. Shapes are static: the
+  all-gather carries ``c`` rows per rank and layer, the smallest of
+  ``capacity_classes(F)`` that holds ``busiest`` (``lax.switch``; ``busiest`` is the same
+  on every rank, so all take the same branch), and nothing when no rank owns a miss.
   """
   R, F = buf.shape[0], my_dst.shape[0]
   S = pool.shape[0] if pool_rows is None else pool_rows
   caps = capacity_classes(F)
+  pool_base = jnp.atleast_1d(jnp.asarray(pool_base, _I32))[:, None]  # [n, 1]
+  buf_base = jnp.atleast_1d(jnp.asarray(buf_base, _I32))[:, None]
 
   def move(c: int):
     def branch(buf):
-      rows = pool[pool_base + jnp.clip(my_slot[:c], 0, S - 1)]
-      rows = jax.lax.all_gather(rows, axis, tiled=True)  # [P * c, W]
-      dst = jax.lax.all_gather(my_dst[:c], axis, tiled=True)
-      idx = jnp.where(dst >= 0, buf_base + dst, R)  # R: dropped
-      return buf.at[idx].set(rows.astype(buf.dtype), mode="drop")
+      rows = pool[pool_base + jnp.clip(my_slot[:c], 0, S - 1)[None]]  # [n, c, W]
+      rows = jax.lax.all_gather(rows, axis, axis=1, tiled=True)  # [n, P * c, W]
+      dst = jax.lax.all_gather(my_dst[:c], axis, tiled=True)  # [P * c]
+      idx = jnp.where(dst >= 0, buf_base + dst[None], R)  # R: dropped
+      return buf.at[idx.reshape(-1)].set(
+          rows.reshape(-1, rows.shape[-1]).astype(buf.dtype), mode="drop")
     return branch
 
   which = jnp.where(busiest > 0, 1 + jnp.argmax(jnp.asarray(caps, _I32) >= busiest), 0)
@@ -743,20 +748,20 @@ class UlaTP(MemorySystem):
 
   def move_group(self, state: UlaTPState, first_layer, num_layers: int,
                  res: Resolution) -> UlaTPState:
-    """The owners' host moves for the group's layers at once (one fetch and one evict
-    launch with a host pool), then each layer's misses delivered to the buffers (a
-    layer's delivery reads only its own rows, which no other layer's move touches)."""
+    """The group's layers at once: the owners' host moves in one fetch and one evict
+    launch (with a host pool), then every layer's misses delivered to the buffers in
+    one all-gather (``move_layer`` per layer: one each)."""
     ranked = self.store.move_group(state.ranked, first_layer, num_layers, res.plan.owner)
-    return jax.lax.fori_loop(
-        0, num_layers, lambda i, st: self._deliver(st, first_layer + i, res.plan),
-        state.replace(ranked=ranked))
+    layers = jnp.asarray(first_layer, _I32) + jnp.arange(num_layers, dtype=_I32)
+    return self._deliver(state.replace(ranked=ranked), layers, res.plan)
 
-  def _deliver(self, state: UlaTPState, layer, p: TPPlan) -> UlaTPState:
-    """``layer``'s misses from their owners' device pools to every rank's buffer."""
-    pool, base = self.store.dev_pool(state.ranked, layer)
+  def _deliver(self, state: UlaTPState, layers, p: TPPlan) -> UlaTPState:
+    """The misses of ``layers`` ([] or [n] int32) from their owners' device pools to
+    every rank's buffer."""
+    pool, base = self.store.dev_pool(state.ranked, layers)  # base: each layer's first row
     buf = deliver_misses(pool, p.my_slot, p.my_dst, p.busiest, state.shared.buffers,
                          pool_base=base, pool_rows=self.store.device_slots,
-                         buf_base=jnp.asarray(layer, _I32) * self.buffer_slots)
+                         buf_base=jnp.asarray(layers, _I32) * self.buffer_slots)
     return state.replace(shared=state.shared.replace(buffers=buf))
 
   def write_token(self, state: UlaTPState, layer, res: Resolution, entry, active
