@@ -42,6 +42,10 @@ CASES = {  # name -> (mesh, memory overrides)
     "mod_dp2_tp4": ("dp2_tp4", _ula(4, "mod", "lru")),
     "block_dp2_tp4": ("dp2_tp4", _ula(4, "block", "pb_lru")),
     "request_host_dp2_tp4": ("dp2_tp4", _ula(4, "request", "lru", host=30)),
+    # The layers' products read their weights in place (Pallas, interpreted on CPU); the
+    # per-head ones slice theirs to the rank's heads.
+    "mod_dp2_tp4_projections": ("dp2_tp4", _ula(4, "mod", "lru")
+                                + ["kernels.projections=pallas"]),
     # Each rank's host pool with an entry's layers side by side.
     "mod_host_entry_major_dp2_tp4": ("dp2_tp4", _ula(4, "mod", "pb_lru", host=30,
                                                      host_layout="entry_major")),

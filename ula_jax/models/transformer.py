@@ -206,8 +206,9 @@ class Transformer(nnx.Module):
     """``kernels.projections``: with 'pallas' the layer stack's products with per-layer
     weights (``IN_PLACE``: MLA's projections, the experts and MLPs, the indexer's) read
     each layer's weights in place from the stacked arrays (``kernels.stacked_matmul``)
-    where the rows are few enough (a decode step) and every head is computed; 'xla'
-    slices them out (XLA copies each slice). A static setting: it is part of the model's
+    where the rows are few enough (a decode step); under tensor parallelism the per-head
+    products (MLA's up-projections and output projection, on a rank's heads) slice
+    theirs, the rest read in place; 'xla' slices them all out (XLA copies each slice). A static setting: it is part of the model's
     graph definition."""
     check_impl(impl)
     self.projections = impl
@@ -268,7 +269,7 @@ def _run_layers(model: Transformer, x_nd: jax.Array, pos_n: jax.Array, carry: An
   returns (final hidden [N, D], carry)
   """
   share = model.cfg.index_share
-  in_place = model.projections != "xla" and heads is None
+  in_place = model.projections != "xla"
 
   def place(module, weights, row):
     # weights: {path: (stack, shape, transposed)}, read in place at ``row`` of each.
