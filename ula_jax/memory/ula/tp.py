@@ -33,9 +33,9 @@ Per decode step and layer group (the order of ``base.py``):
    victims (policy), the buffer slot of every entry. With a host pool the owners of
    the misses plan, in their own DP ``ula``, to bring them to their device pool.
 4. ``move_group`` (or ``move_layer`` per layer): owners copy host entries to their device
-   pool if needed (a group's layers in one launch each way), then for each layer gather
-   the misses they own, and one all-gather over ``tp`` (rows copied, never summed, so the
-   bits arrive unchanged) delivers every miss to every rank's buffer
+   pool if needed (a group's layers in one launch each way), then gather the misses they
+   own in each of the group's layers, and one all-gather over ``tp`` (rows copied, never
+   summed, so the bits arrive unchanged) delivers every miss to every rank's buffer
    (``deliver_misses``; ``resolve`` lists each rank's own misses once per group,
    ``own_misses``). Shapes are static: each rank contributes as many rows as the
    busiest rank owns, rounded up to ``capacity_classes`` (within a quarter), or none
