@@ -388,6 +388,37 @@ def test_layer_weights_probe_forms_compute_the_same_pass(tmp_path):
   assert row["call_s"] > 0 and row["layer_weight_bytes"] > 0
 
 
+def test_layer_weights_ops_table_sums_by_hlo_op(tmp_path):
+  """gpu_layer_weights.py --ops: the device operations summed by (name, HLO op), and the
+  copies' trace arguments."""
+  import gzip
+  lw = load_probe("gpu_layer_weights")
+  gpu = 2
+  meta = [{"ph": "M", "pid": gpu, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "pid": gpu, "tid": 7, "name": "thread_name",
+           "args": {"name": "Stream #7(Compute)"}}]
+
+  def op(ts, dur, name, hlo):
+    return {"ph": "X", "pid": gpu, "tid": 7, "ts": ts, "dur": dur, "name": name,
+            "args": {"hlo_op": hlo}}
+
+  events = meta + [op(0, 2, "memcpy32_post", "dynamic-slice.4"),
+                   op(5, 3, "memcpy32_post", "dynamic-slice.4"),
+                   op(10, 1, "memcpy32_post", "dynamic-slice.9"),
+                   op(20, 50, "ula_stacked_matmul", "custom-call.1")]
+  d = tmp_path / "trace" / "plugins" / "profile" / "run"
+  d.mkdir(parents=True)
+  with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  lw.write_ops(str(tmp_path / "trace"), str(tmp_path / "ops.json"))
+  ops = json.loads((tmp_path / "ops.json").read_text())
+  assert ops["by_op"] == [["ula_stacked_matmul", "custom-call.1", 1, 50],
+                          ["memcpy32_post", "dynamic-slice.4", 2, 5],
+                          ["memcpy32_post", "dynamic-slice.9", 1, 1]]
+  assert ops["copy_args"] == [{"hlo_op": "dynamic-slice.4"}] * 2 + [
+      {"hlo_op": "dynamic-slice.9"}]
+
+
 def test_stacked_matmul_probe_runs_both_products(tmp_path, monkeypatch):
   """gpu_stacked_matmul.py's CPU smoke run: XLA's product and the kernel's
   (``kernels.stacked_matmul``) for each shape, equal, in its JSON."""
