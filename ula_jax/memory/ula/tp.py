@@ -319,10 +319,6 @@ class DirectStore:
     return (rk, jnp.where(f_mine, f_local, INVALID).reshape(-1),
             jnp.where(n_mine, n_local, INVALID), (), {})
 
-  def move_layer(self, rk: DirectState, layer, plan) -> DirectState:
-    del layer, plan
-    return rk
-
   def move_group(self, rk: DirectState, first_layer, num_layers: int, plan) -> DirectState:
     del first_layer, num_layers, plan
     return rk
@@ -376,11 +372,6 @@ class TieredStore:
     rk, res = self.ula.resolve(rk, group, f_local, f_mine, n_local, n_mine)
     slots = jnp.where(f_mine.reshape(-1), res.slots.reshape(-1), INVALID)
     return rk, slots, res.new_slot, res.plan, res.stats
-
-  def move_layer(self, rk: UlaState, layer, plan) -> UlaState:
-    dummy = jnp.zeros((0,), _I32)
-    return self.ula.move_layer(rk, layer, Resolution(slots=dummy, valid=dummy,
-                                                     new_slot=dummy, plan=plan))
 
   def move_group(self, rk: UlaState, first_layer, num_layers: int, plan) -> UlaState:
     """The group's layers in one fetch and one evict launch (``Ula.move_group``)."""
@@ -743,26 +734,21 @@ class UlaTP(MemorySystem):
                              stats=stats)
 
   def move_layer(self, state: UlaTPState, layer, res: Resolution) -> UlaTPState:
-    ranked = self.store.move_layer(state.ranked, layer, res.plan.owner)
-    return self._deliver(state.replace(ranked=ranked), layer, res.plan)
+    return self.move_group(state, layer, 1, res)
 
   def move_group(self, state: UlaTPState, first_layer, num_layers: int,
                  res: Resolution) -> UlaTPState:
     """The group's layers at once: the owners' host moves in one fetch and one evict
     launch (with a host pool), then every layer's misses delivered to the buffers in
-    one all-gather (``move_layer`` per layer: one each)."""
-    ranked = self.store.move_group(state.ranked, first_layer, num_layers, res.plan.owner)
+    one all-gather (``move_layer``: one layer's)."""
+    p: TPPlan = res.plan
+    ranked = self.store.move_group(state.ranked, first_layer, num_layers, p.owner)
     layers = jnp.asarray(first_layer, _I32) + jnp.arange(num_layers, dtype=_I32)
-    return self._deliver(state.replace(ranked=ranked), layers, res.plan)
-
-  def _deliver(self, state: UlaTPState, layers, p: TPPlan) -> UlaTPState:
-    """The misses of ``layers`` ([] or [n] int32) from their owners' device pools to
-    every rank's buffer."""
-    pool, base = self.store.dev_pool(state.ranked, layers)  # base: each layer's first row
+    pool, base = self.store.dev_pool(ranked, layers)  # base: each layer's first row
     buf = deliver_misses(pool, p.my_slot, p.my_dst, p.busiest, state.shared.buffers,
                          pool_base=base, pool_rows=self.store.device_slots,
-                         buf_base=jnp.asarray(layers, _I32) * self.buffer_slots)
-    return state.replace(shared=state.shared.replace(buffers=buf))
+                         buf_base=layers * self.buffer_slots)
+    return UlaTPState(shared=state.shared.replace(buffers=buf), ranked=ranked)
 
   def write_token(self, state: UlaTPState, layer, res: Resolution, entry, active
                   ) -> UlaTPState:
