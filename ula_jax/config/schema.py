@@ -154,11 +154,11 @@ class MemoryConfig(Section):
       "bucket): exact LRU order is kept between slots touched at most this many rounds "
       "apart; older ones are equally cold")
   host_layout: Literal["layer_major", "entry_major"] = Field(
-      "layer_major", description="ula's host pool rows (in TP mode each rank's host pool): layer_major "
-      "puts layer l's host slot h at row l * Hr + h (a region per layer), entry_major at row "
-      "h * L + l (an entry's rows of every layer side by side, so a group's fetch or "
-      "write-back of one entry reads or writes one stretch of host memory, not one per "
-      "layer)")
+      "layer_major", description="ula's host pool rows (in TP mode each rank's host "
+      "pool's): layer_major puts layer l's host slot h at row l * Hr + h (a region per "
+      "layer), entry_major at row h * L + l (an entry's rows of every layer side by side, "
+      "so a group's fetch or write-back of one entry reads or writes one stretch of host "
+      "memory, not one per layer)")
   layout: Literal["mod", "block", "request", "replicated"] = Field(
       "mod", description="ula TP layout of a request's entries over tp ranks: position mod P, "
       "contiguous blocks, one owner per request, or a full copy per rank")
@@ -441,11 +441,12 @@ class KernelsConfig(Section):
       "conditional where it is false. Systems without a fast path ignore it")
   projections: Literal["auto", "xla", "pallas"] = Field(
       "auto", description="a decode step's products with each layer's own weights (MLA's "
-      "up-projections and output projection, the experts): "
+      "projections, the experts' and MLPs' products, each group's indexer projections): "
       "'xla' multiplies by the weights sliced out of the stacked arrays (XLA "
       "copies every slice before the product reads it), 'pallas' a kernel that reads them "
-      "in place (kernels.stacked_matmul; up to 256 rows a product, all heads: tensor "
-      "parallelism and prefill chunks keep 'xla'), 'auto' pallas on a GPU (measured "
+      "in place (kernels.stacked_matmul; up to 256 rows a product: prefill chunks keep "
+      "'xla', and under tensor parallelism so do the four per-head products on a rank's "
+      "heads), 'auto' pallas on a GPU (measured "
       "faster) and xla elsewhere. Sums in another order: the tokens may differ from "
       "'xla''s in the last bits, every system of a run alike")
   interpret: bool | None = Field(

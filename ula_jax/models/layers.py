@@ -221,9 +221,8 @@ class MLAttention(nnx.Module):
             store and every attention path sees the same bytes.
     """
     cq_nq = self.query_latent(x_nd)
-    if (w_uq := _in_place(self.w_uq, heads)) is not None:
-      q_nhe = w_uq.matmul(cq_nq[None], jnp.result_type(cq_nq.dtype, w_uq.dtype))[0].reshape(
-          cq_nq.shape[0], *w_uq.shape[1:])
+    if heads is None:
+      q_nhe = _dot(cq_nq, self.w_uq)
     else:
       q_nhe = jnp.einsum("nq,qhe->nhe", cq_nq, _heads(self.w_uq[...], 1, heads))
     q_nope, q_rope = q_nhe[..., :self.nope_dim], q_nhe[..., self.nope_dim:]

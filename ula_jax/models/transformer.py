@@ -208,8 +208,8 @@ class Transformer(nnx.Module):
     each layer's weights in place from the stacked arrays (``kernels.stacked_matmul``)
     where the rows are few enough (a decode step); under tensor parallelism the per-head
     products (MLA's up-projections and output projection, on a rank's heads) slice
-    theirs, the rest read in place; 'xla' slices them all out (XLA copies each slice). A static setting: it is part of the model's
-    graph definition."""
+    theirs, the rest read in place; 'xla' slices them all out (XLA copies each slice).
+    A static setting: it is part of the model's graph definition."""
     check_impl(impl)
     self.projections = impl
     self.projections_interpret = interpret
