@@ -34,8 +34,8 @@ import numpy as np
 
 from ula_jax.bench.common import (best_and_median, device_copy_rate, environment,
                                    time_calls)
-from ula_jax.kernels.stacked_matmul.pallas import (StackedMatmulConfig, blocks, splits_for,
-                                                   stacked_matmul_pallas)
+from ula_jax.kernels.stacked_matmul.pallas import (StackedMatmulConfig, blocks, padded_rows,
+                                                   splits_for, stacked_matmul_pallas)
 from ula_jax.kernels.stacked_matmul.reference import stacked_matmul_reference
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -133,7 +133,7 @@ def main(argv: list[str]) -> int:
     for impl, c, prod in variants:
       err = failure = None
       bk, bn = blocks(K, N, c) if c else (None, None)
-      splits = (splits_for(K, B * N, bk, bn, c.programs, rows=max(16, -(-args.rows // 16) * 16),
+      splits = (splits_for(K, B * N, bk, bn, c.programs, rows=padded_rows(args.rows),
                            max_partials=c.max_partials) if c and bk and bn else None)
       try:
         if c is not None:

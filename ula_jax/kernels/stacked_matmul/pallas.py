@@ -79,6 +79,12 @@ def _kernel(i_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, ksteps: i
   plgpu.store(o_ref.at[s, b, :, cols], acc.astype(o_ref.dtype))
 
 
+def padded_rows(M: int) -> int:
+  """The rows a launch computes for ``M``: a multiple of 16, the smallest dot Triton
+  emits."""
+  return max(16, -(-M // 16) * 16)
+
+
 def _block(size: int, most: int) -> int:
   """The largest power of 2 up to ``most`` that divides ``size`` (0 when below 16, the
   smallest dot operand Triton emits)."""
@@ -123,7 +129,7 @@ def stacked_matmul_pallas(x: jax.Array, w: jax.Array, index: jax.Array, *,
     return stacked_matmul_reference(x, w, index, transposed=transposed).astype(out_dtype)
   interpret = default_interpret() if interpret is None else interpret
   block_k, block_n = blocks(K, N, config)
-  Mp = max(16, -(-M // 16) * 16)
+  Mp = padded_rows(M)
   xp = jnp.pad(x.astype(w.dtype), ((0, 0), (0, Mp - M), (0, 0)))
   splits = splits_for(K, B * N, block_k, block_n, config.programs, rows=Mp,
                       itemsize=w.dtype.itemsize, max_partials=config.max_partials)
