@@ -47,6 +47,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ula_jax.config.errors import ConfigError
 from ula_jax.config.schema import ExperimentConfig
 from ula_jax.core import compat, digest
 from ula_jax.core.compilation import CompileLog
@@ -368,6 +369,17 @@ class Engine:
     self.record_digests = ecfg.record_digests
     self._digests: list | None = None
 
+    # The pools first, the parameters after: the largest allocations meet an empty device
+    # allocator. Placed after the parameters, a pool that the estimate fits
+    # (memory.check_fits_machine) could fail to find one free piece that large: with
+    # XLA_PYTHON_CLIENT_PREALLOCATE=false the allocator grows in regions that the
+    # parameters leave partly used (a 48 GiB pool beside 11.8 GiB of parameters on an
+    # 80 GiB H100).
+    t_pools = time.perf_counter()
+    state = self._init_pools(mesh)
+    # Where a run's time before its first step goes (the summary's setup_time_s):
+    # allocating and filling the pools, pinned host memory included, dominates at scale.
+    self.pools_time_s = time.perf_counter() - t_pools
     # Where the MTP block's parameters (the drafts) came from; the run summary states it.
     self.mtp_weights = "param_seed"
     if cfg.model.checkpoint is None:
@@ -386,11 +398,6 @@ class Engine:
     self.graphdef, params = nnx.split(model)
     replicated = NamedSharding(mesh, P())
     self.params = jax.tree.map(lambda x: global_array(x, replicated), params)
-    t_pools = time.perf_counter()
-    state = jax.block_until_ready(self.mem.init_state(mesh))
-    # Where a run's time before its first step goes (the summary's setup_time_s):
-    # allocating and filling the pools, pinned host memory included, dominates at scale.
-    self.pools_time_s = time.perf_counter() - t_pools
     self._check_fetch_fits(state)
     self._state_specs = self.mem.state_specs(state)
     # engine.pack_state: the state's small leaves travel between steps in a few buffers.
@@ -400,6 +407,22 @@ class Engine:
     self.workspace = None if self.synthetic else self._init_workspace()
     self._build_steps()
     self.setup_time_s = time.perf_counter() - t_setup
+
+  def _init_pools(self, mesh: Mesh) -> Any:
+    """The memory system's initial state, or a ConfigError naming the pool fields where
+    the device cannot allocate it."""
+    try:
+      return jax.block_until_ready(self.mem.init_state(mesh))
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      mc = self.cfg.memory
+      raise ConfigError([
+          f"memory.device_pool={mc.device_pool!r}, memory.host_pool={mc.host_pool!r}: "
+          f"allocating memory.system={mc.system!r}'s pools failed "
+          f"({str(e).splitlines()[0][:300]}); lower memory.device_pool or "
+          "memory.host_pool (its tokens' indexer keys live on the device), or "
+          "mesh.gpu_memory_fraction where the device has more to give"]) from e
 
   def _check_fetch_fits(self, state: Any) -> None:
     """``kernels.fetch: auto`` decided again where the Pallas row copy it chose cannot
