@@ -155,9 +155,11 @@ def main(argv: list[str]) -> int:
   if jax.default_backend() == "gpu":
     with tempfile.TemporaryDirectory() as tdir:
       with jax.profiler.trace(tdir, create_perfetto_trace=True):
+        # Each call waits for the last: trace_calls gives a call the device operations
+        # that start between its dispatch and the next, so back-to-back calls would
+        # hand most of one call's operations to the next window.
         for _ in range(4):
-          state = step(state)
-        jax.block_until_ready(state)
+          state = jax.block_until_ready(step(state))
       tr = trace_calls(tdir, "forward", top=12)
       if args.ops:
         try:

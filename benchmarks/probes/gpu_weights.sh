@@ -13,8 +13,9 @@
 #    warps, stages, programs[, cap on the K splits' float32 partial sums])
 #    (benchmarks/probes/gpu_stacked_matmul.py --shapes model).
 # PARTS (default "layers step sweep") picks among 1-3 (each fits one device call on
-# its own; all three may not). With FETCH=1 on an H200, first the judged fetch ratios
-# (gpu_decode_ratios.sh PARTS=fetch, its own folder under $OUT/ratios). Results under
+# its own; all three may not). FETCH=1 runs first the judged fetch ratios
+# (gpu_decode_ratios.sh PARTS=fetch, its own folder under $OUT/ratios); FETCH=auto (the
+# default) runs them only on an H200, the card the issue judges them on. Results under
 # $OUT: JSONs, logs.tgz.
 set -u
 cd "$(dirname "$0")/../.."
@@ -23,7 +24,12 @@ source benchmarks/probes/gpu_steps.sh
 gpu_setup gpu_weights "${TIME_LIMIT_S:-560}" outside
 config_wheels
 wants() { [[ " ${PARTS:-layers step sweep} " == *" $1 "* ]]; }
-if [ "${FETCH:-0}" = 1 ]; then
+FETCH=${FETCH:-auto}
+if [ "$FETCH" = auto ]; then
+  FETCH=0
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && FETCH=1
+fi
+if [ "$FETCH" = 1 ]; then
   STEP_TAIL=40 step ratios 200 env OUT="$OUT/ratios" PARTS=fetch TIME_LIMIT_S=190 \
     bash benchmarks/probes/gpu_decode_ratios.sh
 fi

@@ -94,6 +94,9 @@ def trace_calls(trace_dir: str | pathlib.Path, functions: str | tuple[str, ...],
 
   A call's window runs from its dispatch to the next dispatch of any jitted function but
   those named in ``also`` (calls that belong to the same step, e.g. a step run again).
+  A device operation counts for the window its start falls in, so the per-call counts
+  hold for calls that wait for their results (as engine steps do); calls dispatched
+  back to back without waiting lend their operations to later windows.
   returns {"calls": [{"wall_us", "device_ops", "device_busy_us", "memcpy", "host_waits"}],
   "top_ops": [[name, count per call, us per call]] (device), "top_kinds": the same by
   ``op_kind`` (names without XLA's per-program numbering, so that two programs' profiles
