@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 
 from ula_jax.cli.main import EXIT_OK, EXIT_USAGE, main
 from ula_jax.config.loader import REPO_CONFIGS
-from ula_jax.cli.launch import LaunchError, check_mesh_processes, check_split
+from ula_jax.cli.launch import LaunchError, check_mesh_processes, check_split, launch_local
 from ula_jax.report import read_summary
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,25 +48,38 @@ def _tokens(run_dir: Path) -> dict[str, list[int]]:
   return {r["id"]: r["output_tokens"] for r in doc["requests"]}
 
 
-def test_processes_decode_the_tokens_of_one(tmp_path, capsys):
+def test_processes_decode_the_tokens_of_one(tmp_path, capfd, monkeypatch):
   args = [QUICKSTART, *SMALL, *MESH, "--no-progress"]
   multi, single = tmp_path / "multi", tmp_path / "single"
   t0 = time.perf_counter()
-  launched = subprocess.Popen(
-      [sys.executable, "-m", "ula_jax.cli.main", "launch", "--processes", str(PROCESSES),
-       "--devices-per-process", str(DEVICES_PER_PROCESS), "run", *args, "--out", str(multi)],
-      cwd=REPO, env=_worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  # The launcher (what ``ula-jax launch --processes`` runs) in a thread of this process:
+  # it starts the four processes and waits for them, while this thread runs the
+  # one-process run (this process has 8 CPU devices). The processes inherit this
+  # process's environment (tests/conftest.py: CPU, the compiler settings), as
+  # ``_worker_env`` gives it.
+  for name, value in _worker_env().items():
+    monkeypatch.setenv(name, value)
+  launched = {}
+
+  def launch():
+    try:
+      launched["code"] = launch_local(PROCESSES, ["run", *args, "--out", str(multi)],
+                                      DEVICES_PER_PROCESS)
+    except BaseException as e:  # reported below
+      launched["error"] = e
+
+  thread = threading.Thread(target=launch, daemon=True)
+  thread.start()
   try:
-    # The one-process run (this process has 8 CPU devices) while the processes run.
     assert main(["run", *args, "--out", str(single)]) == EXIT_OK
-    out, err = launched.communicate(timeout=240)
   finally:
-    if launched.poll() is None:
-      launched.kill()
-      launched.wait()
-  print(f"both runs took {time.perf_counter() - t0:.1f}s")
-  assert launched.returncode == 0, err[-4000:]
+    thread.join(timeout=240)
+  assert not thread.is_alive(), "the launched processes did not end"
+  out, err = capfd.readouterr()
+  assert "error" not in launched, launched.get("error")
+  assert launched["code"] == 0, err[-4000:]
   assert f"run directory: {multi}" in out  # process 0 printed the table
+  print(f"both runs took {time.perf_counter() - t0:.1f}s")
 
   assert _tokens(multi) == _tokens(single)
   doc, ref = read_summary(multi), read_summary(single)
