@@ -146,6 +146,13 @@ def _layer_stack(model, x, pos, heads=None):
                      heads=heads)
 
 
+def _traced(f, x):
+  """``f`` traced once: the text of its jaxpr, and what the program compiled from that
+  trace returns for ``x``."""
+  traced = jax.jit(f).trace(x)
+  return str(traced.jaxpr), traced.lower().compile()(x)
+
+
 def test_the_layer_stack_reads_its_projections_in_place(rng):
   """kernels.projections=pallas: every layer's products with its own weights (MLA's
   seven, the experts', the MLPs') and the indexers' go through the kernel, with the
@@ -156,11 +163,11 @@ def test_the_layer_stack_reads_its_projections_in_place(rng):
   model = Transformer(cfg)
   x = jnp.asarray(rng.standard_normal((3, cfg.hidden_size)), jnp.float32)
   pos = jnp.asarray([5, 9, 40], jnp.int32)
-  want = jax.jit(lambda x: _layer_stack(model, x, pos))(x)
-  assert "pallas_call" not in str(jax.make_jaxpr(lambda x: _layer_stack(model, x, pos))(x))
+  text, want = _traced(lambda x: _layer_stack(model, x, pos), x)
+  assert "pallas_call" not in text
 
   model.use_projections("pallas", interpret=True)
-  jaxpr = str(jax.make_jaxpr(lambda x: _layer_stack(model, x, pos))(x))
+  jaxpr, got = _traced(lambda x: _layer_stack(model, x, pos), x)
   # One traced body per run: MLA's seven products, then a dense layer's MLP (three) or
   # the experts' and the shared expert's (six). Per segment, the group's first layer's
   # query down-projection (the indexer's input) and the indexer's query and key
@@ -169,7 +176,6 @@ def test_the_layer_stack_reads_its_projections_in_place(rng):
   runs = [dense for seg in segments for dense, _ in seg.runs]
   assert jaxpr.count("pallas_call") == (sum(10 if dense else 13 for dense in runs)
                                         + 3 * len(segments)) == 42
-  got = jax.jit(lambda x: _layer_stack(model, x, pos))(x)
   assert float(jnp.abs(want[0] - x).max()) > 1e-3
   np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4)
@@ -177,9 +183,8 @@ def test_the_layer_stack_reads_its_projections_in_place(rng):
   # A head range (tensor parallelism): the four per-head products slice their weights
   # (on the rank's heads), the rest read in place; the results are the same.
   heads = HeadRange(0, cfg.num_heads)
-  jaxpr = str(jax.make_jaxpr(lambda x: _layer_stack(model, x, pos, heads))(x))
+  jaxpr, got = _traced(lambda x: _layer_stack(model, x, pos, heads), x)
   assert jaxpr.count("pallas_call") == 42 - 4 * len(runs)
-  got = jax.jit(lambda x: _layer_stack(model, x, pos, heads))(x)
   np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match=r"kernels.projections='triton': expected one of"):
     model.use_projections("triton")
