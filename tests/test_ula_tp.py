@@ -312,6 +312,19 @@ def test_capacity_classes_grow_by_a_quarter_to_the_whole_list():
   assert capacity_classes(8) == (8,) and capacity_classes(48)[0] == 8
 
 
+@functools.lru_cache(maxsize=None)
+def _deliver_on(tp: int):
+  """``deliver_misses`` of each rank's own misses on ``tp`` ranks, jitted once per mesh:
+  the cases of one tp (and dtype) run one compiled program, the misses being data."""
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:tp]), ("tp",))
+
+  def f(pool, slot, dst, buf):
+    return deliver_misses(pool[0], *own_misses(slot[0], dst), buf[0])[None]
+
+  return jax.jit(compat.shard_map(f, mesh=mesh, in_specs=(P("tp"), P("tp"), P(), P("tp")),
+                                  out_specs=P("tp")))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("tp, n, skew", [(2, 0, 0.5), (2, 1, 0.5), (2, 23, 0.5), (2, 48, 0.5),
                                          (2, 48, 1.0), (4, 37, 0.25), (4, 48, 0.9)])
@@ -329,14 +342,8 @@ def test_deliver_misses_moves_exactly_the_misses_bit_for_bit(rng, dtype, tp, n, 
   dst = np.full((F,), -1, np.int32)
   dst[:n] = rng.permutation(L)[:n]
   buf = np.full((tp, L, W), 7.0, np.float32).astype(pools.dtype)
-  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:tp]), ("tp",))
-
-  def f(pool, slot, dst, buf):
-    return deliver_misses(pool[0], *own_misses(slot[0], dst), buf[0])[None]
-
-  got = np.asarray(jax.jit(compat.shard_map(
-      f, mesh=mesh, in_specs=(P("tp"), P("tp"), P(), P("tp")), out_specs=P("tp")))(
-          jnp.asarray(pools), jnp.asarray(slots), jnp.asarray(dst), jnp.asarray(buf)))
+  got = np.asarray(_deliver_on(tp)(jnp.asarray(pools), jnp.asarray(slots), jnp.asarray(dst),
+                                   jnp.asarray(buf)))
   want = buf[0].copy()
   want[dst[:n]] = pools[owner[:n], local[:n]]
   for r in range(tp):  # every rank's buffer: the misses written, nothing else touched
