@@ -81,6 +81,30 @@ def _legacy_cpu_fusion_emitters() -> None:
 
 _legacy_cpu_fusion_emitters()
 
+_SERIAL_CODEGEN = "--xla_cpu_parallel_codegen_split_count=1"
+
+
+def _serial_cpu_codegen() -> None:
+  """XLA:CPU splits each program's LLVM module into up to 32 parts and generates their
+  machine code on threads. The suite runs one xdist worker per core (``-n 2`` on two
+  cores), so the threads only take turns with the other worker, and the split and
+  its extra modules are work of their own: on such a machine an engine step's compile
+  takes about a tenth more CPU time than in one part. ``split_count=1`` generates one
+  module on the compiling thread. The functions compiled are the same (LLVM at -O0
+  optimises none across them); only where their code is generated changes. CPU sessions
+  on jaxlib 0.10 only (as above: a flag XLA does not know stops the process); the
+  environment variable reaches the xdist workers and the processes tests start."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if os.environ["JAX_PLATFORMS"] != "cpu" or "xla_cpu_parallel_codegen_split_count" in flags:
+    return
+  import jaxlib
+
+  if jaxlib.__version__.startswith("0.10."):
+    os.environ["XLA_FLAGS"] = f"{flags} {_SERIAL_CODEGEN}".strip()
+
+
+_serial_cpu_codegen()
+
 
 def _short_tracebacks_in_locations() -> None:
   """jax writes the Python traceback of every traced operation (up to 100 frames) into
