@@ -135,12 +135,12 @@ def test_fetch_benchmark_without_checks_fills_the_host_pool_in_place(tmp_path):
     assert (np.asarray(pool) == 0x5A).all()
   out = tmp_path / "fetch.json"
   rc = fetch.main(["--quick", "--no-check", "--layouts", "fp8x656,bf16x576", "--impls",
-                   "pallas,xla", "--entries", "40", "--host-rows", "3000",
-                   "--device-rows", "2000",
+                   "pallas,xla", "--entries", "12", "--host-rows", "700",
+                   "--device-rows", "500", "--reps", "1", "--max-iters", "1",
                    "--pallas-block-units", "16", "--ceilings", "jax", "--out", str(out)])
   assert rc == 0
   result = json.loads(out.read_text())
-  assert result["host_rows"] == 3000 and result["device_rows"] == 2000
+  assert result["host_rows"] == 700 and result["device_rows"] == 500
   kernels = [r for r in result["rows"] if not r["impl"].startswith("contiguous")]
   assert len(kernels) == 8
   assert all(r["error"] is None and r["ok"] is None and r["seconds"] > 0 for r in kernels)
