@@ -28,17 +28,20 @@ def _requests():
 
 
 @functools.lru_cache(maxsize=None)
-def _peak(system: str):
+def _peak(system: str, num: int):
   seen = []
-  res = run_engine(COMMON + [f"memory.system={system}"], _requests(), on_step=seen.append)
+  res = run_engine(COMMON + [f"memory.system={system}"], _requests()[:num],
+                   on_step=seen.append)
   assert all(r.status == "finished" for r in res.requests), [
       (r.id, r.reason) for r in res.requests if r.status != "finished"]
   return max(m.admitted for m in seen), res
 
 
 def test_ula_tp8_mod_admits_about_8x_resident():
-  resident, r_res = _peak("resident")
-  ula, u_res = _peak("ula")
+  # resident admits 3 at a time: 5 of the requests show its peak (and its tokens, which
+  # ula's must equal) in two waves where all 22 would take eight.
+  resident, r_res = _peak("resident", 5)
+  ula, u_res = _peak("ula", len(_requests()))
   # resident: 960 tokens per device, a full copy on each: 3 requests of 320 tokens.
   assert r_res.summary["capacity_tokens_per_rank"] == DEVICE
   assert resident == 3
@@ -56,7 +59,7 @@ def test_ula_tp8_mod_admits_about_8x_resident():
   # Same device memory per rank, and the same tokens.
   assert u_res.capacity["device_bytes_per_rank"] == DEVICE * _token_bytes()
   assert r_res.capacity["device_bytes_per_rank"] == DEVICE * _token_bytes()
-  assert [r.output_tokens for r in u_res.requests] == [r.output_tokens for r in r_res.requests]
+  assert [r.output_tokens for r in u_res.requests[:5]] == [r.output_tokens for r in r_res.requests]
 
 
 def _token_bytes() -> int:
