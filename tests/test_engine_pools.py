@@ -1,5 +1,6 @@
 """Where an engine's pools are made: before the parameters, and a device that cannot
-allocate them is a config error naming the pool fields."""
+allocate them is a config error naming the pool fields; so is a step whose working memory
+does not fit beside them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from ula_jax.config import ConfigError, load_config
 from ula_jax.engine import Engine, resolve_max_context
 from ula_jax.memory.ula.dp import Ula
 from ula_jax.models import transformer as tfm
-from tests.engine_util import BASE, DENSE, mesh_for
+from tests.engine_util import BASE, DENSE, make_requests, mesh_for
 
 ULA = DENSE + ["memory.system=ula", "memory.device_pool=64", "memory.host_pool=256",
                "mesh.dp=1", "engine.max_batch=1"]
@@ -62,3 +63,39 @@ def test_other_runtime_errors_pass_through(monkeypatch):
   monkeypatch.setattr(Ula, "init_state", broken)
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
     _engine(ULA)
+
+
+STEP_OOM = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.50GiB with "
+            "allocator GPU_0_bfc on device 0. [tf-allocator-allocation-error=''] "
+            "[executable_name='jit_prefill']\nCurrent allocation summary follows.")
+
+
+def _failing_step(error):
+  def step(*args, **kwargs):
+    raise jax.errors.JaxRuntimeError(error)
+  return step
+
+
+def test_a_step_the_device_has_no_memory_for_is_a_config_error(monkeypatch):
+  """Pools and parameters fit, a step's working memory does not: the run stops with a
+  ConfigError naming the step, what it asked for, the device's use, and the fields that
+  size them (a GPU: the device's memory statistics are given here)."""
+  from ula_jax.engine import engine as engine_module
+
+  engine = _engine(ULA)
+  engine._prefill = _failing_step(STEP_OOM)
+  monkeypatch.setattr(engine_module, "memory_stats",
+                      lambda device: {"bytes_in_use": 75 * 2**30, "bytes_limit": 79 * 2**30})
+  requests = make_requests(num=1, seed=0, prompt=(5, 9), output=(2, 3))
+  with pytest.raises(ConfigError, match=(
+      r"memory\.device_pool=64: the prefill step ran out of device memory \(it asked for "
+      r"4\.50GiB more; 75\.00 of 79\.00 GiB of the device were in use\): the pools and the "
+      r"parameters fit, the step's working memory did not; lower memory\.device_pool \(or "
+      r"memory\.host_pool=256, whose tokens' indexer keys live on the device\) by at least "
+      r"that much, or engine\.max_batch=1")) as e:
+    engine.run(list(requests))
+  assert "allocation summary" not in str(e.value)
+
+  engine._prefill = _failing_step("INTERNAL: something else")
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
+    engine.run(list(requests))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import re
 import time
 from typing import Any, Callable
 
@@ -70,6 +71,12 @@ from ula_jax.models import transformer as tfm
 
 # The jitted steps by the names compilations are logged under (``core.compilation``).
 STEP_PROGRAMS = ("decode", "speculate", "redo", "verify", "prefill", "release")
+
+
+# What a ``RESOURCE_EXHAUSTED`` error of a step says: the allocation that failed and the
+# program that asked for it (``Engine._step_memory_error``).
+_ALLOCATION = re.compile(r"allocate (\d+(?:\.\d+)?\s*[KMGT]?i?B)")
+_EXECUTABLE = re.compile(r"executable_name='([^']+)'")
 
 
 def resolve_max_context(cfg: ExperimentConfig) -> int:
@@ -423,6 +430,29 @@ class Engine:
           f"({str(e).splitlines()[0][:300]}); lower memory.device_pool or "
           "memory.host_pool (its tokens' indexer keys live on the device), or "
           "mesh.gpu_memory_fraction where the device has more to give"]) from e
+
+  def _step_memory_error(self, e: Exception) -> ConfigError:
+    """A step program the device had no memory for (a ``RESOURCE_EXHAUSTED`` error while
+    serving) as a ConfigError naming the fields that size what the device holds: the
+    pools and parameters fit (``memory.check_fits_machine``, ``_init_pools``), and the
+    step's working memory came on top of them."""
+    text = str(e)
+    program = _EXECUTABLE.search(text)
+    program = program.group(1).removeprefix("jit_") if program else "a"
+    asked = _ALLOCATION.search(text)
+    asked = f"it asked for {asked.group(1)} more" if asked else text.splitlines()[0][:300]
+    stats = memory_stats(local_devices(self.mesh)[0])
+    held = (f"; {stats['bytes_in_use'] / 2**30:.2f} of {stats['bytes_limit'] / 2**30:.2f} "
+            "GiB of the device were in use"
+            if {"bytes_in_use", "bytes_limit"} <= set(stats) else "")
+    mc = self.cfg.memory
+    return ConfigError([
+        f"memory.device_pool={mc.device_pool!r}: the {program} step ran out of device "
+        f"memory ({asked}{held}): the pools and the parameters fit, the step's working "
+        f"memory did not; lower memory.device_pool (or memory.host_pool={mc.host_pool!r}, "
+        "whose tokens' indexer keys live on the device) by at least that much, or "
+        f"engine.max_batch={self.max_batch}, whose rows the step's working memory grows "
+        "with"])
 
   def _check_fetch_fits(self, state: Any) -> None:
     """``kernels.fetch: auto`` decided again where the Pallas row copy it chose cannot
@@ -899,6 +929,10 @@ class Engine:
         rs.at_boundary = True
         if on_step is not None:
           on_step(m)
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      raise self._step_memory_error(e) from e
     except KeyboardInterrupt as e:
       # (one that comes after the last request is done interrupts nothing)
       if pending or queue or any(l is not None for rank in rows for l in rank):
