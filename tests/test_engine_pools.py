@@ -96,6 +96,11 @@ def test_a_step_the_device_has_no_memory_for_is_a_config_error(monkeypatch):
     engine.run(list(requests))
   assert "allocation summary" not in str(e.value)
 
+  engine._prefill = _failing_step("RESOURCE_EXHAUSTED: out of memory")  # no names given
+  with pytest.raises(ConfigError, match=r"memory\.device_pool=64: a step ran out of device "
+                     r"memory \(RESOURCE_EXHAUSTED: out of memory; 75\.00 of 79\.00 GiB"):
+    engine.run(list(requests))
+
   engine._prefill = _failing_step("INTERNAL: something else")
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
     engine.run(list(requests))

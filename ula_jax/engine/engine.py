@@ -438,7 +438,7 @@ class Engine:
     step's working memory came on top of them."""
     text = str(e)
     program = _EXECUTABLE.search(text)
-    program = program.group(1).removeprefix("jit_") if program else "a"
+    program = f"the {program.group(1).removeprefix('jit_')}" if program else "a"
     asked = _ALLOCATION.search(text)
     asked = f"it asked for {asked.group(1)} more" if asked else text.splitlines()[0][:300]
     stats = memory_stats(local_devices(self.mesh)[0])
@@ -447,7 +447,7 @@ class Engine:
             if {"bytes_in_use", "bytes_limit"} <= set(stats) else "")
     mc = self.cfg.memory
     return ConfigError([
-        f"memory.device_pool={mc.device_pool!r}: the {program} step ran out of device "
+        f"memory.device_pool={mc.device_pool!r}: {program} step ran out of device "
         f"memory ({asked}{held}): the pools and the parameters fit, the step's working "
         f"memory did not; lower memory.device_pool (or memory.host_pool={mc.host_pool!r}, "
         "whose tokens' indexer keys live on the device) by at least that much, or "
