@@ -55,55 +55,41 @@ def _unoptimised_cpu_code() -> None:
 
 _unoptimised_cpu_code()
 
-_LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
-
-def _legacy_cpu_fusion_emitters() -> None:
-  """With LLVM at -O0, most of what is left of a CPU compile is XLA's MLIR fusion
-  emitters (each fusion lowered through MLIR dialects to LLVM IR): about two thirds of an
-  engine step's compile. ``--xla_cpu_use_fusion_emitters=false`` emits fusions with
-  XLA's older LLVM IR emitters directly, about three times faster to compile. The
-  operations computed are the same; XLA groups some of them into other fusions (the two
-  emitters support different kinds), so, as with the setting above, the machine code
-  and float results in the last bits may differ from a default build's (every comparison
-  here is between programs of one session). CPU sessions only, and only on jaxlib 0.10
-  (XLA stops a process that sets a flag it does not know: jaxlib 0.11's XLA no longer
-  knows this one, although its name is still in the library); the environment variable
-  reaches the xdist workers and the processes runs start."""
+def _jaxlib_010_cpu_flag(flag: str) -> None:
+  """``flag`` (``--name=value``) added to ``XLA_FLAGS`` in CPU sessions on jaxlib 0.10,
+  unless the environment already sets ``name``. jaxlib 0.10 only: XLA stops a process that
+  sets a flag it does not know, and jaxlib 0.11's XLA no longer knows the ones below
+  (although their names are still in the library). The environment variable reaches the
+  xdist workers and the processes tests and runs start."""
   flags = os.environ.get("XLA_FLAGS", "")
-  if os.environ["JAX_PLATFORMS"] != "cpu" or "xla_cpu_use_fusion_emitters" in flags:
+  name = flag.removeprefix("--").partition("=")[0]
+  if os.environ["JAX_PLATFORMS"] != "cpu" or name in flags:
     return
   import jaxlib
 
   if jaxlib.__version__.startswith("0.10."):
-    os.environ["XLA_FLAGS"] = f"{flags} {_LEGACY_EMITTERS}".strip()
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
 
 
-_legacy_cpu_fusion_emitters()
+# With LLVM at -O0, most of what is left of a CPU compile is XLA's MLIR fusion emitters
+# (each fusion lowered through MLIR dialects to LLVM IR): about two thirds of an engine
+# step's compile. ``--xla_cpu_use_fusion_emitters=false`` emits fusions with XLA's older
+# LLVM IR emitters directly, about three times faster to compile. The operations computed
+# are the same; XLA groups some of them into other fusions (the two emitters support
+# different kinds), so, as with the setting above, the machine code and float results in
+# the last bits may differ from a default build's (every comparison here is between
+# programs of one session).
+_jaxlib_010_cpu_flag("--xla_cpu_use_fusion_emitters=false")
 
-_SERIAL_CODEGEN = "--xla_cpu_parallel_codegen_split_count=1"
-
-
-def _serial_cpu_codegen() -> None:
-  """XLA:CPU splits each program's LLVM module into up to 32 parts and generates their
-  machine code on threads. The suite runs one xdist worker per core (``-n 2`` on two
-  cores), so the threads only take turns with the other worker, and the split and
-  its extra modules are work of their own: on such a machine an engine step's compile
-  takes about a tenth more CPU time than in one part. ``split_count=1`` generates one
-  module on the compiling thread. The functions compiled are the same (LLVM at -O0
-  optimises none across them); only where their code is generated changes. CPU sessions
-  on jaxlib 0.10 only (as above: a flag XLA does not know stops the process); the
-  environment variable reaches the xdist workers and the processes tests start."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  if os.environ["JAX_PLATFORMS"] != "cpu" or "xla_cpu_parallel_codegen_split_count" in flags:
-    return
-  import jaxlib
-
-  if jaxlib.__version__.startswith("0.10."):
-    os.environ["XLA_FLAGS"] = f"{flags} {_SERIAL_CODEGEN}".strip()
-
-
-_serial_cpu_codegen()
+# XLA:CPU splits each program's LLVM module into up to 32 parts and generates their
+# machine code on threads. The suite runs one xdist worker per core (``-n 2`` on two
+# cores), so the threads only take turns with the other worker, and the split and its
+# extra modules are work of their own: on such a machine an engine step's compile takes
+# about a tenth more CPU time than in one part. ``split_count=1`` generates one module on
+# the compiling thread. The functions compiled are the same (LLVM at -O0 optimises none
+# across them); only where their code is generated changes.
+_jaxlib_010_cpu_flag("--xla_cpu_parallel_codegen_split_count=1")
 
 
 def _short_tracebacks_in_locations() -> None:
