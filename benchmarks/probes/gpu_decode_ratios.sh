@@ -32,7 +32,7 @@
 #            calls (./custom_calls, CUDA handlers for sm_90) and measures them too;
 #            FETCH_UNITS / FETCH_WARPS (comma lists) sweep the Pallas launch (16-byte
 #            units per program, warps per program; the default launch is 1024 and 4,
-#            list them to keep it in the sweep); FETCH_HOST_ROWS (space list of host
+#            list them to keep it in the sweep) in each of the three forms; FETCH_HOST_ROWS (space list of host
 #            pool rows, default none) adds runs at 4K and 64K rows per pool size, rows
 #            at random and in runs of FETCH_RUN, FETCH_COPIES copies a program: rows
 #            scattered over a pinned pool as large as a serving run's (100 GiB is
@@ -125,11 +125,11 @@ if wants fetch; then
   # entry_major: a group's layers of an entry side by side).
   STEP_TAIL=16 step fetch_copies 120 $CLI bench fetch --layouts fp8x656 --entries 4K,16K,64K \
     --impls "$impls" --directions fetch,evict --ceilings memcpy \
-    --copies-per-call "${FETCH_COPIES:-8}" --out "$OUT/fetch_copies.json"
+    --copies-per-call "${FETCH_COPIES:-8}" ${sweep[@]+"${sweep[@]}"} --out "$OUT/fetch_copies.json"
   STEP_TAIL=16 step fetch_runs 120 $CLI bench fetch --layouts fp8x656 --entries 4K,16K,64K \
     --impls "$impls" --directions fetch,evict --ceilings memcpy \
     --copies-per-call "${FETCH_COPIES:-8}" --host-run "${FETCH_RUN:-4}" \
-    --out "$OUT/fetch_runs.json"
+    ${sweep[@]+"${sweep[@]}"} --out "$OUT/fetch_runs.json"
   # Host pools as large as a serving run's: filled in place, not mirrored (--no-check).
   [ -n "${FETCH_HOST_ROWS:-}" ] && pin_like_serving
   for h in ${FETCH_HOST_ROWS:-}; do
