@@ -104,3 +104,49 @@ def test_a_step_the_device_has_no_memory_for_is_a_config_error(monkeypatch):
   engine._prefill = _failing_step("INTERNAL: something else")
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
     engine.run(list(requests))
+
+
+def test_a_decode_step_that_cannot_fit_stops_the_run_before_any_prefill(monkeypatch):
+  """The first decode program is compiled before anything is served and its working
+  memory set against the device's free bytes: too little is a ConfigError naming the step,
+  what it needs and the fields that size it, before a prompt is prefilled; enough, and
+  the first decode step runs the program compiled for the check (nothing compiles twice).
+  The device's memory statistics are given here (a GPU's); CPU has none and skips it."""
+  from ula_jax.engine import engine as engine_module
+
+  engine = _engine(ULA)
+  need = engine.lower_step("decode").compile().memory_analysis()
+  need = (need.temp_size_in_bytes + need.output_size_in_bytes - need.alias_size_in_bytes)
+  assert need > 0
+  limit = 79 * 2**30
+  monkeypatch.setattr(engine_module, "memory_stats",
+                      lambda device: {"bytes_in_use": limit - need + 1, "bytes_limit": limit})
+  prefilled = []
+  prefill = engine._prefill
+  engine._prefill = lambda *a, **kw: prefilled.append(1) or prefill(*a, **kw)
+  requests = make_requests(num=1, seed=0, prompt=(5, 9), output=(2, 3))
+  with pytest.raises(ConfigError, match=(
+      r"memory\.device_pool=64: the decode step needs \d+\.\d\d [MG]iB of working memory "
+      r"\(\d+\.\d\d [MG]iB of temporaries, \d+\.\d\d [MG]iB of new outputs\) beside the "
+      r"pools, parameters and state, and device \d+ has \d+\.\d\d [MG]iB free \(79\.00 of "
+      r"79\.00 GiB in use\); lower memory\.device_pool by at least 0\.00 MiB \(or "
+      r"memory\.host_pool=256, whose tokens' indexer keys live on the device\), or "
+      r"engine\.max_batch=1, whose rows")):
+    engine.run(list(requests))
+  assert prefilled == []
+
+  # Another step (two rows, not one), so that nothing of the first engine's is reused.
+  engine = _engine(ULA + ["engine.max_batch=2"])
+  monkeypatch.setattr(engine_module, "memory_stats",
+                      lambda device: {"bytes_in_use": 0, "bytes_limit": limit})
+  result = engine.run(list(requests))
+  assert [r.status for r in result.requests] == ["finished"]
+  log = engine.compile_log
+  assert (log.programs["decode"], log.cached["decode"]) == (1, 0), (log.programs, log.cached)
+
+
+def test_no_decode_program_is_compiled_ahead_without_memory_statistics():
+  """CPU reports no memory statistics: nothing is compiled before the run's first step."""
+  engine = _engine(ULA)
+  engine.check_step_memory()
+  assert engine.compile_log.programs["decode"] == 0

@@ -413,6 +413,7 @@ class Engine:
     self.state = state
     self.workspace = None if self.synthetic else self._init_workspace()
     self._build_steps()
+    self._step_memory_checked = False  # check_step_memory, before the first run
     self.setup_time_s = time.perf_counter() - t_setup
 
   def _init_pools(self, mesh: Mesh) -> Any:
@@ -453,6 +454,47 @@ class Engine:
         "whose tokens' indexer keys live on the device) by at least that much, or "
         f"engine.max_batch={self.max_batch}, whose rows the step's working memory grows "
         "with"])
+
+  def check_step_memory(self) -> None:
+    """A ConfigError before anything is served where the first decode program's working
+    memory does not fit beside what each local device already holds (pools, parameters,
+    state, workspace): the program is compiled ahead, as its first step would compile it
+    (that step then runs it: nothing compiles twice), and its ``memory_analysis`` -
+    temporaries, and outputs not aliased to a donated input - is set against the device's
+    free bytes (``bytes_limit - bytes_in_use``). Such a step would fail with
+    ``RESOURCE_EXHAUSTED`` only after the prompts' prefill. Nothing is checked where the
+    backend reports no memory statistics (CPU) or XLA no analysis; a step that passes can
+    still fail on fragmentation, and is then reported by ``_step_memory_error``."""
+    free = {}
+    for d in local_devices(self.mesh):
+      stats = memory_stats(d)
+      if {"bytes_in_use", "bytes_limit"} <= set(stats):
+        free[d] = (stats["bytes_limit"] - stats["bytes_in_use"], stats)
+    if not free:
+      return
+    kind = ("verify" if self._verify is not None
+            else "speculate" if self._speculate is not None else "decode")
+    analysis = self.lower_step(kind).compile().memory_analysis()
+    if analysis is None:
+      return
+    temp = int(analysis.temp_size_in_bytes)
+    outputs = int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes)
+    need = temp + max(outputs, 0)
+    device, (room, stats) = min(free.items(), key=lambda item: item[1][0])
+    if need <= room:
+      return
+    gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+    mc = self.cfg.memory
+    raise ConfigError([
+        f"memory.device_pool={mc.device_pool!r}: the {kind} step needs {gib(need)} of "
+        f"working memory ({gib(temp)} of temporaries, {gib(max(outputs, 0))} of new "
+        f"outputs) beside the pools, parameters and state, and device {device.id} has "
+        f"{gib(room)} free ({stats['bytes_in_use'] / 2**30:.2f} of "
+        f"{stats['bytes_limit'] / 2**30:.2f} GiB in use); lower memory.device_pool by at "
+        f"least {gib(need - room)} (or "
+        f"memory.host_pool={mc.host_pool!r}, whose tokens' indexer keys live on the "
+        f"device), or engine.max_batch={self.max_batch}, whose rows the step's working "
+        "memory grows with"])
 
   def _check_fetch_fits(self, state: Any) -> None:
     """``kernels.fetch: auto`` decided again where the Pallas row copy it chose cannot
@@ -819,6 +861,9 @@ class Engine:
     """
     dp, B = self.dp, self.max_batch
     self.compile_log.start()
+    if not self._step_memory_checked:
+      self.check_step_memory()
+      self._step_memory_checked = True
     if self.record_trace:
       from ula_jax.memory.ula.trace import TraceRecorder
       self._recorders = [TraceRecorder(self.geo, max_batch=B, num_logical=self.mem.num_logical,
