@@ -89,8 +89,10 @@ def test_a_step_the_device_has_no_memory_for_is_a_config_error(monkeypatch):
   requests = make_requests(num=1, seed=0, prompt=(5, 9), output=(2, 3))
   with pytest.raises(ConfigError, match=(
       r"memory\.device_pool=64: the prefill step ran out of device memory \(it asked for "
-      r"4\.50GiB more; 75\.00 of 79\.00 GiB of the device were in use\): the pools and the "
-      r"parameters fit, the step's working memory did not; lower memory\.device_pool \(or "
+      r"4\.50GiB more; 75\.00 of 79\.00 GiB of the device were in use; before the first "
+      r"prefill the decode step's working memory was 0\.00 GiB with 4\.00 GiB free\): the "
+      r"pools and the parameters fit, the step's working memory did not; lower "
+      r"memory\.device_pool \(or "
       r"memory\.host_pool=256, whose tokens' indexer keys live on the device\) by at least "
       r"that much, or engine\.max_batch=1")) as e:
     engine.run(list(requests))
@@ -143,6 +145,10 @@ def test_a_decode_step_that_cannot_fit_stops_the_run_before_any_prefill(monkeypa
   assert [r.status for r in result.requests] == ["finished"]
   log = engine.compile_log
   assert (log.programs["decode"], log.cached["decode"]) == (1, 0), (log.programs, log.cached)
+  checked = result.summary["step_memory"]  # what the check measured, in the run's summary
+  assert (checked["step"], checked["free_bytes"], checked["limit_bytes"]) == ("decode", limit,
+                                                                               limit)
+  assert checked["need_bytes"] == checked["temp_bytes"] + checked["new_output_bytes"] > 0
 
 
 def test_no_decode_program_is_compiled_ahead_without_memory_statistics():

@@ -414,6 +414,7 @@ class Engine:
     self.workspace = None if self.synthetic else self._init_workspace()
     self._build_steps()
     self._step_memory_checked = False  # check_step_memory, before the first run
+    self.step_memory: dict[str, Any] | None = None  # what that check measured
     self.setup_time_s = time.perf_counter() - t_setup
 
   def _init_pools(self, mesh: Mesh) -> Any:
@@ -446,6 +447,11 @@ class Engine:
     held = (f"; {stats['bytes_in_use'] / 2**30:.2f} of {stats['bytes_limit'] / 2**30:.2f} "
             "GiB of the device were in use"
             if {"bytes_in_use", "bytes_limit"} <= set(stats) else "")
+    checked = self.step_memory
+    if checked:
+      held += (f"; before the first prefill the {checked['step']} step's working memory "
+               f"was {checked['need_bytes'] / 2**30:.2f} GiB with "
+               f"{checked['free_bytes'] / 2**30:.2f} GiB free")
     mc = self.cfg.memory
     return ConfigError([
         f"memory.device_pool={mc.device_pool!r}: {program} step ran out of device "
@@ -481,6 +487,10 @@ class Engine:
     outputs = int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes)
     need = temp + max(outputs, 0)
     device, (room, stats) = min(free.items(), key=lambda item: item[1][0])
+    self.step_memory = {"step": kind, "need_bytes": need, "temp_bytes": temp,
+                        "new_output_bytes": max(outputs, 0), "free_bytes": int(room),
+                        "in_use_bytes": int(stats["bytes_in_use"]),
+                        "limit_bytes": int(stats["bytes_limit"])}
     if need <= room:
       return
     gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
@@ -1409,6 +1419,8 @@ class Engine:
     memory = _device_memory(self.mesh)
     if memory:
       out["device_memory"] = memory
+    if self.step_memory:
+      out["step_memory"] = self.step_memory  # check_step_memory, before the first prefill
     out.update({f"total_{k}": v for k, v in totals.items()})
     out.update(self.mem.run_summary(steps, reqs))
     if totals.get("hits", 0) + totals.get("misses", 0):
