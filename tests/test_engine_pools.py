@@ -149,6 +149,7 @@ def test_a_decode_step_that_cannot_fit_stops_the_run_before_any_prefill(monkeypa
   assert (checked["step"], checked["free_bytes"], checked["limit_bytes"]) == ("decode", limit,
                                                                                limit)
   assert checked["need_bytes"] == checked["temp_bytes"] + checked["new_output_bytes"] > 0
+  assert checked["in_use_at_first_decode_bytes"] == 0  # as given
 
 
 def test_no_decode_program_is_compiled_ahead_without_memory_statistics():

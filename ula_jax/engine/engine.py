@@ -452,6 +452,9 @@ class Engine:
       held += (f"; before the first prefill the {checked['step']} step's working memory "
                f"was {checked['need_bytes'] / 2**30:.2f} GiB with "
                f"{checked['free_bytes'] / 2**30:.2f} GiB free")
+      if "in_use_at_first_decode_bytes" in checked:
+        held += (f", {checked['in_use_at_first_decode_bytes'] / 2**30:.2f} GiB in use as the "
+                 "first decode step was dispatched")
     mc = self.cfg.memory
     return ConfigError([
         f"memory.device_pool={mc.device_pool!r}: {program} step ran out of device "
@@ -1113,6 +1116,12 @@ class Engine:
 
   def _decode_round(self, rows, step) -> tuple[int, int, dict]:
     """One decode step of every decoding request: (requests, tokens generated, stats)."""
+    checked = self.step_memory
+    if checked and "in_use_at_first_decode_bytes" not in checked:
+      # What the device holds as the first decode step is dispatched (the prompts'
+      # prefill queued or done), against what it held when the step was checked.
+      stats = memory_stats(local_devices(self.mesh)[0])
+      checked["in_use_at_first_decode_bytes"] = int(stats.get("bytes_in_use", 0))
     if self.num_draft:
       return self._verify_round(rows, step)
     dp, B = self.dp, self.max_batch
