@@ -70,10 +70,14 @@ STEP_OOM = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.50GiB 
             "[executable_name='jit_prefill']\nCurrent allocation summary follows.")
 
 
-def _failing_step(error):
-  def step(*args, **kwargs):
-    raise jax.errors.JaxRuntimeError(error)
-  return step
+class _FailingStep:
+  """A jitted step whose every call fails with ``error``; it lowers as ``step`` does."""
+
+  def __init__(self, step, error):
+    self.lower, self._error = step.lower, error
+
+  def __call__(self, *args, **kwargs):
+    raise jax.errors.JaxRuntimeError(self._error)
 
 
 def test_a_step_the_device_has_no_memory_for_is_a_config_error(monkeypatch):
@@ -83,7 +87,8 @@ def test_a_step_the_device_has_no_memory_for_is_a_config_error(monkeypatch):
   from ula_jax.engine import engine as engine_module
 
   engine = _engine(ULA)
-  engine._prefill = _failing_step(STEP_OOM)
+  prefill = engine._prefill
+  engine._prefill = _FailingStep(prefill, STEP_OOM)
   monkeypatch.setattr(engine_module, "memory_stats",
                       lambda device: {"bytes_in_use": 75 * 2**30, "bytes_limit": 79 * 2**30})
   requests = make_requests(num=1, seed=0, prompt=(5, 9), output=(2, 3))
@@ -98,12 +103,12 @@ def test_a_step_the_device_has_no_memory_for_is_a_config_error(monkeypatch):
     engine.run(list(requests))
   assert "allocation summary" not in str(e.value)
 
-  engine._prefill = _failing_step("RESOURCE_EXHAUSTED: out of memory")  # no names given
+  engine._prefill = _FailingStep(prefill, "RESOURCE_EXHAUSTED: out of memory")  # no names given
   with pytest.raises(ConfigError, match=r"memory\.device_pool=64: a step ran out of device "
                      r"memory \(RESOURCE_EXHAUSTED: out of memory; 75\.00 of 79\.00 GiB"):
     engine.run(list(requests))
 
-  engine._prefill = _failing_step("INTERNAL: something else")
+  engine._prefill = _FailingStep(prefill, "INTERNAL: something else")
   with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
     engine.run(list(requests))
 
@@ -123,9 +128,6 @@ def test_a_decode_step_that_cannot_fit_stops_the_run_before_any_prefill(monkeypa
   limit = 79 * 2**30
   monkeypatch.setattr(engine_module, "memory_stats",
                       lambda device: {"bytes_in_use": limit - need + 1, "bytes_limit": limit})
-  prefilled = []
-  prefill = engine._prefill
-  engine._prefill = lambda *a, **kw: prefilled.append(1) or prefill(*a, **kw)
   requests = make_requests(num=1, seed=0, prompt=(5, 9), output=(2, 3))
   with pytest.raises(ConfigError, match=(
       r"memory\.device_pool=64: the decode step needs \d+\.\d\d [MG]iB of working memory "
@@ -135,7 +137,7 @@ def test_a_decode_step_that_cannot_fit_stops_the_run_before_any_prefill(monkeypa
       r"memory\.host_pool=256, whose tokens' indexer keys live on the device\), or "
       r"engine\.max_batch=1, whose rows")):
     engine.run(list(requests))
-  assert prefilled == []
+  assert not hasattr(engine, "run_state")  # stopped before its requests were taken in
 
   # Another step (two rows, not one), so that nothing of the first engine's is reused.
   engine = _engine(ULA + ["engine.max_batch=2"])
@@ -150,6 +152,10 @@ def test_a_decode_step_that_cannot_fit_stops_the_run_before_any_prefill(monkeypa
                                                                                limit)
   assert checked["need_bytes"] == checked["temp_bytes"] + checked["new_output_bytes"] > 0
   assert checked["in_use_at_first_decode_bytes"] == 0  # as given
+  assert checked["prefill_temp_bytes"] > 0
+  # The prefill's program is the first engine's (one row or two): compiled there, read
+  # from the persistent cache here, once.
+  assert log.programs["prefill"] + log.cached["prefill"] == 1, (log.programs, log.cached)
 
 
 def test_no_decode_program_is_compiled_ahead_without_memory_statistics():

@@ -494,6 +494,11 @@ class Engine:
                         "new_output_bytes": max(outputs, 0), "free_bytes": int(room),
                         "in_use_bytes": int(stats["bytes_in_use"]),
                         "limit_bytes": int(stats["bytes_limit"])}
+    # For the record: a prefill chunk's temporaries (the program the run compiles first;
+    # the first prefill then runs this one).
+    prefill = self.lower_step("prefill").compile().memory_analysis()
+    if prefill is not None:
+      self.step_memory["prefill_temp_bytes"] = int(prefill.temp_size_in_bytes)
     if need <= room:
       return
     gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
