@@ -153,9 +153,9 @@ def test_a_decode_step_that_cannot_fit_stops_the_run_before_any_prefill(monkeypa
   assert checked["need_bytes"] == checked["temp_bytes"] + checked["new_output_bytes"] > 0
   assert checked["in_use_at_first_decode_bytes"] == 0  # as given
   assert checked["prefill_temp_bytes"] > 0
-  # The prefill's program is the first engine's (one row or two): compiled there, read
-  # from the persistent cache here, once.
-  assert log.programs["prefill"] + log.cached["prefill"] == 1, (log.programs, log.cached)
+  # The prefill's program is the first engine's (one row or two): compiled there, and here
+  # read from the persistent cache or reused, at most once.
+  assert log.programs["prefill"] + log.cached["prefill"] <= 1, (log.programs, log.cached)
 
 
 def test_no_decode_program_is_compiled_ahead_without_memory_statistics():
