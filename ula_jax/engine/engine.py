@@ -472,8 +472,11 @@ class Engine:
     temporaries, and outputs not aliased to a donated input - is set against the device's
     free bytes (``bytes_limit - bytes_in_use``). Such a step would fail with
     ``RESOURCE_EXHAUSTED`` only after the prompts' prefill. Nothing is checked where the
-    backend reports no memory statistics (CPU) or XLA no analysis; a step that passes can
-    still fail on fragmentation, and is then reported by ``_step_memory_error``."""
+    backend reports no memory statistics (CPU) or XLA no analysis. The analysis is a lower
+    bound: a step that passes can still run out, on fragmentation or on allocations the
+    analysis does not count (a GLM-5-geometry decode step on an H100: 0.29 GiB analysed,
+    4.50 GiB asked for; RESULTS.md), and is then reported by ``_step_memory_error`` with
+    what was measured here (``step_memory``, also in the run's summary)."""
     free = {}
     for d in local_devices(self.mesh):
       stats = memory_stats(d)
