@@ -56,6 +56,43 @@ def test_a_pool_the_device_cannot_allocate_is_a_config_error(monkeypatch):
   assert "allocation summary" not in str(e.value)  # the first line only
 
 
+_PARAMS_OOM = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.50GiB with "
+               "allocator GPU_0_bfc on device 0.\nCurrent allocation summary follows.")
+
+
+@pytest.mark.parametrize("where", ["drawn", "waited_for"])
+def test_parameters_the_device_cannot_hold_beside_the_pools_are_a_config_error(
+    monkeypatch, where):
+  # Drawing the parameters is dispatched ahead: the engine waits for them, so a device
+  # out of memory while they are drawn or once they run is reported there, naming the
+  # pools, not at the first decode step that reads them.
+  from flax import nnx
+  if where == "drawn":
+    model, calls = tfm.Transformer.__init__, []
+
+    def draw(self, *args, **kwargs):  # the first (the engine's) draw fails
+      calls.append(1)
+      if len(calls) == 1:
+        raise jax.errors.JaxRuntimeError(_PARAMS_OOM)
+      model(self, *args, **kwargs)
+
+    monkeypatch.setattr(tfm.Transformer, "__init__", draw)
+  else:
+    ready = jax.block_until_ready
+
+    def block(tree):
+      if isinstance(tree, nnx.State) and "embed" in tree:
+        raise jax.errors.JaxRuntimeError(_PARAMS_OOM)
+      return ready(tree)
+
+    monkeypatch.setattr(jax, "block_until_ready", block)
+  with pytest.raises(ConfigError, match=r"memory\.device_pool=64, memory\.host_pool=256: "
+                     r"model='tiny''s parameters \(\d+\.\d\d GiB\) did not fit beside "
+                     r"memory\.system='ula''s pools \(RESOURCE_EXHAUSTED: Out of memory "
+                     r"while trying to allocate 4\.50GiB[^\n]*\); lower memory\.device_pool"):
+    _engine(ULA)
+
+
 def test_other_runtime_errors_pass_through(monkeypatch):
   def broken(self, mesh):
     raise jax.errors.JaxRuntimeError("INTERNAL: something else")
@@ -121,10 +158,15 @@ def test_a_decode_step_that_cannot_fit_stops_the_run_before_any_prefill(monkeypa
   The device's memory statistics are given here (a GPU's); CPU has none and skips it."""
   from ula_jax.engine import engine as engine_module
 
-  engine = _engine(ULA)
+  # Four rows and chunks of 4 positions: the decode step's working memory is the larger
+  # (with one row and the default chunk the prefill's is, below).
+  engine = _engine(ULA + ["engine.prefill_chunk=4", "engine.max_batch=4"])
   need = engine.lower_step("decode").compile().memory_analysis()
-  need = (need.temp_size_in_bytes + need.output_size_in_bytes - need.alias_size_in_bytes)
-  assert need > 0
+  need = (need.temp_size_in_bytes
+          + max(need.output_size_in_bytes - need.alias_size_in_bytes, 0))
+  prefill = engine.lower_step("prefill").compile().memory_analysis()
+  assert need > prefill.temp_size_in_bytes + max(
+      prefill.output_size_in_bytes - prefill.alias_size_in_bytes, 0) > 0
   limit = 79 * 2**30
   monkeypatch.setattr(engine_module, "memory_stats",
                       lambda device: {"bytes_in_use": limit - need + 1, "bytes_limit": limit})
@@ -135,12 +177,12 @@ def test_a_decode_step_that_cannot_fit_stops_the_run_before_any_prefill(monkeypa
       r"pools, parameters and state, and device \d+ has \d+\.\d\d [MG]iB free \(79\.00 of "
       r"79\.00 GiB in use\); lower memory\.device_pool by at least 0\.00 MiB \(or "
       r"memory\.host_pool=256, whose tokens' indexer keys live on the device\), or "
-      r"engine\.max_batch=1, whose rows")):
+      r"engine\.max_batch=4, whose rows")):
     engine.run(list(requests))
   assert not hasattr(engine, "run_state")  # stopped before its requests were taken in
 
-  # Another step (two rows, not one), so that nothing of the first engine's is reused.
-  engine = _engine(ULA + ["engine.max_batch=2"])
+  # Another step (five rows, not four), so that nothing of the first engine's is reused.
+  engine = _engine(ULA + ["engine.prefill_chunk=4", "engine.max_batch=5"])
   monkeypatch.setattr(engine_module, "memory_stats",
                       lambda device: {"bytes_in_use": 0, "bytes_limit": limit})
   result = engine.run(list(requests))
@@ -153,9 +195,40 @@ def test_a_decode_step_that_cannot_fit_stops_the_run_before_any_prefill(monkeypa
   assert checked["need_bytes"] == checked["temp_bytes"] + checked["new_output_bytes"] > 0
   assert checked["in_use_at_first_decode_bytes"] == 0  # as given
   assert checked["prefill_temp_bytes"] > 0
-  # The prefill's program is the first engine's (one row or two): compiled there, and here
+  # The prefill's program is the first engine's (four rows or five): compiled there, and here
   # read from the persistent cache or reused, at most once.
   assert log.programs["prefill"] + log.cached["prefill"] <= 1, (log.programs, log.cached)
+
+
+def test_a_prefill_chunk_that_cannot_fit_stops_the_run_before_any_prefill(monkeypatch):
+  """The prefill chunk's program is checked as the decode step's is: with room for the
+  decode step's working memory and not for a chunk's, the ConfigError names the prefill
+  step and the fields that size a chunk (a GLM-5-geometry synthetic chunk on an H100 with
+  a 52 GiB pool: 2.95 GiB asked with 2.38 GiB free; RESULTS.md)."""
+  from ula_jax.engine import engine as engine_module
+
+  engine = _engine(ULA)
+
+  def need(step):
+    a = engine.lower_step(step).compile().memory_analysis()
+    return a.temp_size_in_bytes + max(a.output_size_in_bytes - a.alias_size_in_bytes, 0)
+
+  decode, prefill = need("decode"), need("prefill")
+  assert prefill > decode > 0, (prefill, decode)  # a chunk of 8 positions against one row
+  limit = 79 * 2**30
+  monkeypatch.setattr(engine_module, "memory_stats", lambda device: {
+      "bytes_in_use": limit - prefill + 1, "bytes_limit": limit})
+  requests = make_requests(num=1, seed=0, prompt=(5, 9), output=(2, 3))
+  with pytest.raises(ConfigError, match=(
+      r"memory\.device_pool=64: the prefill step needs \d+\.\d\d [MG]iB of working memory "
+      r"\(\d+\.\d\d [MG]iB of temporaries, \d+\.\d\d [MG]iB of new outputs\) beside the "
+      r"pools, parameters and state, .*; lower memory\.device_pool by at least 0\.00 MiB "
+      r"\(or memory\.host_pool=256, whose tokens' indexer keys live on the device\), or "
+      r"engine\.prefill_chunk=\d+ or engine\.prefill_scratch=")):
+    engine.run(list(requests))
+  assert not hasattr(engine, "run_state")
+  assert engine.step_memory["prefill_need_bytes"] == prefill
+  assert engine.step_memory["need_bytes"] == decode
 
 
 def test_no_decode_program_is_compiled_ahead_without_memory_statistics():

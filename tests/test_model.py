@@ -107,6 +107,31 @@ def test_traced_construction_draws_the_same_params(monkeypatch, host_draw_max):
   assert _same(nnx.state(tfm.Transformer(one)), traced)
 
 
+class _Piece(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.w = nnx.Param(jax.random.normal(rngs.params(), (256, 1024), jnp.float32))  # 1 MiB
+
+
+def test_stacking_holds_one_module_beside_the_stack_and_draws_the_same_values():
+  n, live = 6, []
+
+  def make(rngs):
+    live.append(sum(x.nbytes for x in jax.live_arrays()))
+    return _Piece(rngs)
+
+  rngs = nnx.Rngs(3)
+  stacked = tfm._stacked(lambda: make(rngs), n)
+  ref_rngs = nnx.Rngs(3)
+  ref = jnp.stack([_Piece(ref_rngs).w[...] for _ in range(n)])
+  assert stacked.w[...].shape == (n, 256, 1024)
+  np.testing.assert_array_equal(np.asarray(stacked.w[...]), np.asarray(ref))
+  # From the second draw on, what is held is the stack and nothing that grows with the
+  # pieces drawn so far (stacking n finished pieces held i of them at draw i).
+  assert live[-1] == live[1], live
+  traced = jax.jit(lambda: nnx.state(tfm._stacked(lambda: _Piece(nnx.Rngs(3)), n)))()
+  assert traced["w"][...].shape == (n, 256, 1024)
+
+
 def test_rope_depends_on_relative_position(rng):
   q = jnp.asarray(rng.standard_normal(16), jnp.float32)
   k = jnp.asarray(rng.standard_normal(16), jnp.float32)

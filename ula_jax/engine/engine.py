@@ -389,22 +389,18 @@ class Engine:
     self.pools_time_s = time.perf_counter() - t_pools
     # Where the MTP block's parameters (the drafts) came from; the run summary states it.
     self.mtp_weights = "param_seed"
-    if cfg.model.checkpoint is None:
-      model = tfm.Transformer(cfg.model, rngs=nnx.Rngs(cfg.model.param_seed))
-    else:  # trained parameters (model.checkpoint); orbax is imported only then
-      from ula_jax.models.checkpoint import load_model, mtp_saved
-      model = load_model(cfg.model)
-      self.mtp_weights = "checkpoint" if mtp_saved(cfg.model.checkpoint) else "param_seed"
-      if self.mtp_weights != "checkpoint" and self.num_draft and jax.process_index() == 0:
-        logging.getLogger(__name__).warning(
-            "warning: model.checkpoint=%r has no MTP weights; the draft block is drawn from "
-            "model.param_seed (the tokens are the same, fewer drafts are accepted)",
-            cfg.model.checkpoint)
-    self.projections = projections_impl(cfg.kernels.projections, platform, interpret)
-    model.use_projections(self.projections, interpret)
-    self.graphdef, params = nnx.split(model)
-    replicated = NamedSharding(mesh, P())
-    self.params = jax.tree.map(lambda x: global_array(x, replicated), params)
+    try:
+      model = self._make_model(platform, interpret)
+      self.graphdef, params = nnx.split(model)
+      replicated = NamedSharding(mesh, P())
+      # Drawing the parameters is dispatched ahead: waiting here reports a device out of
+      # memory where it happened, not at the first program that reads them.
+      self.params = jax.block_until_ready(
+          jax.tree.map(lambda x: global_array(x, replicated), params))
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      raise self._params_error(e) from e
     self._check_fetch_fits(state)
     self._state_specs = self.mem.state_specs(state)
     # engine.pack_state: the state's small leaves travel between steps in a few buffers.
@@ -432,6 +428,37 @@ class Engine:
           f"({str(e).splitlines()[0][:300]}); lower memory.device_pool or "
           "memory.host_pool (its tokens' indexer keys live on the device), or "
           "mesh.gpu_memory_fraction where the device has more to give"]) from e
+
+  def _make_model(self, platform: str, interpret: bool | None) -> tfm.Transformer:
+    """The model: parameters drawn from ``model.param_seed`` or restored from
+    ``model.checkpoint``, products set by ``kernels.projections``."""
+    cfg = self.cfg
+    if cfg.model.checkpoint is None:
+      model = tfm.Transformer(cfg.model, rngs=nnx.Rngs(cfg.model.param_seed))
+    else:  # trained parameters (model.checkpoint); orbax is imported only then
+      from ula_jax.models.checkpoint import load_model, mtp_saved
+      model = load_model(cfg.model)
+      self.mtp_weights = "checkpoint" if mtp_saved(cfg.model.checkpoint) else "param_seed"
+      if self.mtp_weights != "checkpoint" and self.num_draft and jax.process_index() == 0:
+        logging.getLogger(__name__).warning(
+            "warning: model.checkpoint=%r has no MTP weights; the draft block is drawn from "
+            "model.param_seed (the tokens are the same, fewer drafts are accepted)",
+            cfg.model.checkpoint)
+    self.projections = projections_impl(cfg.kernels.projections, platform, interpret)
+    model.use_projections(self.projections, interpret)
+    return model
+
+  def _params_error(self, e: Exception) -> ConfigError:
+    """A device out of memory while the parameters were drawn or restored, beside the
+    pools made before them, as a ConfigError naming the pool fields."""
+    cfg, mc = self.cfg, self.cfg.memory
+    need = tfm.param_bytes(cfg.model) / 2**30
+    return ConfigError([
+        f"memory.device_pool={mc.device_pool!r}, memory.host_pool={mc.host_pool!r}: "
+        f"model={cfg.model.preset!r}'s parameters ({need:.2f} GiB) did not fit beside "
+        f"memory.system={mc.system!r}'s pools ({str(e).splitlines()[0][:300]}); lower "
+        "memory.device_pool or memory.host_pool (its tokens' indexer keys live on the "
+        "device)"])
 
   def _step_memory_error(self, e: Exception) -> ConfigError:
     """A step program the device had no memory for (a ``RESOURCE_EXHAUSTED`` error while
@@ -465,18 +492,18 @@ class Engine:
         "with"])
 
   def check_step_memory(self) -> None:
-    """A ConfigError before anything is served where the first decode program's working
-    memory does not fit beside what each local device already holds (pools, parameters,
-    state, workspace): the program is compiled ahead, as its first step would compile it
-    (that step then runs it: nothing compiles twice), and its ``memory_analysis`` -
-    temporaries, and outputs not aliased to a donated input - is set against the device's
-    free bytes (``bytes_limit - bytes_in_use``). Such a step would fail with
-    ``RESOURCE_EXHAUSTED`` only after the prompts' prefill. Nothing is checked where the
-    backend reports no memory statistics (CPU) or XLA no analysis. The analysis is a lower
-    bound: a step that passes can still run out, on fragmentation or on allocations the
-    analysis does not count (a GLM-5-geometry decode step on an H100: 0.29 GiB analysed,
-    4.50 GiB asked for; RESULTS.md), and is then reported by ``_step_memory_error`` with
-    what was measured here (``step_memory``, also in the run's summary)."""
+    """A ConfigError before anything is served where the first decode program's or a
+    prefill chunk's working memory does not fit beside what each local device already
+    holds (pools, parameters, state, workspace): both programs are compiled ahead, as the
+    first steps would compile them (those steps then run them: nothing compiles twice),
+    and each one's ``memory_analysis`` - temporaries, and outputs not aliased to a donated
+    input - is set against the device's free bytes (``bytes_limit - bytes_in_use``). Such
+    a step would otherwise fail with ``RESOURCE_EXHAUSTED`` once requests are taken in.
+    Nothing is checked where the backend reports no memory statistics (CPU) or XLA no
+    analysis. The analysis is a lower bound: a step that passes can still run out, on
+    fragmentation or on allocations the analysis does not count, and is then reported by
+    ``_step_memory_error`` with what was measured here (``step_memory``, also in the run's
+    summary)."""
     free = {}
     for d in local_devices(self.mesh):
       stats = memory_stats(d)
@@ -486,36 +513,48 @@ class Engine:
       return
     kind = ("verify" if self._verify is not None
             else "speculate" if self._speculate is not None else "decode")
-    analysis = self.lower_step(kind).compile().memory_analysis()
-    if analysis is None:
+    needs = {}  # step -> (temporaries, outputs not aliased to a donated input)
+    for step in (kind, "prefill"):
+      analysis = self.lower_step(step).compile().memory_analysis()
+      if analysis is None:
+        continue
+      outputs = int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes)
+      needs[step] = (int(analysis.temp_size_in_bytes), max(outputs, 0))
+    if kind not in needs:
       return
-    temp = int(analysis.temp_size_in_bytes)
-    outputs = int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes)
-    need = temp + max(outputs, 0)
     device, (room, stats) = min(free.items(), key=lambda item: item[1][0])
-    self.step_memory = {"step": kind, "need_bytes": need, "temp_bytes": temp,
-                        "new_output_bytes": max(outputs, 0), "free_bytes": int(room),
+    temp, outputs = needs[kind]
+    self.step_memory = {"step": kind, "need_bytes": temp + outputs, "temp_bytes": temp,
+                        "new_output_bytes": outputs, "free_bytes": int(room),
                         "in_use_bytes": int(stats["bytes_in_use"]),
                         "limit_bytes": int(stats["bytes_limit"])}
-    # For the record: a prefill chunk's temporaries (the program the run compiles first;
-    # the first prefill then runs this one).
-    prefill = self.lower_step("prefill").compile().memory_analysis()
-    if prefill is not None:
-      self.step_memory["prefill_temp_bytes"] = int(prefill.temp_size_in_bytes)
+    if "prefill" in needs:
+      self.step_memory["prefill_temp_bytes"] = needs["prefill"][0]
+      self.step_memory["prefill_need_bytes"] = sum(needs["prefill"])
+    step, (temp, outputs) = max(needs.items(), key=lambda item: sum(item[1]))
+    need = temp + outputs
     if need <= room:
       return
     gib = lambda n: f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
-    mc = self.cfg.memory
+    mc, ec = self.cfg.memory, self.cfg.engine
+    if step != "prefill":
+      grows = (f"engine.max_batch={self.max_batch}, whose rows the step's working memory "
+               "grows with")
+    elif self.synthetic:  # its chunk is sized by bytes (synthetic_prefill.chunk_len)
+      grows = None
+    else:
+      grows = (f"engine.prefill_chunk={ec.prefill_chunk} or "
+               f"engine.prefill_scratch={ec.prefill_scratch!r}, which size a chunk's "
+               "working memory")
     raise ConfigError([
-        f"memory.device_pool={mc.device_pool!r}: the {kind} step needs {gib(need)} of "
-        f"working memory ({gib(temp)} of temporaries, {gib(max(outputs, 0))} of new "
+        f"memory.device_pool={mc.device_pool!r}: the {step} step needs {gib(need)} of "
+        f"working memory ({gib(temp)} of temporaries, {gib(outputs)} of new "
         f"outputs) beside the pools, parameters and state, and device {device.id} has "
         f"{gib(room)} free ({stats['bytes_in_use'] / 2**30:.2f} of "
         f"{stats['bytes_limit'] / 2**30:.2f} GiB in use); lower memory.device_pool by at "
         f"least {gib(need - room)} (or "
         f"memory.host_pool={mc.host_pool!r}, whose tokens' indexer keys live on the "
-        f"device), or engine.max_batch={self.max_batch}, whose rows the step's working "
-        "memory grows with"])
+        f"device)" + (f", or {grows}" if grows else "")])
 
   def _check_fetch_fits(self, state: Any) -> None:
     """``kernels.fetch: auto`` decided again where the Pallas row copy it chose cannot

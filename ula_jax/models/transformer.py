@@ -138,12 +138,38 @@ def _runs(dense: tuple[bool, ...]) -> list[tuple[bool, int]]:
   return out
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _stack_first(first: Any, n: int) -> Any:
+  """[n, ...] arrays holding ``first``'s leaves at index 0 (the rest zeros)."""
+  return jax.tree.map(lambda x: jnp.zeros((n, *x.shape), x.dtype).at[0].set(x), first)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _stack_put(stacked: Any, piece: Any, i: jax.Array) -> Any:
+  """``stacked`` with ``piece``'s leaves written at index ``i``, in place."""
+  return jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, i, 0),
+                      stacked, piece)
+
+
 def _stacked(make: Callable[[], nnx.Module], n: int) -> nnx.Module:
   """``make()`` called ``n`` times, as one module whose every parameter has a leading
-  ``[n]`` axis."""
-  mods = [make() for _ in range(n)]
-  nnx.update(mods[0], jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(m) for m in mods]))
-  return mods[0]
+  ``[n]`` axis.
+
+  Each module's parameters are written into the stacked arrays as soon as they are
+  drawn, and the next module is drawn only after that write has run: at most the stacked
+  arrays and one module's parameters are held at once. (Stacking ``n`` finished modules
+  holds every piece beside the result: GLM-5's 72 stacked query projections need 4.5 GiB
+  of pieces beside their 4.5 GiB stack, on top of the pools made before the parameters.)
+  The values are those of drawing all ``n`` and stacking them."""
+  first = make()
+  stacked = _stack_first(nnx.state(first), n)
+  concrete = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(stacked))
+  for i in range(1, n):
+    stacked = _stack_put(stacked, nnx.state(make()), jnp.int32(i))
+    if concrete:  # the piece is freed before the next one is drawn
+      stacked = jax.block_until_ready(stacked)
+  nnx.update(first, stacked)
+  return first
 
 
 @dataclasses.dataclass(frozen=True)
