@@ -173,11 +173,13 @@ def test_traced_indices_match_python_ints_and_reference(policy, rng):
   back = (table_before < Sd) & (table_mid >= Sd) & (table_after >= 0) & (table_after < Sd)
   assert back[:, [0, 1, 2, 8, 9, 10]].any(axis=1).all()
   assert totals["misses"] > 3 * G
-  # Pools: the flat [L * Sd] / [L * Hr] arrays hold the reference's rows layer by layer.
-  dev, host, Hr = np.asarray(state.dev_pool), np.asarray(state.host_pool), s.host_rows
+  # Pools: the flat [L * Sd] / [L * Hr] arrays hold the reference's rows (the host pool
+  # in its memory.host_layout, rows from host_row).
+  dev, host = np.asarray(state.dev_pool), np.asarray(state.host_pool)
   for l in range(GEO.num_layers):
     np.testing.assert_array_equal(dev[l * Sd:(l + 1) * Sd], ref.dev_pools[l])
-    np.testing.assert_array_equal(host[l * Hr:l * Hr + s.host_slots], ref.host_pools[l])
+    np.testing.assert_array_equal(host[np.asarray(s.host_row(l, jnp.arange(s.host_slots)))],
+                                  ref.host_pools[l])
   assert state.host_pool.sharding.memory_kind == "pinned_host"
 
 

@@ -409,7 +409,10 @@ def check_tp_lanes(system: UlaTP, scripts, xs: dict, ys, tally: Tally) -> None:
             for key, v in grp.policy.describe().items():
               same(view[key], v, f"{at} rank {r} group {g}: policy {key}")
           same(rk.dev_pool, np.concatenate(store.dev_pools), f"{at} rank {r}: device pool")
-          same(rk.host_pool, np.concatenate(store.host_pools), f"{at} rank {r}: host pool")
+          pools = store.host_pools  # [Hr, W] a layer, in the rank's host layout
+          want = (np.stack(pools, axis=1).reshape(-1, pools[0].shape[-1])
+                  if u.host_layout == "entry_major" else np.concatenate(pools))
+          same(rk.host_pool, want, f"{at} rank {r}: host pool")
         else:
           live = np.zeros((geo.num_groups, C), bool)
           for g, addrs in enumerate(ref.live[r]):

@@ -69,8 +69,8 @@ def test_booleans_still_set_boolean_fields():
     (["memory.system=far_tier", "memory.layout=block"],
      r"memory.layout='block' is not used by memory.system='far_tier'"),
     (["memory.local_buffer=64"], r"memory.local_buffer=64 is not used by memory.system='resident'"),
-    (["memory.system=hisparse", "memory.host_layout=entry_major"],
-     r"memory.host_layout='entry_major' is not used by memory.system='hisparse' \(only by ula\)"),
+    (["memory.system=hisparse", "memory.host_layout=layer_major"],
+     r"memory.host_layout='layer_major' is not used by memory.system='hisparse' \(only by ula\)"),
     (["memory={system: resident, host_pool: 8}"], r"memory.host_pool=8 is not used"),
 ])
 def test_a_field_the_system_does_not_read_is_an_error(overrides, match):

@@ -3,7 +3,9 @@
 // the same run (CUDA events, R copies back to back, best of --reps):
 //
 //   sm     the FFI custom call's kernel (16-byte units, threads across row boundaries,
-//          four loads in flight a thread): what kernels.fetch=pallas|ffi do
+//          four loads in flight a thread, 64-bit unit counter and division)
+//   sm32   the same with a 32-bit unit counter and division (the division sits before
+//          every load; on an H100 it made no difference)
 //   tma    the Hopper bulk-copy unit (cp.async.bulk): each lane of a warp moves one row
 //          host -> shared -> device (or the reverse) with one bulk read and one bulk
 //          write of the whole row; indices read on the device, as in a step
@@ -51,20 +53,23 @@ constexpr int kRow = 656;
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 
+// Count: the type of the unit counter and of its division into (row, column): int64_t as
+// the FFI kernel has it, or uint32_t.
+template <typename Count>
 __global__ void SmCopy(const uint4* __restrict__ src, uint4* __restrict__ out,
                        const int32_t* __restrict__ src_idx, const int32_t* __restrict__ dst_idx,
-                       int64_t num_units, int64_t upr) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads * kUnroll;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x;
+                       Count num_units, Count upr) {
+  const Count stride = static_cast<Count>(gridDim.x) * kThreads * kUnroll;
+  for (Count base = static_cast<Count>(blockIdx.x) * kThreads * kUnroll + threadIdx.x;
        base < num_units; base += stride) {
     uint4 v[kUnroll];
     int64_t to[kUnroll];
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
-      const int64_t u = base + static_cast<int64_t>(j) * kThreads;
+      const Count u = base + static_cast<Count>(j) * kThreads;
       to[j] = -1;
       if (u < num_units) {
-        const int64_t row = u / upr, col = u - row * upr;
+        const Count row = u / upr, col = u - row * upr;
         v[j] = src[static_cast<int64_t>(src_idx[row]) * upr + col];
         to[j] = static_cast<int64_t>(dst_idx[row]) * upr + col;
       }
@@ -75,12 +80,14 @@ __global__ void SmCopy(const uint4* __restrict__ src, uint4* __restrict__ out,
   }
 }
 
+template <typename Count>
 void LaunchSm(const void* src, void* dst, const int32_t* si, const int32_t* di, int n,
               cudaStream_t s) {
   const int64_t upr = kRow / 16, units = static_cast<int64_t>(n) * upr;
   int64_t blocks = (units + kThreads * kUnroll - 1) / (kThreads * kUnroll);
-  SmCopy<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
-      static_cast<const uint4*>(src), static_cast<uint4*>(dst), si, di, units, upr);
+  SmCopy<Count><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
+      static_cast<const uint4*>(src), static_cast<uint4*>(dst), si, di,
+      static_cast<Count>(units), static_cast<Count>(upr));
 }
 
 // Row i of out = rows[idx[i]] (device or mapped host rows; the check's reader).
@@ -350,9 +357,10 @@ int main(int argc, char** argv) {
           batches.push_back(h2d ? MakeBatch(pool.p, dev_pool, a, b)
                                 : MakeBatch(dev_pool, pool.p, b, a));
         }
-        const char* paths[] = {"memcpy", "sm", "tma", "batch"};
-        std::vector<std::vector<double>> times(4);
-        std::vector<std::string> ok(4, "-");
+        const char* paths[] = {"memcpy", "sm", "tma", "batch", "sm32"};
+        constexpr int kPaths = 5;
+        std::vector<std::vector<double>> times(kPaths);
+        std::vector<std::string> ok(kPaths, "-");
         auto issue = [&](int path, int c) -> cudaError_t {
           const int l = fresh ? c : 0;
           const int32_t* shi = d_hi + static_cast<int64_t>(l) * n;
@@ -364,8 +372,12 @@ int main(int argc, char** argv) {
                          : cudaMemcpyAsync(host_contig, dev_contig, n * kRow,
                                            cudaMemcpyDeviceToHost, s);
             case 1:
-              if (h2d) LaunchSm(pool.p, dev_pool, shi, sdi, n, s);
-              else LaunchSm(dev_pool, pool.p, sdi, shi, n, s);
+              if (h2d) LaunchSm<int64_t>(pool.p, dev_pool, shi, sdi, n, s);
+              else LaunchSm<int64_t>(dev_pool, pool.p, sdi, shi, n, s);
+              return cudaGetLastError();
+            case 4:
+              if (h2d) LaunchSm<uint32_t>(pool.p, dev_pool, shi, sdi, n, s);
+              else LaunchSm<uint32_t>(dev_pool, pool.p, sdi, shi, n, s);
               return cudaGetLastError();
             case 2:
               if (h2d) LaunchTma(pool.p, dev_pool, shi, sdi, n, s);
@@ -375,7 +387,7 @@ int main(int argc, char** argv) {
               return RunBatch(batches[l], h2d, s);
           }
         };
-        std::vector<bool> usable(4, true);
+        std::vector<bool> usable(kPaths, true);
         std::vector<char> dev_copy;
         if (!h2d) {
           GatherRows<<<1024, 256, 0, s>>>(dev_pool, d_di, d_check, static_cast<int64_t>(di.size()));
@@ -384,7 +396,7 @@ int main(int argc, char** argv) {
           CK(cudaStreamSynchronize(s));
         }
         // Check each path once: poison the destination rows, copy every list, compare.
-        for (int path = 1; path < 4; ++path) {
+        for (int path = 1; path < kPaths; ++path) {
           if (h2d) CK(cudaMemsetAsync(dev_pool, 0xAB, dev_rows * kRow, s));
           else
             for (int32_t h : hi) std::memset(pool.p + static_cast<int64_t>(h) * kRow, 0xAB, kRow);
@@ -425,7 +437,7 @@ int main(int argc, char** argv) {
         }
         // Time: rounds of (every path in turn), each path `copies` copies back to back.
         for (int rep = 0; rep < reps + 1; ++rep) {
-          for (int path = 0; path < 4; ++path) {
+          for (int path = 0; path < kPaths; ++path) {
             if (!usable[path]) continue;
             CK(cudaStreamSynchronize(s));
             CK(cudaEventRecord(e0, s));
@@ -439,7 +451,7 @@ int main(int argc, char** argv) {
         }
         const double mem_best = *std::min_element(times[0].begin(), times[0].end());
         const double mem_med = Median(times[0]);
-        for (int path = 0; path < 4; ++path) {
+        for (int path = 0; path < kPaths; ++path) {
           if (!usable[path]) {
             std::printf("%-20s %-6s %6d %-6s %10s %10s %9s %9s %s\n", pool.kind.c_str(),
                         h2d ? "fetch" : "evict", n, paths[path], "-", "-", "-", "-", ok[path].c_str());

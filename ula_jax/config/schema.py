@@ -154,11 +154,11 @@ class MemoryConfig(Section):
       "bucket): exact LRU order is kept between slots touched at most this many rounds "
       "apart; older ones are equally cold")
   host_layout: Literal["layer_major", "entry_major"] = Field(
-      "layer_major", description="ula's host pool rows (in TP mode each rank's host "
-      "pool's): layer_major puts layer l's host slot h at row l * Hr + h (a region per "
-      "layer), entry_major at row h * L + l (an entry's rows of every layer side by side, "
-      "so a group's fetch or write-back of one entry reads or writes one stretch of host "
-      "memory, not one per layer)")
+      "entry_major", description="ula's host pool rows (in TP mode each rank's host "
+      "pool's): entry_major puts layer l's host slot h at row h * L + l (an entry's rows "
+      "of every layer side by side, so a group's fetch or write-back of one entry reads "
+      "or writes one stretch of host memory, not one per layer), layer_major at row "
+      "l * Hr + h (a region per layer)")
   layout: Literal["mod", "block", "request", "replicated"] = Field(
       "mod", description="ula TP layout of a request's entries over tp ranks: position mod P, "
       "contiguous blocks, one owner per request, or a full copy per rank")

@@ -13,8 +13,9 @@ Each dp rank serves its own requests from its own memory. Per layer group it kee
 
 State is stacked (``state.py``): one device pool ``[L * Sd, W]`` (memory kind ``device``)
 and one host pool ``[L * Hr, W]`` (memory kind ``pinned_host``) over all layers, layer
-``l``'s slot ``s`` at row ``l * Sd + s`` (host slot ``h`` at ``l * Hr + h``, or at
-``h * L + l`` with ``memory.host_layout = 'entry_major'``: ``host_row``; ``Hr =
+``l``'s slot ``s`` at row ``l * Sd + s`` (host slot ``h`` at ``h * L + l`` with
+``memory.host_layout = 'entry_major'``, the default, or at ``l * Hr + h`` with
+``'layer_major'``: ``host_row``; ``Hr =
 max(Sh, 1)``: an empty host tier keeps one unused row per layer so every gather has a
 shape), and one ``GroupMeta`` whose leaves have a leading group axis ``[G, ...]``. The
 layers of a group store an entry at the same slot. ``group`` and ``layer`` may be traced
