@@ -228,3 +228,36 @@ def test_bad_value_names_the_field():
   assert load_config(BASE, []).workload.prefill == "compute"
   with pytest.raises(ValueError, match=r"workload.seed=-1: must be >= 0"):
     sp.synthetic_chunk(_geo(), -1, jnp.int32(0), jnp.int32(0), 1)
+
+
+def test_a_synthetic_chunk_that_does_not_fit_is_halved_and_the_tokens_stay(monkeypatch, caplog):
+  """On a GPU the step-memory check sets each program's working memory against the free
+  bytes (given here): a synthetic chunk, sized by bytes and not by the user, is halved
+  until it fits (down to engine.prefill_chunk), and the run decodes the same tokens."""
+  from ula_jax.engine import engine as engine_module
+  overrides = ["mesh.dp=1", "engine.max_batch=2", "engine.prefill_chunk=8"]
+  requests = list(_requests())[:3]
+  want = _tokens(_engine(overrides).run(requests))
+
+  engine = _engine(overrides)
+  chunk = engine.chunk
+
+  def need(step):
+    a = engine.lower_step(step).compile().memory_analysis()
+    return a.temp_size_in_bytes + max(a.output_size_in_bytes - a.alias_size_in_bytes, 0)
+
+  decode, prefill = need("decode"), need("prefill")
+  engine.chunk = chunk // 2
+  half = need("prefill")
+  engine.chunk = chunk
+  assert chunk // 2 >= 8 and max(decode, half) < prefill, (decode, half, prefill)
+  limit = 79 * 2**30
+  monkeypatch.setattr(engine_module, "memory_stats", lambda device: {
+      "bytes_in_use": limit - max(decode, half), "bytes_limit": limit})
+  with caplog.at_level(logging.WARNING):
+    result = engine.run(requests)
+  assert engine.chunk == chunk // 2
+  assert result.summary["prefill_chunk"] == chunk // 2
+  assert result.summary["step_memory"]["prefill_need_bytes"] == half
+  assert f"chunks of {chunk // 2} positions are used" in caplog.text
+  assert _tokens(result) == want

@@ -513,16 +513,33 @@ class Engine:
       return
     kind = ("verify" if self._verify is not None
             else "speculate" if self._speculate is not None else "decode")
-    needs = {}  # step -> (temporaries, outputs not aliased to a donated input)
-    for step in (kind, "prefill"):
+    device, (room, stats) = min(free.items(), key=lambda item: item[1][0])
+
+    def need(step):  # (temporaries, outputs not aliased to a donated input), or None
       analysis = self.lower_step(step).compile().memory_analysis()
       if analysis is None:
-        continue
+        return None
       outputs = int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes)
-      needs[step] = (int(analysis.temp_size_in_bytes), max(outputs, 0))
+      return int(analysis.temp_size_in_bytes), max(outputs, 0)
+
+    needs = {step: n for step in (kind, "prefill") if (n := need(step)) is not None}
     if kind not in needs:
       return
-    device, (room, stats) = min(free.items(), key=lambda item: item[1][0])
+    # A synthetic chunk is sized by bytes (``synthetic_prefill.chunk_len``), not by the
+    # user: where it does not fit beside the pools, it is halved (down to
+    # engine.prefill_chunk). Its entries depend on the positions only, so the tokens stay.
+    # (One process only: every process must run chunks of one size.)
+    floor, chunk = min(self.cfg.engine.prefill_chunk, self.max_context), self.chunk
+    while (self.synthetic and jax.process_count() == 1 and "prefill" in needs
+           and sum(needs["prefill"]) > room and self.chunk // 2 >= floor):
+      self.chunk //= 2
+      if (n := need("prefill")) is None:
+        break
+      needs["prefill"] = n
+    if self.chunk != chunk and jax.process_index() == 0:
+      logging.getLogger(__name__).warning(
+          "warning: the synthetic prefill chunk of %d positions did not fit beside the "
+          "pools; chunks of %d positions are used", chunk, self.chunk)
     temp, outputs = needs[kind]
     self.step_memory = {"step": kind, "need_bytes": temp + outputs, "temp_bytes": temp,
                         "new_output_bytes": outputs, "free_bytes": int(room),
