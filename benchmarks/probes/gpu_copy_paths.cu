@@ -2,10 +2,8 @@
 // pinned host pool and a device pool, each against a memcpy of the same bytes, timed in
 // the same run (CUDA events, R copies back to back, best of --reps):
 //
-//   sm     the FFI custom call's kernel (16-byte units, threads across row boundaries,
-//          four loads in flight a thread, 64-bit unit counter and division)
-//   sm32   the same with a 32-bit unit counter and division (the division sits before
-//          every load; on an H100 it made no difference)
+//   sm     the FFI custom call's kernel itself (custom_calls/lib/cuda_kernels.cu: 16-byte
+//          units, threads across row boundaries, four loads in flight a thread)
 //   tma    the Hopper bulk-copy unit (cp.async.bulk): each lane of a warp moves one row
 //          host -> shared -> device (or the reverse) with one bulk read and one bulk
 //          write of the whole row; indices read on the device, as in a step
@@ -20,11 +18,14 @@
 //
 // Every path's result is checked row for row against the source after a poison fill.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90 -o copy_paths benchmarks/probes/gpu_copy_paths.cu
+//   nvcc -O3 -std=c++17 -arch=sm_90 -Icustom_calls/lib -o copy_paths \
+//       benchmarks/probes/gpu_copy_paths.cu custom_calls/lib/cuda_kernels.cu
 //   ./copy_paths [--rows 4096,16384,65536] [--copies 8] [--reps 5] [--big-gib 8]
 
 #include <cuda_runtime.h>
 #include <sys/mman.h>
+
+#include "cuda_kernels.h"
 
 #include <algorithm>
 #include <chrono>
@@ -49,45 +50,20 @@
 
 constexpr int kRow = 656;
 
-// --- sm: the FFI kernel's form ---------------------------------------------------------
-constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
-
-// Count: the type of the unit counter and of its division into (row, column): int64_t as
-// the FFI kernel has it, or uint32_t.
-template <typename Count>
-__global__ void SmCopy(const uint4* __restrict__ src, uint4* __restrict__ out,
-                       const int32_t* __restrict__ src_idx, const int32_t* __restrict__ dst_idx,
-                       Count num_units, Count upr) {
-  const Count stride = static_cast<Count>(gridDim.x) * kThreads * kUnroll;
-  for (Count base = static_cast<Count>(blockIdx.x) * kThreads * kUnroll + threadIdx.x;
-       base < num_units; base += stride) {
-    uint4 v[kUnroll];
-    int64_t to[kUnroll];
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const Count u = base + static_cast<Count>(j) * kThreads;
-      to[j] = -1;
-      if (u < num_units) {
-        const Count row = u / upr, col = u - row * upr;
-        v[j] = src[static_cast<int64_t>(src_idx[row]) * upr + col];
-        to[j] = static_cast<int64_t>(dst_idx[row]) * upr + col;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j)
-      if (to[j] >= 0) out[to[j]] = v[j];
-  }
-}
-
-template <typename Count>
-void LaunchSm(const void* src, void* dst, const int32_t* si, const int32_t* di, int n,
-              cudaStream_t s) {
-  const int64_t upr = kRow / 16, units = static_cast<int64_t>(n) * upr;
-  int64_t blocks = (units + kThreads * kUnroll - 1) / (kThreads * kUnroll);
-  SmCopy<Count><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
-      static_cast<const uint4*>(src), static_cast<uint4*>(dst), si, di,
-      static_cast<Count>(units), static_cast<Count>(upr));
+// --- sm: the FFI custom call's own kernel (custom_calls/lib/cuda_kernels.cu) -----------
+cudaError_t LaunchSm(const void* src, void* dst, const int32_t* si, const int32_t* di, int n,
+                     int64_t src_rows, int64_t dst_rows, cudaStream_t s) {
+  ula_jax_ffi::CopyRowsPlan p;
+  p.src = static_cast<const char*>(src);
+  p.out = static_cast<char*>(dst);
+  p.dst_in = p.out;  // in place, as XLA aliases them
+  p.src_idx = si;
+  p.dst_idx = di;
+  p.num_rows = n;
+  p.src_rows = src_rows;
+  p.dst_rows = dst_rows;
+  p.row_bytes = kRow;
+  return ula_jax_ffi::LaunchCopyRows(p, s);
 }
 
 // Row i of out = rows[idx[i]] (device or mapped host rows; the check's reader).
@@ -357,8 +333,8 @@ int main(int argc, char** argv) {
           batches.push_back(h2d ? MakeBatch(pool.p, dev_pool, a, b)
                                 : MakeBatch(dev_pool, pool.p, b, a));
         }
-        const char* paths[] = {"memcpy", "sm", "tma", "batch", "sm32"};
-        constexpr int kPaths = 5;
+        const char* paths[] = {"memcpy", "sm", "tma", "batch"};
+        constexpr int kPaths = 4;
         std::vector<std::vector<double>> times(kPaths);
         std::vector<std::string> ok(kPaths, "-");
         auto issue = [&](int path, int c) -> cudaError_t {
@@ -372,13 +348,8 @@ int main(int argc, char** argv) {
                          : cudaMemcpyAsync(host_contig, dev_contig, n * kRow,
                                            cudaMemcpyDeviceToHost, s);
             case 1:
-              if (h2d) LaunchSm<int64_t>(pool.p, dev_pool, shi, sdi, n, s);
-              else LaunchSm<int64_t>(dev_pool, pool.p, sdi, shi, n, s);
-              return cudaGetLastError();
-            case 4:
-              if (h2d) LaunchSm<uint32_t>(pool.p, dev_pool, shi, sdi, n, s);
-              else LaunchSm<uint32_t>(dev_pool, pool.p, sdi, shi, n, s);
-              return cudaGetLastError();
+              return h2d ? LaunchSm(pool.p, dev_pool, shi, sdi, n, pool.rows, dev_rows, s)
+                         : LaunchSm(dev_pool, pool.p, sdi, shi, n, dev_rows, pool.rows, s);
             case 2:
               if (h2d) LaunchTma(pool.p, dev_pool, shi, sdi, n, s);
               else LaunchTma(dev_pool, pool.p, sdi, shi, n, s);
