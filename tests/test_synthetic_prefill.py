@@ -241,11 +241,7 @@ def test_a_synthetic_chunk_that_does_not_fit_is_halved_and_the_tokens_stay(monke
 
   engine = _engine(overrides)
   chunk = engine.chunk
-
-  def need(step):
-    a = engine.lower_step(step).compile().memory_analysis()
-    return a.temp_size_in_bytes + max(a.output_size_in_bytes - a.alias_size_in_bytes, 0)
-
+  need = lambda step: sum(engine.working_memory(step))
   decode, prefill = need("decode"), need("prefill")
   engine.chunk = chunk // 2
   half = need("prefill")

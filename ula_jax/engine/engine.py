@@ -491,6 +491,16 @@ class Engine:
         f"engine.max_batch={self.max_batch}, whose rows the step's working memory grows "
         "with"])
 
+  def working_memory(self, step: str) -> tuple[int, int] | None:
+    """Step ``step``'s working memory by XLA's ``memory_analysis`` of its program
+    (``lower_step``, compiled): (temporaries, outputs not aliased to a donated input) in
+    bytes, or None where XLA gives no analysis."""
+    analysis = self.lower_step(step).compile().memory_analysis()
+    if analysis is None:
+      return None
+    outputs = int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes)
+    return int(analysis.temp_size_in_bytes), max(outputs, 0)
+
   def check_step_memory(self) -> None:
     """A ConfigError before anything is served where the first decode program's or a
     prefill chunk's working memory does not fit beside what each local device already
@@ -514,15 +524,8 @@ class Engine:
     kind = ("verify" if self._verify is not None
             else "speculate" if self._speculate is not None else "decode")
     device, (room, stats) = min(free.items(), key=lambda item: item[1][0])
-
-    def need(step):  # (temporaries, outputs not aliased to a donated input), or None
-      analysis = self.lower_step(step).compile().memory_analysis()
-      if analysis is None:
-        return None
-      outputs = int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes)
-      return int(analysis.temp_size_in_bytes), max(outputs, 0)
-
-    needs = {step: n for step in (kind, "prefill") if (n := need(step)) is not None}
+    needs = {step: n for step in (kind, "prefill")
+             if (n := self.working_memory(step)) is not None}
     if kind not in needs:
       return
     # A synthetic chunk is sized by bytes (``synthetic_prefill.chunk_len``), not by the
@@ -533,7 +536,7 @@ class Engine:
     while (self.synthetic and jax.process_count() == 1 and "prefill" in needs
            and sum(needs["prefill"]) > room and self.chunk // 2 >= floor):
       self.chunk //= 2
-      if (n := need("prefill")) is None:
+      if (n := self.working_memory("prefill")) is None:
         break
       needs["prefill"] = n
     if self.chunk != chunk and jax.process_index() == 0:
