@@ -26,7 +26,10 @@ TABLE_INPUTS = [f"results/h200/{f}" for f in (
     "bench_attention.json", "bench_attention_auto.json", "bench_attention_mosaic_issuers.json",
     "bench_fetch.json", "bench_resolve.json", "bench_resolve_fused.json",
     "prefill/prefill.json", "decode_ratios/fifth_run/resolve_r4.json",
-    "decode_ratios/fifth_run/resolve_r32.json", "decode_ratios/sixth_run/fetch.json")]
+    "decode_ratios/fifth_run/resolve_r32.json", "decode_ratios/sixth_run/fetch.json")] + [
+    f"results/h100/auto_table/{f}" for f in (
+        "attention.json", "attention_large.json", "fetch.json", "resolve_r32.json",
+        "resolve_r4.json")]
 
 
 def cfg_of(**sections):
@@ -284,7 +287,8 @@ def test_the_table_is_what_its_command_builds(monkeypatch, tmp_path, capsys):
   out = tmp_path / "table.json"
   assert kernels_table.main(["--out", str(out), *TABLE_INPUTS]) == 0
   assert auto.read_table(out) == auto.read_table(auto.TABLE_PATH)
-  assert "NVIDIA H200" in capsys.readouterr().out
+  printed = capsys.readouterr().out
+  assert "NVIDIA H200" in printed and "NVIDIA H100 80GB HBM3" in printed
   # --merge keeps the devices the inputs do not measure.
   other = {"format": auto.TABLE_FORMAT,
            "devices": {"Other GPU": {"fetch": {"ranking": ["pallas", "xla"]}}}}
