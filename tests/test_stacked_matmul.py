@@ -3,6 +3,8 @@ against the reference (slice, then product), in interpret mode on fresh random i
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,8 @@ from ula_jax.models.config import ModelConfig
 from ula_jax.models.layers import HeadRange
 from ula_jax.models.transformer import Transformer, _run_layers, group_segments
 from ula_jax.kernels.stacked_matmul.pallas import (MAX_ROWS, StackedMatmulConfig, blocks,
-                                                   fits, splits_for, stacked_matmul_pallas)
+                                                   fits, padded_rows, splits_for,
+                                                   stacked_matmul_pallas)
 
 SMALL = StackedMatmulConfig(block_k=32, block_n=64, programs=8)
 
@@ -102,6 +105,22 @@ def test_splits_give_about_the_programs_asked_for():
   assert splits_for(1024, 2048, 64, 128, 264, rows=64, max_partials=2.0) == 16
   assert splits_for(1024, 2048, 64, 128, 264, rows=64, max_partials=0.25) == 2
   assert splits_for(256, 1024, 64, 128, 264, rows=64, max_partials=0.25) == 1
+
+
+@pytest.mark.parametrize("M", [1, 17, 33, 36, 48, 63, 65, 100, 129, 200, MAX_ROWS])
+def test_every_decode_row_count_lowers_for_a_gpu(M):
+  """Pallas's Triton lowering takes power-of-2 arrays only: any row count up to MAX_ROWS
+  (a decode batch of 36 rows too, which padding to a multiple of 16 made 48) lowers for
+  CUDA, here on a CPU, plain, batched per head and with weights stored [N, K]."""
+  from ula_jax.kernels.triton_ir import lowered_kernels
+
+  assert padded_rows(M) >= max(M, 16) and padded_rows(M) & (padded_rows(M) - 1) == 0
+  S = jax.ShapeDtypeStruct
+  for x, w, transposed in [(S((M, 512), jnp.bfloat16), S((4, 512, 1024), jnp.bfloat16), False),
+                           (S((8, M, 128), jnp.bfloat16), S((4, 8, 128, 512), jnp.bfloat16), False),
+                           (S((8, M, 128), jnp.bfloat16), S((4, 8, 512, 128), jnp.bfloat16), True)]:
+    f = functools.partial(stacked_matmul_pallas, transposed=transposed, interpret=False)
+    assert list(lowered_kernels(f, x, w, S((), jnp.int32))) == ["ula_stacked_matmul"]
 
 
 def test_shapes_the_kernel_does_not_take_use_the_reference(rng):

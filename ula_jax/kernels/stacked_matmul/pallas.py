@@ -7,8 +7,9 @@ cols]``, or [block_n, block_k] blocks of a weight stored [N, K]; nothing copies 
 out), multiplies them with the rows' [M, block_k] blocks and writes a float32 partial
 sum; the splits' partial sums are added after. K is split until the grid has about
 ``programs`` programs, so a product with few output columns (the output projection:
-1024) still spreads its weight reads over the GPU. The rows are padded to a multiple of
-16 (the smallest dot Triton emits).
+1024) still spreads its weight reads over the GPU. The rows are padded to a power of 2 of
+at least 16: Triton's smallest dot is 16 rows, and Pallas's Triton lowering takes only
+arrays whose sizes are powers of 2 (36 rows padded to 48 would not lower).
 
 Blocks are the config's, or smaller powers of 2 where they do not divide K or N.
 Decode-sized products only: more than ``MAX_ROWS`` rows (a prefill chunk), or a K or N
@@ -80,9 +81,9 @@ def _kernel(i_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, ksteps: i
 
 
 def padded_rows(M: int) -> int:
-  """The rows a launch computes for ``M``: a multiple of 16, the smallest dot Triton
-  emits."""
-  return max(16, -(-M // 16) * 16)
+  """The rows a launch computes for ``M``: the power of 2 at or above it, at least 16
+  (the smallest dot Triton emits; the Triton lowering takes power-of-2 arrays only)."""
+  return max(16, 1 << (max(M, 1) - 1).bit_length())
 
 
 def _block(size: int, most: int) -> int:
