@@ -227,3 +227,19 @@ def test_no_decode_program_is_compiled_ahead_without_memory_statistics():
   engine = _engine(ULA)
   engine.check_step_memory()
   assert engine.compile_log.programs["decode"] == 0
+
+
+def test_a_config_error_of_the_engine_reaches_the_user_once(monkeypatch, tmp_path):
+  """A run whose engine refuses its config (pools, parameters, step memory) reports that
+  error as it is: one 'invalid config:', not a second wrapped around the first."""
+  import ula_jax.engine
+  from ula_jax.run import run_experiment
+
+  def refuse(cfg, mesh, **kwargs):
+    raise ConfigError(["memory.device_pool=64: refused"])
+
+  monkeypatch.setattr(ula_jax.engine, "Engine", refuse)
+  cfg = load_config(BASE, ["model.preset=tiny", "engine.progress=false"] + ULA)
+  with pytest.raises(ConfigError) as e:
+    run_experiment(cfg, tmp_path / "run", progress=False, mesh=mesh_for(1), show=False)
+  assert str(e.value) == "invalid config: memory.device_pool=64: refused"

@@ -232,15 +232,18 @@ def test_bad_value_names_the_field():
 
 def test_a_synthetic_chunk_that_does_not_fit_is_halved_and_the_tokens_stay(monkeypatch, caplog):
   """On a GPU the step-memory check sets each program's working memory against the free
-  bytes (given here): a synthetic chunk, sized by bytes and not by the user, is halved
-  until it fits (down to engine.prefill_chunk), and the run decodes the same tokens."""
+  bytes (given here): a synthetic chunk is halved until it fits, below
+  engine.prefill_chunk too, and the run decodes the same tokens."""
   from ula_jax.engine import engine as engine_module
-  overrides = ["mesh.dp=1", "engine.max_batch=2", "engine.prefill_chunk=8"]
+  overrides = ["mesh.dp=1", "engine.max_batch=2"]
   requests = list(_requests())[:3]
-  want = _tokens(_engine(overrides).run(requests))
+  want = _tokens(_engine(overrides + ["engine.prefill_chunk=8"]).run(requests))
 
-  engine = _engine(overrides)
-  chunk = engine.chunk
+  # The chunk the user asked for (as the summarisation experiments set
+  # engine.prefill_chunk: 32768), halved below it.
+  chunk = _engine(overrides).chunk
+  engine = _engine(overrides + [f"engine.prefill_chunk={chunk}"])
+  assert engine.chunk == chunk
   need = lambda step: sum(engine.working_memory(step))
   decode, prefill = need("decode"), need("prefill")
   engine.chunk = chunk // 2
@@ -255,5 +258,6 @@ def test_a_synthetic_chunk_that_does_not_fit_is_halved_and_the_tokens_stay(monke
   assert engine.chunk == chunk // 2
   assert result.summary["prefill_chunk"] == chunk // 2
   assert result.summary["step_memory"]["prefill_need_bytes"] == half
-  assert f"chunks of {chunk // 2} positions are used" in caplog.text
+  assert (f"chunk of {chunk} positions (engine.prefill_chunk={chunk}) did not fit beside "
+          f"the pools; chunks of {chunk // 2} positions are used") in caplog.text
   assert _tokens(result) == want

@@ -96,6 +96,8 @@ def _serve(cfg: ExperimentConfig, requests: list[Request], target: RunDirTarget,
                            f"processes); set engine.checkpoint_every=0"])
       try:
         engine = Engine(cfg, mesh)
+      except ConfigError:
+        raise
       except ValueError as e:  # sizes a memory system or the model can never serve
         raise ConfigError([str(e)]) from e
       run_state = None

@@ -528,11 +528,12 @@ class Engine:
              if (n := self.working_memory(step)) is not None}
     if kind not in needs:
       return
-    # A synthetic chunk is sized by bytes (``synthetic_prefill.chunk_len``), not by the
-    # user: where it does not fit beside the pools, it is halved (down to
-    # engine.prefill_chunk). Its entries depend on the positions only, so the tokens stay.
-    # (One process only: every process must run chunks of one size.)
-    floor, chunk = min(self.cfg.engine.prefill_chunk, self.max_context), self.chunk
+    # A synthetic chunk writes generated entries (``synthetic_prefill``): where it does
+    # not fit beside the pools, it is halved, below engine.prefill_chunk too, down to one
+    # page. Its entries depend on the positions only, so the tokens stay; only the
+    # engine steps a prompt takes grow. (One process only: every process must run chunks
+    # of one size.)
+    floor, chunk = min(self.page_size, self.max_context), self.chunk
     while (self.synthetic and jax.process_count() == 1 and "prefill" in needs
            and sum(needs["prefill"]) > room and self.chunk // 2 >= floor):
       self.chunk //= 2
@@ -541,8 +542,9 @@ class Engine:
       needs["prefill"] = n
     if self.chunk != chunk and jax.process_index() == 0:
       logging.getLogger(__name__).warning(
-          "warning: the synthetic prefill chunk of %d positions did not fit beside the "
-          "pools; chunks of %d positions are used", chunk, self.chunk)
+          "warning: the synthetic prefill chunk of %d positions (engine.prefill_chunk=%d) "
+          "did not fit beside the pools; chunks of %d positions are used", chunk,
+          self.cfg.engine.prefill_chunk, self.chunk)
     temp, outputs = needs[kind]
     self.step_memory = {"step": kind, "need_bytes": temp + outputs, "temp_bytes": temp,
                         "new_output_bytes": outputs, "free_bytes": int(room),

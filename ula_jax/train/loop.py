@@ -327,6 +327,8 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, *,
     if cfg.data.start_token:
       heldout = start_windows(heldout)
     train_batch(corpus.train, 0, 1, cfg.train.seq_len, cfg.train.seed)  # text too short?
+  except ConfigError:
+    raise
   except ValueError as e:
     raise ConfigError([str(e)]) from None
   if cfg.train.init_from is not None and resume is None:
