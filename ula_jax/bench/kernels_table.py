@@ -34,7 +34,8 @@ operation's implementations ranked by measured time, fastest first:
 
 ``--merge TABLE`` keeps the devices of an existing table that the inputs do not measure.
 Prints the rankings and writes the table, checked by ``kernels.auto.check_table``. The
-shipped H200 rows::
+shipped table (the H200's rows and the H100 80GB's; ``benchmarks/probes/gpu_auto_table.sh``
+measures a GPU's)::
 
     ula-jax bench kernels_table --out ula_jax/kernels/auto_table.json \\
         results/h200/bench_attention.json results/h200/bench_attention_auto.json \\
@@ -43,7 +44,10 @@ shipped H200 rows::
         results/h200/prefill/prefill.json \\
         results/h200/decode_ratios/fifth_run/resolve_r4.json \\
         results/h200/decode_ratios/fifth_run/resolve_r32.json \\
-        results/h200/decode_ratios/sixth_run/fetch.json
+        results/h200/decode_ratios/sixth_run/fetch.json \\
+        results/h100/auto_table/attention.json results/h100/auto_table/attention_large.json \\
+        results/h100/auto_table/fetch.json results/h100/auto_table/resolve_r32.json \\
+        results/h100/auto_table/resolve_r4.json
 """
 
 from __future__ import annotations

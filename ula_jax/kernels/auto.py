@@ -45,7 +45,11 @@ The table is built from the JSON of the kernel benchmarks (``ula_jax.bench.kerne
         results/h200/bench_resolve.json results/h200/bench_resolve_fused.json \\
         results/h200/prefill/prefill.json \\
         results/h200/decode_ratios/fifth_run/resolve_r4.json \\
-        results/h200/decode_ratios/fifth_run/resolve_r32.json
+        results/h200/decode_ratios/fifth_run/resolve_r32.json \\
+        results/h200/decode_ratios/sixth_run/fetch.json \\
+        results/h100/auto_table/attention.json results/h100/auto_table/attention_large.json \\
+        results/h100/auto_table/fetch.json results/h100/auto_table/resolve_r32.json \\
+        results/h100/auto_table/resolve_r4.json
 
 Another GPU gets its rows from the same benchmarks run on it (``ula-jax bench attention``,
 ``fetch``, ``resolve``, ``prefill``) and the command above with its files and ``--merge
