@@ -1,5 +1,5 @@
-"""Every memory system's decode step lowers for a GPU with every Pallas kernel, at decode
-batches that are not powers of 2, read on a CPU.
+"""Every memory system's programs lower for a GPU with every Pallas kernel, at decode
+batches and prefill chunks that are not powers of 2, read on a CPU.
 
 Pallas's Triton lowering takes only arrays whose sizes are powers of 2, and interpret
 mode (how the CPU suite runs the kernels) has no such rule, so a kernel that pads its
@@ -29,8 +29,9 @@ SYSTEMS = {
 }
 
 
-def lowered_step(monkeypatch, overrides: list[str]) -> str:
-  """The text of the engine's first decode step lowered for CUDA."""
+def lowered_steps(monkeypatch, overrides: list[str]) -> dict[str, str]:
+  """The text of each of the engine's programs lowered for CUDA: its first decode step,
+  a prefill chunk, a release and, with drafts, the verify step."""
   # Pallas outside interpret mode is refused on a CPU platform (a config error for
   # users); lowering for CUDA needs it.
   monkeypatch.setattr(ula_jax.mesh, "check_kernels", lambda *a, **k: None)
@@ -38,28 +39,38 @@ def lowered_step(monkeypatch, overrides: list[str]) -> str:
       "mesh.dp=1", "mesh.tp=1", "engine.progress=false", f"engine.max_context={CONTEXT}",
       *PALLAS, *overrides])
   engine = Engine(cfg, build_mesh(cfg), max_context=CONTEXT)
-  step = engine._speculate if engine._speculate is not None else engine._decode
-  return step.trace(engine.params, engine.carry, engine.idle_decode_inputs()).lower(
-      lowering_platforms=("cuda",)).as_text()
+  kinds = ["speculate" if engine._speculate is not None else "decode", "prefill", "release"]
+  kinds += ["verify"] if cfg.speculative.num_draft else []
+  return {k: engine.lower_step(k, platforms=("cuda",)).as_text() for k in kinds}
 
 
-@pytest.mark.parametrize("system", sorted(SYSTEMS))
-@pytest.mark.parametrize("batch", [3, 36])
-def test_decode_step_lowers_for_a_gpu(system, batch, monkeypatch):
-  text = lowered_step(monkeypatch, [f"memory.system={system}",
-                                    f"engine.max_batch={batch}", *SYSTEMS[system](batch)])
-  assert "ula_stacked_matmul" in text and "__gpu$xla.gpu.triton" in text
+@pytest.mark.parametrize("system, batch", [(s, 36) for s in sorted(SYSTEMS)] + [("ula", 100)])
+def test_every_program_lowers_for_a_gpu(system, batch, monkeypatch):
+  """A computed prefill chunk of 100 positions too (not a power of 2)."""
+  texts = lowered_steps(monkeypatch, [f"memory.system={system}", f"engine.max_batch={batch}",
+                                      "engine.prefill_chunk=100", *SYSTEMS[system](batch)])
+  step = texts["decode"]
+  assert "ula_stacked_matmul" in step and "__gpu$xla.gpu.triton" in step
+  assert "__gpu$xla.gpu.triton" in texts["prefill"]
 
 
 def test_verify_rows_lower_for_a_gpu(monkeypatch):
   """Speculative decoding's verify step: 12 requests x (1 + 2 drafts) = 36 query rows."""
-  text = lowered_step(monkeypatch, ["memory.system=ula", "engine.max_batch=12",
-                                    "speculative.num_draft=2", *SYSTEMS["ula"](36)])
-  assert "ula_stacked_matmul" in text
+  texts = lowered_steps(monkeypatch, ["memory.system=ula", "engine.max_batch=12",
+                                      "speculative.num_draft=2", *SYSTEMS["ula"](36)])
+  assert "ula_stacked_matmul" in texts["verify"]
+
+
+def test_speculating_and_synthetic_prefill_lower_for_a_gpu(monkeypatch):
+  """kernels.fast_path_mode=speculate's step, and a synthetic prefill chunk."""
+  texts = lowered_steps(monkeypatch, ["memory.system=ula", "engine.max_batch=36",
+                                      "kernels.fast_path_mode=speculate",
+                                      "workload.prefill=synthetic", *SYSTEMS["ula"](36)])
+  assert "ula_stacked_matmul" in texts["speculate"]
 
 
 def test_tensor_parallel_step_lowers_for_a_gpu(monkeypatch):
   """`ula` over 2 tp ranks, 36 requests: each rank's products and kernels."""
-  text = lowered_step(monkeypatch, ["memory.system=ula", "engine.max_batch=36",
-                                    *SYSTEMS["ula"](36)] + ["mesh.tp=2"])
-  assert "ula_stacked_matmul" in text
+  texts = lowered_steps(monkeypatch, ["memory.system=ula", "engine.max_batch=36",
+                                      *SYSTEMS["ula"](36)] + ["mesh.tp=2"])
+  assert "ula_stacked_matmul" in texts["decode"]

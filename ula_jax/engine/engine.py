@@ -1378,42 +1378,43 @@ class Engine:
                               np.full((dp, B, self.pages_per_row), INVALID, np.int32),
                               np.zeros((dp, B), bool))
 
-  def lower_step(self, kind: str) -> Any:
+  def lower_step(self, kind: str, platforms: tuple[str, ...] | None = None) -> Any:
     """The jitted step ``kind`` (``decode``, ``speculate``, ``verify``, ``prefill`` or
     ``release``) lowered for idle inputs (no active row, nothing to prefill):
     ``.compile()`` compiles it, as the first step of that kind would (``ula-jax bench
-    compile``)."""
+    compile``). platforms: lower for these instead of the mesh's (``("cuda",)`` lowers
+    every Pallas kernel for Triton on any machine; such a lowering is not compiled
+    here)."""
+    dp, B, C = self.dp, self.max_batch, self.chunk
+    z = lambda *shape: self._put(np.zeros(shape, np.int32))
     if kind == "prefill" and self.synthetic:
-      dp, C = self.dp, self.chunk
-      z = lambda *shape: self._put(np.zeros(shape, np.int32))
-      return self._prefill.lower(self.carry, z(dp), z(dp),
-                                 self._put(np.full((dp, C), INVALID, np.int32)), z(dp),
-                                 self._put(np.zeros((dp,), bool)))
-    if kind == "prefill":
-      dp, C = self.dp, self.chunk
-      z = lambda *shape: self._put(np.zeros(shape, np.int32))
-      return self._prefill.lower(
+      step, args = self._prefill, (
+          self.carry, z(dp), z(dp), self._put(np.full((dp, C), INVALID, np.int32)), z(dp),
+          self._put(np.zeros((dp,), bool)))
+    elif kind == "prefill":
+      step, args = self._prefill, (
           self.params, self.carry, self.workspace, z(dp, C), z(dp), z(dp),
           self._put(np.full((dp, self.pages_per_row), INVALID, np.int32)), z(dp),
           self._put(np.zeros((dp,), bool)))
-    if kind == "release":
-      dp = self.dp
-      z = lambda *shape: self._put(np.zeros(shape, np.int32))
-      return self._release.lower(
+    elif kind == "release":
+      step, args = self._release, (
           self.carry, self._put(np.full((dp, self.pages_per_row), INVALID, np.int32)),
           z(dp), z(dp))
-    if kind == "verify" and self._verify is not None:
-      dp, B = self.dp, self.max_batch
-      z = lambda *shape: np.zeros(shape, np.int32)
-      return self._verify.lower(self.params, self.carry, self.verify_inputs(
-          z(dp, B, self.rows), z(dp, B), z(dp, B),
+    elif kind == "verify" and self._verify is not None:
+      h = lambda *shape: np.zeros(shape, np.int32)
+      step, args = self._verify, (self.params, self.carry, self.verify_inputs(
+          h(dp, B, self.rows), h(dp, B), h(dp, B),
           np.full((dp, B, self.pages_per_row), INVALID, np.int32)))
-    step = {"decode": self._decode, "speculate": self._speculate}.get(kind)
-    if step is None:
-      raise ValueError(f"kind={kind!r}: expected decode, prefill, release, speculate (with "
-                       f"kernels.fast_path_mode=speculate) or verify (with "
-                       f"speculative.num_draft > 0)")
-    return step.lower(self.params, self.carry, self.idle_decode_inputs())
+    else:
+      step = {"decode": self._decode, "speculate": self._speculate}.get(kind)
+      if step is None:
+        raise ValueError(f"kind={kind!r}: expected decode, prefill, release, speculate (with "
+                         f"kernels.fast_path_mode=speculate) or verify (with "
+                         f"speculative.num_draft > 0)")
+      args = (self.params, self.carry, self.idle_decode_inputs())
+    if platforms is None:
+      return step.lower(*args)
+    return step.trace(*args).lower(lowering_platforms=tuple(platforms))
 
   def decode_hlo(self) -> str:
     """The compiled HLO text of the step a decode round runs first: ``speculate`` where
