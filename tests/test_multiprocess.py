@@ -153,3 +153,78 @@ def test_layout_checks():
   with pytest.raises(LaunchError, match=r"launch: process\(es\) \[1, 2\] of 3 hold none of "
                      r"the mesh's 4 devices"):
     check_mesh_processes([0, 0, 0, 0], 3)
+
+
+def test_processes_started_apart_stop_when_one_fails_its_setup(tmp_path):
+  """Workers started with --coordinator (one per host; no launcher watches them):
+  process 1 fails before its first step (its engine refuses the config, as a device
+  with less free memory than the others' would); process 0 learns it from the
+  coordinator's store and stops at once, naming it, instead of waiting for process 1 in
+  the first collective (30 s on CPU, then an error that names no process)."""
+  import subprocess
+
+  from ula_jax.cli.launch import ProcessSpec, free_port, worker_command
+  # Process 1's engine refuses its config: a sitecustomize on its path replaces it.
+  fault = tmp_path / "fault"
+  fault.mkdir()
+  (fault / "sitecustomize.py").write_text(
+      "import ula_jax.engine\n"
+      "from ula_jax.config import ConfigError\n"
+      "def _refuse(*args, **kwargs):\n"
+      "  raise ConfigError(['memory.device_pool=64: does not fit on this host'])\n"
+      "ula_jax.engine.Engine = _refuse\n")
+  coordinator = f"127.0.0.1:{free_port()}"
+  command = ["run", QUICKSTART, *SMALL, "mesh.dp=2", "workload.num_requests=2",
+             "--no-progress", "--out", str(tmp_path / "run")]
+  envs = [_worker_env(), _worker_env()]
+  envs[1]["PYTHONPATH"] = os.pathsep.join([str(fault), envs[1]["PYTHONPATH"]])
+  t0 = time.perf_counter()
+  procs = [subprocess.Popen(worker_command(ProcessSpec(coordinator, 2, i, 1, (i,)), command),
+                            env=envs[i], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True) for i in range(2)]
+  try:
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert [p.returncode for p in procs] == [2, 2], errs
+  assert "error: invalid config: memory.device_pool=64: does not fit on this host" in errs[1]
+  assert ("error: launch: process 1 failed before the first step: invalid config: "
+          "memory.device_pool=64: does not fit on this host") in errs[0], errs[0][-3000:]
+  assert time.perf_counter() - t0 < 60
+  assert not (tmp_path / "run").exists()
+
+
+class _Store:
+  """A stand-in for jax.distributed's key-value client."""
+
+  def __init__(self, **found):
+    self.found = {f"ula_jax/launch/ready/{k[1:]}": v for k, v in found.items()}
+
+  def key_value_set(self, key, value):
+    assert key not in self.found
+    self.found[key] = value
+
+  def key_value_dir_get(self, prefix):
+    return [(k, v) for k, v in self.found.items() if k.startswith(prefix)]
+
+
+def test_report_ready_waits_for_every_process_and_names_failures():
+  from ula_jax.cli.launch import PeerFailure, report_failure, report_ready
+  store = _Store(p1="ok", p2="ok")
+  report_ready(store, 0, 3, timeout_s=5)
+  assert store.found["ula_jax/launch/ready/0"] == "ok"
+  store = _Store(p2="2\ninvalid config: memory.device_pool='52GiB': too large")
+  with pytest.raises(PeerFailure, match=r"^process 2 failed before the first step: invalid "
+                     r"config: memory.device_pool='52GiB': too large$") as e:
+    report_ready(store, 0, 3, timeout_s=5)  # process 1 has not reported: no need to wait
+  assert e.value.code == 2
+  with pytest.raises(PeerFailure, match=r"process\(es\) \[1, 2\] reported neither a finished "
+                     r"setup nor a failure within 0 s") as e:
+    report_ready(_Store(), 0, 3, timeout_s=0.1, poll_s=0.01)
+  assert e.value.code == 1
+  store = _Store(p0="ok")
+  report_failure(store, 0, 1, "late")  # already reported: nothing to tell
+  report_failure(store, 1, 1, "RuntimeError: boom")
+  assert store.found["ula_jax/launch/ready/1"] == "1\nRuntimeError: boom"

@@ -32,8 +32,8 @@ from ula_jax.workloads import build_requests
 
 def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None,
                    progress: bool = True, *, mesh: Mesh | None = None, show: bool = True,
-                   console: Console | None = None,
-                   overwrite: bool = False) -> tuple[RunResult, Path]:
+                   console: Console | None = None, overwrite: bool = False,
+                   ready: Callable[[], None] | None = None) -> tuple[RunResult, Path]:
   """Serves the workload of ``cfg`` and records the run.
 
   out_dir: the run directory; None = ``{experiment.out_dir}/{name}-{timestamp}``. An
@@ -43,6 +43,10 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None,
   mesh: the device mesh; None = ``build_mesh(cfg)`` (after ``configure_platform``)
   show: print the summary table at the end
   overwrite: replace the contents of an existing ``out_dir``
+  ready: called once everything before the first step has passed (the run directory,
+    the engine's pools and parameters, its step-memory check), before the first step;
+    what it raises fails the run there (a multi-process worker learns there whether
+    every other process got as far: ``cli.launch``)
 
   The run directory gets ``config.yaml`` (resolved), ``metrics.jsonl`` (one line per
   engine step, written as the run goes), ``summary.json``, ``requests.jsonl`` and
@@ -70,13 +74,13 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str | Path | None = None,
   target = RunDirTarget.claim(out_dir, parent=cfg.experiment.out_dir,
                               name=cfg.experiment.name, overwrite=overwrite)
   return _serve(cfg, requests, target, progress=progress, mesh=mesh, show=show,
-                console=console, on_failure=target.abandon)
+                console=console, on_failure=target.abandon, ready=ready)
 
 
 def _serve(cfg: ExperimentConfig, requests: list[Request], target: RunDirTarget, *,
            progress: bool, mesh: Mesh | None, show: bool, console: Console | None,
-           on_failure: Callable[[], None],
-           resume_from: Path | None = None) -> tuple[RunResult, Path]:
+           on_failure: Callable[[], None], resume_from: Path | None = None,
+           ready: Callable[[], None] | None = None) -> tuple[RunResult, Path]:
   """Runs the engine into ``target`` (from the checkpoint ``resume_from``, if given)
   and commits it; ``on_failure`` when that fails."""
   from ula_jax.engine import Engine  # the engine pulls in the model and kernels
@@ -108,6 +112,9 @@ def _serve(cfg: ExperimentConfig, requests: list[Request], target: RunDirTarget,
           raise RunDirError(f"--resume: {e}") from None
 
       (target.partial / CONFIG_FILE).write_text(config_to_yaml(cfg))
+      engine.check_step_memory()  # (once: the engine's run does not repeat it)
+      if ready is not None:
+        ready()
       console = console or Console()
       with MetricsWriter(target.partial / METRICS_FILE) as metrics, \
           RunProgress(len(requests), enabled=progress and cfg.engine.progress,

@@ -15,6 +15,14 @@ Two ways to start it, one verb:
   coordinator).
 
 On CPU the processes talk through JAX's gloo collectives (TCP, loopback on one host).
+
+Before the first step every worker reports to the coordinator's key-value store that its
+setup passed (run directory, pools, parameters, step-memory check), or why it failed,
+and waits for every other worker's report (``report_ready``). A process that fails
+there (a device with less free memory than the others, a run directory it cannot
+write) so stops every process at once, each naming it, rather than leaving them waiting
+in the first collective for the runtime's timeout: the one guard processes started on
+several hosts with ``--coordinator`` have, as no launcher watches them.
 """
 
 from __future__ import annotations
@@ -43,6 +51,57 @@ STDERR_TAIL = 40
 
 class LaunchError(ValueError):
   """Launch arguments that can never work (the message names the flag and value)."""
+
+
+# The key-value store's keys where each process reports its setup ("ok", or its exit
+# status and error), and how long a process waits for the others' reports.
+READY_DIR = "ula_jax/launch/ready/"
+READY_TIMEOUT_S = 3600.0
+
+
+class PeerFailure(RuntimeError):
+  """Another process of the run failed before its first step (``report_ready``)."""
+
+  def __init__(self, code: int, message: str):
+    super().__init__(message)
+    self.code = code
+
+
+def _ready_key(process_id: int) -> str:
+  return f"{READY_DIR}{process_id}"
+
+
+def report_ready(client: Any, process_id: int, num_processes: int, *,
+                 timeout_s: float = READY_TIMEOUT_S, poll_s: float = 0.25) -> None:
+  """Reports this process's setup as passed, then waits until every process has
+  reported: returns when all passed; raises ``PeerFailure`` naming each process that
+  reported a failure (as soon as one has), or that reported nothing in ``timeout_s``.
+  client: ``jax.distributed``'s key-value client."""
+  client.key_value_set(_ready_key(process_id), "ok")
+  deadline = time.monotonic() + timeout_s
+  while True:
+    found = {int(k.rsplit("/", 1)[-1]): v for k, v in client.key_value_dir_get(READY_DIR)}
+    failed = {p: v.split("\n", 1) for p, v in sorted(found.items()) if v != "ok"}
+    if failed:
+      raise PeerFailure(max(int(code) for code, _ in failed.values()), "; ".join(
+          f"process {p} failed before the first step: {why}"
+          for p, (_, why) in failed.items()))
+    if len(found) == num_processes:
+      return
+    if time.monotonic() > deadline:
+      missing = sorted(set(range(num_processes)) - set(found))
+      raise PeerFailure(1, f"process(es) {missing} reported neither a finished setup nor a "
+                           f"failure within {timeout_s:.0f} s")
+    time.sleep(poll_s)
+
+
+def report_failure(client: Any, process_id: int, code: int, message: str) -> None:
+  """Reports this process's failure before its first step to the others waiting in
+  ``report_ready`` (nothing where it had already reported, or the store is gone)."""
+  try:
+    client.key_value_set(_ready_key(process_id), f"{code}\n{message}")
+  except Exception:  # noqa: BLE001 - the process is exiting with its own error anyway
+    pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +203,7 @@ def run_process(spec: ProcessSpec, command: Sequence[str]) -> int:
   import jax
 
   from ula_jax.config import load_config
+  from ula_jax.core.compat import distributed_client
   from ula_jax.mesh import build_mesh, configure_platform
   from ula_jax.run import run_experiment
 
@@ -171,27 +231,37 @@ def run_process(spec: ProcessSpec, command: Sequence[str]) -> int:
       # A coordinator on loopback serves this host only: listen there, not on every
       # interface (the default).
       coordinator_bind_address=spec.coordinator if host in LOOPBACK else None)
+  client = distributed_client()
+  ready = lambda: report_ready(client, spec.process_id, spec.num_processes)
   try:
     mesh = build_mesh(cfg)
     check_mesh_processes([d.process_index for d in mesh.devices.flat], spec.num_processes)
     if lead:
       run_experiment(cfg, out_dir=args.out, progress=not args.no_progress, mesh=mesh,
-                     console=console(), overwrite=args.overwrite)
+                     console=console(), overwrite=args.overwrite, ready=ready)
     else:
       from rich.console import Console
 
       with tempfile.TemporaryDirectory(prefix="ula-launch-") as scratch:
         run_experiment(cfg, out_dir=Path(scratch) / "run", progress=False, mesh=mesh,
-                       show=False, console=Console(file=io.StringIO()))
+                       show=False, console=Console(file=io.StringIO()), ready=ready)
   except BaseException as e:  # every failure ends the process the same way
     # Leave at once: the runtime's teardown at a normal exit waits for the other
-    # processes, which wait in a collective for this one.
+    # processes, which wait in a collective for this one. Those still setting up learn
+    # of this failure from the store (``report_ready``).
     code = _explain_failure(e)
+    report_failure(client, spec.process_id, code, _one_line(e))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
   jax.distributed.shutdown()
   return 0
+
+
+def _one_line(e: BaseException) -> str:
+  """The failure as the other processes are told it."""
+  text = str(e).strip() or type(e).__name__
+  return text if isinstance(e, (ValueError, PeerFailure)) else f"{type(e).__name__}: {text}"
 
 
 def _explain_failure(e: BaseException) -> int:
@@ -203,6 +273,9 @@ def _explain_failure(e: BaseException) -> int:
   if isinstance(e, (ConfigError, WorkloadError, RunDirError, LaunchError)):
     print(f"error: {e}", file=sys.stderr)
     return 2
+  if isinstance(e, PeerFailure):
+    print(f"error: launch: {e}", file=sys.stderr)
+    return e.code
   if isinstance(e, SystemExit):
     return e.code if isinstance(e.code, int) else 1
   if isinstance(e, KeyboardInterrupt):

@@ -4,6 +4,8 @@
   ``out_memory_spaces=``) in 0.11; 0.10 has the decorator as ``compute_on2``.
   ``on_host(fn, *args)`` runs ``fn`` on the host under either version.
 * ``jax.memory.Space`` names the memory spaces used with ``device_put`` inside jit.
+* ``distributed_client()``: the coordinator's key-value store, which jax exposes only
+  privately (``jax._src.distributed.global_state.client``) in both versions.
 """
 
 from __future__ import annotations
@@ -48,3 +50,10 @@ def shard_map(f, *, mesh, in_specs, out_specs, check_vma: bool = False):
   per-device values, which the checker cannot follow)."""
   return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                        check_vma=check_vma)
+
+
+def distributed_client() -> Any | None:
+  """``jax.distributed``'s client of the coordinator's key-value store (a private
+  attribute in jax 0.10 and 0.11), or None before ``jax.distributed.initialize``."""
+  from jax._src import distributed
+  return distributed.global_state.client

@@ -513,7 +513,8 @@ class Engine:
     analysis. The analysis is a lower bound: a step that passes can still run out, on
     fragmentation or on allocations the analysis does not count, and is then reported by
     ``_step_memory_error`` with what was measured here (``step_memory``, also in the run's
-    summary)."""
+    summary). Runs once: ``run`` calls it unless it has run."""
+    self._step_memory_checked = True
     free = {}
     for d in local_devices(self.mesh):
       stats = memory_stats(d)
@@ -945,7 +946,6 @@ class Engine:
     self.compile_log.start()
     if not self._step_memory_checked:
       self.check_step_memory()
-      self._step_memory_checked = True
     if self.record_trace:
       from ula_jax.memory.ula.trace import TraceRecorder
       self._recorders = [TraceRecorder(self.geo, max_batch=B, num_logical=self.mem.num_logical,
