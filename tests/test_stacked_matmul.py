@@ -123,6 +123,25 @@ def test_every_decode_row_count_lowers_for_a_gpu(M):
     assert list(lowered_kernels(f, x, w, S((), jnp.int32))) == ["ula_stacked_matmul"]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [36, 100, 200])
+def test_gpu_rows_that_are_not_a_power_of_2(M, rng):
+  """On the GPU (compiled by Triton, not interpreted): row counts whose padding to a
+  multiple of 16 was not a power of 2, plain and per head, against the reference."""
+  L, K, N, B = 3, 512, 256, 4
+  x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((L, K, N)) / np.sqrt(K), jnp.bfloat16)
+  xb = jnp.asarray(rng.standard_normal((B, M, 128)), jnp.bfloat16)
+  wb = jnp.asarray(rng.standard_normal((L, B, 128, N)) / np.sqrt(128), jnp.bfloat16)
+  for i in rng.permutation(L):
+    got = np.asarray(stacked_matmul_pallas(x, w, jnp.int32(i), interpret=False))
+    want = np.asarray(x, np.float32) @ np.asarray(w[i], np.float32)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2, err_msg=f"layer {i}")
+    got = np.asarray(stacked_matmul_pallas(xb, wb, jnp.int32(i), interpret=False))
+    want = np.asarray(xb, np.float32) @ np.asarray(wb[i], np.float32)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2, err_msg=f"layer {i}")
+
+
 def test_shapes_the_kernel_does_not_take_use_the_reference(rng):
   """A prefill chunk's rows (more than MAX_ROWS) and blocks that do not divide K or N
   take the reference's product: the same result, no kernel."""
