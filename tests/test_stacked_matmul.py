@@ -216,7 +216,7 @@ def test_the_layer_stack_reads_its_projections_in_place(rng):
                                         + 3 * len(segments)) == 42
   assert float(jnp.abs(want[0] - x).max()) > 1e-3
   np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4)
+  np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4, atol=1e-4)
 
   # A head range (tensor parallelism): the four per-head products slice their weights
   # (on the rank's heads), the rest read in place; the results are the same.
@@ -241,7 +241,9 @@ def test_in_place_rows_with_one_layer_groups(rng):
   assert [(s.num_groups, s.dense) for s in group_segments(cfg)] == [(2, (True,)),
                                                                     (3, (False,))]
   np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4)
+  # A sum of many terms of both signs (about 0.1): its float32 rounding, summed in
+  # another order, is absolute (seeds 26 and 265 differed by 1e-5, 1.1-1.6e-4 relative).
+  np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4, atol=1e-4)
 
 
 def test_auto_takes_the_kernel_on_a_gpu_only():

@@ -6,10 +6,13 @@
 * ``jax.memory.Space`` names the memory spaces used with ``device_put`` inside jit.
 * ``distributed_client()``: the coordinator's key-value store, which jax exposes only
   privately (``jax._src.distributed.global_state.client``) in both versions.
+* Pallas's Triton lowering takes its target GPU from the default device in 0.11 (none in
+  0.10), so lowering for CUDA on a CPU machine needs ``triton_target()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import jax
@@ -57,3 +60,33 @@ def distributed_client() -> Any | None:
   attribute in jax 0.10 and 0.11), or None before ``jax.distributed.initialize``."""
   from jax._src import distributed
   return distributed.global_state.client
+
+
+@contextlib.contextmanager
+def triton_target(device_kind: str = "NVIDIA H100"):
+  """Lowering Pallas's Triton kernels for CUDA where the default device is no GPU (a CPU
+  machine reading what a kernel becomes): jax 0.11 takes the Triton target from the
+  default device and refuses a CPU one; here it is the GPU named ``device_kind`` (a
+  Hopper by default). jax 0.10 needs no target to lower; on a GPU nothing changes."""
+  try:
+    from jax._src.interpreters import pxla
+    from jax._src.pallas.triton import gpu_info
+  except ImportError:  # jax 0.10: the lowering takes no target
+    yield
+    return
+  default = pxla.get_default_device()
+  if default.platform in ("gpu", "cuda", "rocm"):
+    yield
+    return
+  version = gpu_info.gpu_version_from_device_kind(device_kind)
+  if version is None:
+    raise ValueError(f"device_kind={device_kind!r}: not a GPU jax's Triton lowering knows")
+  kind, before = default.device_kind, gpu_info.registry.get(default.device_kind)
+  gpu_info.registry[kind] = lambda: gpu_info.get_gpu_info_from_version(version)
+  try:
+    yield
+  finally:
+    if before is None:
+      gpu_info.registry.pop(kind, None)
+    else:
+      gpu_info.registry[kind] = before

@@ -75,8 +75,11 @@ def lowered_kernels(fn, *args) -> dict[str, TritonKernel]:
   ``jax.ShapeDtypeStruct``s); works on a CPU-only machine."""
   import jax
 
-  return triton_kernels(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-                        .as_text())
+  from ula_jax.core.compat import triton_target
+
+  with triton_target():
+    return triton_kernels(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+                          .as_text())
 
 
 def triton_kernels_ir(lowered_text: str) -> dict[str, str]:
