@@ -14,7 +14,7 @@ from jax.extend import core as jcore
 
 from tests.engine_util import BASE, mesh_for
 from tests.test_resolve_kernel import CASES, system_for
-from ula_jax.core.compat import triton_target
+from ula_jax.core.compat import scan_operand_counts, triton_target
 from ula_jax.config import load_config
 from ula_jax.engine import Engine, resolve_max_context
 from ula_jax.kernels import triton_ir
@@ -140,7 +140,7 @@ def in_place_operands(jaxpr, problems: list[str], path: str = "") -> set[int]:
       if key is not None:
         consumed = in_place_operands(_inner(eqn.params[key]), problems, where)
     elif name == "scan":
-      nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+      nc, ncar = scan_operand_counts(eqn.params)
       for j in in_place_operands(_inner(eqn.params["jaxpr"]), problems, where):
         if nc <= j < nc + ncar:
           consumed.add(j)

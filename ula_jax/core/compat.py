@@ -8,6 +8,8 @@
   privately (``jax._src.distributed.global_state.client``) in both versions.
 * Pallas's Triton lowering takes its target GPU from the default device in 0.11 (none in
   0.10), so lowering for CUDA on a CPU machine needs ``triton_target()``.
+* A ``scan`` equation counts its constants and carries in params ``num_consts`` /
+  ``num_carry`` in 0.10 and in a flat tree ``ft_in`` in 0.11: ``scan_operand_counts``.
 """
 
 from __future__ import annotations
@@ -90,3 +92,13 @@ def triton_target(device_kind: str = "NVIDIA H100"):
       gpu_info.registry.pop(kind, None)
     else:
       gpu_info.registry[kind] = before
+
+
+def scan_operand_counts(params: dict) -> tuple[int, int]:
+  """(constants, carries) among a ``scan`` equation's operands, from its params: 0.10
+  has ``num_consts`` and ``num_carry``, 0.11 a flat tree ``ft_in`` of (constants,
+  carries, scanned)."""
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(list(consts)), len(list(carry))
