@@ -74,3 +74,12 @@ def test_tensor_parallel_step_lowers_for_a_gpu(monkeypatch):
   texts = lowered_steps(monkeypatch, ["memory.system=ula", "engine.max_batch=36",
                                       *SYSTEMS["ula"](36)] + ["mesh.tp=2"])
   assert "ula_stacked_matmul" in texts["decode"]
+
+
+def test_fp8_entries_lower_for_a_gpu(monkeypatch):
+  """FP8 entries (656-byte rows: XLA attention, the Pallas fetch, indexer and resolve)."""
+  texts = lowered_steps(monkeypatch, [
+      "memory.system=ula", "engine.max_batch=36", "engine.prefill_chunk=100",
+      "model.kv_layout=fp8", "model.kv_lora_rank=128", "kernels.attention=xla",
+      *SYSTEMS["ula"](36)])
+  assert "ula_stacked_matmul" in texts["decode"] and "__gpu$xla.gpu.triton" in texts["prefill"]
