@@ -34,8 +34,7 @@ nvidia-smi --query-gpu=name,memory.total,pci.link.gen.max,pci.link.width.max \
 
 impls=pallas
 if wants ffi; then
-  step build_ffi 200 env ULA_JAX_FFI_CUDA=ON "$PY" -m pip install --no-build-isolation \
-    --no-deps --force-reinstall -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 ./custom_calls \
+  step build_ffi 200 "${FFI_BUILD[@]}" \
     && "$PY" -c "import ula_jax_ffi; assert ula_jax_ffi.has_cuda()" && impls=pallas,ffi
 fi
 if wants attention; then

@@ -110,9 +110,7 @@ fi
 if wants fetch; then
   impls=pallas
   if [ "${FETCH_FFI:-0}" = 1 ]; then
-    step build_ffi 180 env ULA_JAX_FFI_CUDA=ON "$PY" -m pip install --no-build-isolation \
-      --no-deps --force-reinstall -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 ./custom_calls \
-      && impls=pallas,ffi
+    step build_ffi 180 "${FFI_BUILD[@]}" && impls=pallas,ffi
   fi
   sweep=()
   [ -n "${FETCH_UNITS:-}" ] && sweep+=(--pallas-block-units "$FETCH_UNITS")

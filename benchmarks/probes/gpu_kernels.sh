@@ -40,8 +40,7 @@ for d in jax.devices():
 '; $PY -m pip list 2>/dev/null | grep -i -E 'jax|triton|nanobind|scikit|pytest|rich|flax|numpy|cupy'; nvcc --version; cmake --version"
 
 # The CUDA handlers, built for the H100/H200 (sm_90) without build isolation: no network.
-step build_ffi 180 env ULA_JAX_FFI_CUDA=ON "$PY" -m pip install --no-build-isolation \
-  --no-deps --force-reinstall -v -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 ./custom_calls
+step build_ffi 180 "${FFI_BUILD[@]}" -v
 step ffi_import 60 "$PY" -c "
 import ula_jax_ffi
 print('platforms', ula_jax_ffi.platforms(), 'cuda import error', ula_jax_ffi.CUDA_IMPORT_ERROR)

@@ -7,8 +7,10 @@
 # gpu_setup NAME DEFAULT_BUDGET_S [outside]: ROOT (the repository root), OUT (default
 # $ROOT/NAME_out), WORK=$OUT/work (created; with "outside", a fresh folder outside OUT,
 # for scripts that pack their logs: at most 8 files come back from a device call), PY,
-# BUDGET_S (default DEFAULT_BUDGET_S), START; the repository on PYTHONPATH, the GPU
-# first, no up-front device memory (jax and CuPy may share the GPU), unbuffered Python
+# BUDGET_S (default DEFAULT_BUDGET_S), START, FFI_BUILD (the command that installs the
+# FFI custom call with its CUDA handlers for the H100/H200, sm_90, without build
+# isolation: no network; more pip flags may follow it); the repository on PYTHONPATH, the
+# GPU first, no up-front device memory (jax and CuPy may share the GPU), unbuffered Python
 # output.
 gpu_setup() {
   ROOT=$PWD
@@ -19,6 +21,8 @@ gpu_setup() {
   PY=${PYTHON:-python3}
   BUDGET_S=${BUDGET_S:-$2}
   START=$SECONDS
+  FFI_BUILD=(env ULA_JAX_FFI_CUDA=ON "$PY" -m pip install --no-build-isolation --no-deps
+             --force-reinstall -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90 ./custom_calls)
   export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
   export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda,cpu}
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
