@@ -21,7 +21,7 @@ from ula_jax.mesh import auto_kernels, launch_shape
 REPO = Path(__file__).resolve().parent.parent
 H200 = Device("gpu", "NVIDIA H200", "9.0")
 REFERENCES = {"attention": "xla", "indexer": "xla", "fetch": "xla", "resolve": "jnp"}
-# The runs the shipped table is built from (ula_jax.kernels.auto's docstring).
+# The runs the shipped table is built from (ula_jax.bench.kernels_table's docstring).
 TABLE_INPUTS = [f"results/h200/{f}" for f in (
     "bench_attention.json", "bench_attention_auto.json", "bench_attention_mosaic_issuers.json",
     "bench_fetch.json", "bench_resolve.json", "bench_resolve_fused.json",

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ula_jax.core.compat import triton_target
+from ula_jax.core.compat import lower_for
 from ula_jax.kernels.sparse_attention import sparse_mla_attention
 from ula_jax.kernels.sparse_attention.pallas import (AttentionConfig, attention_cost,
                                                      bytes_read, launch_seconds,
@@ -196,8 +196,7 @@ def test_lowers_to_triton_for_the_model_geometry():
                  AttentionConfig(block_h=16, block_k=32, num_warps=4, num_stages=3)):
     f = functools.partial(sparse_mla_attention_pallas, scale=0.04, config=config,
                           interpret=False)
-    with triton_target():
-      text = jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for(jax.jit(f).trace(*shapes)).as_text()
     assert "triton" in text
 
 

@@ -14,7 +14,7 @@ from jax.extend import core as jcore
 
 from tests.engine_util import BASE, mesh_for
 from tests.test_resolve_kernel import CASES, system_for
-from ula_jax.core.compat import scan_operand_counts, triton_target
+from ula_jax.core.compat import lower_for, scan_operand_counts
 from ula_jax.config import load_config
 from ula_jax.engine import Engine, resolve_max_context
 from ula_jax.kernels import triton_ir
@@ -36,10 +36,9 @@ def lowered_kernels(config: ResolveConfig, programs: int = 8) -> dict[str, tuple
       programs=programs if config.fuse else 1)
   # Two groups' metadata, stacked, resolving the second (as inside a decode step).
   meta = jax.tree.map(lambda x: jnp.stack([x, x]), system.init_group_meta())
-  with triton_target():
-    text = resolve_pallas._resolve.trace(
-        meta, jnp.ones((1,), jnp.int32), sel, sel >= 0, sel[:, 0], sel[:, 0] >= 0, g=g,
-        interpret=False).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_for(resolve_pallas._resolve.trace(
+      meta, jnp.ones((1,), jnp.int32), sel, sel >= 0, sel[:, 0], sel[:, 0] >= 0, g=g,
+      interpret=False)).as_text()
   count = lambda ir, sem: len(re.findall(rf"tt.atomic_rmw \w+, {sem},", ir))
   return {name: (count(ir, "relaxed"), count(ir, "acq_rel"))
           for name, ir in triton_ir.triton_kernels_ir(text).items()}
@@ -80,8 +79,7 @@ def _scan_over_groups_ir(fast_path: bool) -> tuple[str, list[str]]:
       return m, slots
     return jax.lax.scan(body, meta, jnp.arange(3, dtype=jnp.int32))
 
-  with triton_target():
-    text = jax.jit(step).trace(meta).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_for(jax.jit(step).trace(meta)).as_text()
   mlir = {"int32": "i32", "uint32": "ui32"}
   types = {f"tensor<{'x'.join(map(str, x.shape))}x{mlir[x.dtype.name]}>"
            for x in jax.tree.leaves(meta) if x.ndim > 1}

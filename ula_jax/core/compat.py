@@ -7,7 +7,8 @@
 * ``distributed_client()``: the coordinator's key-value store, which jax exposes only
   privately (``jax._src.distributed.global_state.client``) in both versions.
 * Pallas's Triton lowering takes its target GPU from the default device in 0.11 (none in
-  0.10), so lowering for CUDA on a CPU machine needs ``triton_target()``.
+  0.10), so lowering for CUDA on a CPU machine needs ``triton_target()`` (``lower_for``
+  lowers under it).
 * A ``scan`` equation counts its constants and carries in params ``num_consts`` /
   ``num_carry`` in 0.10 and in a flat tree ``ft_in`` in 0.11: ``scan_operand_counts``.
 """
@@ -92,6 +93,13 @@ def triton_target(device_kind: str = "NVIDIA H100"):
       gpu_info.registry.pop(kind, None)
     else:
       gpu_info.registry[kind] = before
+
+
+def lower_for(traced: Any, platforms: tuple[str, ...] = ("cuda",)) -> Any:
+  """``traced`` (``jax.jit(f).trace(...)``) lowered for ``platforms`` on any machine, the
+  Triton target set where the default device is no GPU (``triton_target``)."""
+  with triton_target():
+    return traced.lower(lowering_platforms=tuple(platforms))
 
 
 def scan_operand_counts(params: dict) -> tuple[int, int]:

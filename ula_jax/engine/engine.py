@@ -1414,8 +1414,7 @@ class Engine:
       args = (self.params, self.carry, self.idle_decode_inputs())
     if platforms is None:
       return step.lower(*args)
-    with compat.triton_target():
-      return step.trace(*args).lower(lowering_platforms=tuple(platforms))
+    return compat.lower_for(step.trace(*args), platforms)
 
   def decode_hlo(self) -> str:
     """The compiled HLO text of the step a decode round runs first: ``speculate`` where

@@ -37,23 +37,15 @@ systems, the model, the kernels) ever sees ``auto``. ``choose`` is the decision 
 
 An explicit value is never changed, and keeps the errors it gives.
 
-The table is built from the JSON of the kernel benchmarks (``ula_jax.bench.kernels_table``)::
-
-    ula-jax bench kernels_table --out ula_jax/kernels/auto_table.json \\
-        results/h200/bench_attention.json results/h200/bench_attention_auto.json \\
-        results/h200/bench_attention_mosaic_issuers.json results/h200/bench_fetch.json \\
-        results/h200/bench_resolve.json results/h200/bench_resolve_fused.json \\
-        results/h200/prefill/prefill.json \\
-        results/h200/decode_ratios/fifth_run/resolve_r4.json \\
-        results/h200/decode_ratios/fifth_run/resolve_r32.json \\
-        results/h200/decode_ratios/sixth_run/fetch.json \\
-        results/h100/auto_table/attention.json results/h100/auto_table/attention_large.json \\
-        results/h100/auto_table/fetch.json results/h100/auto_table/resolve_r32.json \\
-        results/h100/auto_table/resolve_r4.json
+The table is built from the JSON of the kernel benchmarks by ``ula-jax bench
+kernels_table``; the command that builds the shipped one (the H200's rows and the H100
+80GB's) is in ``ula_jax.bench.kernels_table``'s docstring and the README's ``kernels``
+section.
 
 Another GPU gets its rows from the same benchmarks run on it (``ula-jax bench attention``,
-``fetch``, ``resolve``, ``prefill``) and the command above with its files and ``--merge
-ula_jax/kernels/auto_table.json`` (which keeps the devices already there).
+``fetch``, ``resolve``, ``prefill``; ``benchmarks/probes/gpu_auto_table.sh`` runs them) and
+that command with its files and ``--merge ula_jax/kernels/auto_table.json`` (which keeps
+the devices already there).
 """
 
 from __future__ import annotations

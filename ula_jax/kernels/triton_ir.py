@@ -75,11 +75,9 @@ def lowered_kernels(fn, *args) -> dict[str, TritonKernel]:
   ``jax.ShapeDtypeStruct``s); works on a CPU-only machine."""
   import jax
 
-  from ula_jax.core.compat import triton_target
+  from ula_jax.core.compat import lower_for
 
-  with triton_target():
-    return triton_kernels(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-                          .as_text())
+  return triton_kernels(lower_for(jax.jit(fn).trace(*args)).as_text())
 
 
 def triton_kernels_ir(lowered_text: str) -> dict[str, str]:
