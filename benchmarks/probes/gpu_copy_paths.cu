@@ -10,6 +10,14 @@
 //   batch  the copy engines, cudaMemcpyBatchAsync with one descriptor a row (CUDA >=
 //          12.8); the descriptors are host arrays, so the rows must be known to the host
 //          before the call: a ceiling study, not a path a step could take
+//   u8 u16 the FFI kernel's form with 8 or 16 loads in flight a thread
+//   l2_128 l2_256 nc256
+//          the FFI kernel's form with an L2 prefetch-size qualifier on each 16-byte load
+//          (ld.global.L2::128B / .L2::256B; nc256: ld.global.nc.L1::no_allocate.L2::256B):
+//          whether the L2 then asks the host for larger pieces than 64 bytes
+//   seq    control: the FFI kernel on rows 0..n-1 of both pools (one contiguous range,
+//          the memcpy's bytes): what the GPU's loads reach without rows at random
+//          (not checked; a control)
 //
 // Pools: "small" (--pool-rows rows, the same rows every copy, as `ula-jax bench fetch`'s
 // judged form) and, with --big-gib G, a G GiB host pool made by cudaHostAlloc and one made
@@ -64,6 +72,68 @@ cudaError_t LaunchSm(const void* src, void* dst, const int32_t* si, const int32_
   p.dst_rows = dst_rows;
   p.row_bytes = kRow;
   return ula_jax_ffi::LaunchCopyRows(p, s);
+}
+
+// --- u8 / u16 / l2_*: the FFI kernel's form with other loads --------------------------
+template <int H>
+__device__ __forceinline__ uint4 LoadUnit(const uint4* p) {
+  uint4 v;
+  if constexpr (H == 0) {
+    v = *p;
+  } else if constexpr (H == 1) {
+    asm volatile("ld.global.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  } else if constexpr (H == 2) {
+    asm volatile("ld.global.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  } else {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  }
+  return v;
+}
+
+template <int U, int H>
+__global__ void VariantCopy(const uint4* __restrict__ src, uint4* __restrict__ out,
+                            const int32_t* __restrict__ si, const int32_t* __restrict__ di,
+                            int64_t num_units, int64_t src_rows, int64_t dst_rows) {
+  constexpr int64_t upr = kRow / 16;
+  constexpr int kT = 256;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kT * U;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kT * U + threadIdx.x; base < num_units;
+       base += stride) {
+    uint4 v[U];
+    int64_t to[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int64_t u = base + static_cast<int64_t>(j) * kT;
+      to[j] = -1;
+      if (u < num_units) {
+        const int64_t row = u / upr, col = u - row * upr;
+        const int64_t s = si[row], d = di[row];
+        if (s >= 0 && s < src_rows && d >= 0 && d < dst_rows) {
+          v[j] = LoadUnit<H>(src + s * upr + col);
+          to[j] = d * upr + col;
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      if (to[j] >= 0) out[to[j]] = v[j];
+    }
+  }
+}
+
+template <int U, int H>
+cudaError_t LaunchVariant(const void* src, void* dst, const int32_t* si, const int32_t* di,
+                          int n, int64_t src_rows, int64_t dst_rows, cudaStream_t s) {
+  const int64_t units = static_cast<int64_t>(n) * (kRow / 16);
+  const int64_t per_block = 256LL * U;
+  int64_t blocks = std::min<int64_t>((units + per_block - 1) / per_block, 65535LL * 16);
+  VariantCopy<U, H><<<static_cast<unsigned>(blocks), 256, 0, s>>>(
+      static_cast<const uint4*>(src), static_cast<uint4*>(dst), si, di, units, src_rows,
+      dst_rows);
+  return cudaGetLastError();
 }
 
 // Row i of out = rows[idx[i]] (device or mapped host rows; the check's reader).
@@ -228,6 +298,7 @@ int main(int argc, char** argv) {
   int copies = 8, reps = 5;
   int64_t pool_rows = 262144;
   int big_gib = 0;
+  std::string only;  // --paths a,b: run only these (and memcpy)
   for (int a = 1; a + 1 < argc; a += 2) {
     std::string k = argv[a], v = argv[a + 1];
     if (k == "--rows") {
@@ -242,6 +313,7 @@ int main(int argc, char** argv) {
     else if (k == "--pool-rows") pool_rows = std::stoll(v);
     else if (k == "--big-gib") big_gib = std::stoi(v);
     else if (k == "--tma-blocks-per-sm") g_tma_blocks_per_sm = std::stoi(v);
+    else if (k == "--paths") only = "," + v + ",";
     else { std::fprintf(stderr, "unknown argument %s\n", k.c_str()); return 2; }
   }
   CK(cudaSetDevice(0));
@@ -318,11 +390,17 @@ int main(int argc, char** argv) {
       // Host rows (distinct over all lists), device rows distinct over all lists.
       std::vector<int32_t> hi = Distinct(pool.rows, static_cast<int64_t>(n) * lists, rng);
       std::vector<int32_t> di = Distinct(dev_rows, static_cast<int64_t>(n) * lists, rng);
-      int32_t *d_hi, *d_di;
+      int32_t *d_hi, *d_di, *d_seq;
       CK(cudaMalloc(&d_hi, hi.size() * 4));
       CK(cudaMalloc(&d_di, di.size() * 4));
+      CK(cudaMalloc(&d_seq, static_cast<int64_t>(n) * 4));
       CK(cudaMemcpy(d_hi, hi.data(), hi.size() * 4, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(d_di, di.data(), di.size() * 4, cudaMemcpyHostToDevice));
+      {
+        std::vector<int32_t> seq(n);
+        std::iota(seq.begin(), seq.end(), 0);
+        CK(cudaMemcpy(d_seq, seq.data(), seq.size() * 4, cudaMemcpyHostToDevice));
+      }
       const double bytes = static_cast<double>(n) * kRow;
       for (int dir = 0; dir < 2; ++dir) {  // 0 fetch (host -> device), 1 evict
         const bool h2d = dir == 0;
@@ -333,8 +411,9 @@ int main(int argc, char** argv) {
           batches.push_back(h2d ? MakeBatch(pool.p, dev_pool, a, b)
                                 : MakeBatch(dev_pool, pool.p, b, a));
         }
-        const char* paths[] = {"memcpy", "sm", "tma", "batch"};
-        constexpr int kPaths = 4;
+        const char* paths[] = {"memcpy", "sm",     "tma",   "batch", "u8",
+                               "u16",    "l2_128", "l2_256", "nc256", "seq"};
+        constexpr int kPaths = 10;
         std::vector<std::vector<double>> times(kPaths);
         std::vector<std::string> ok(kPaths, "-");
         auto issue = [&](int path, int c) -> cudaError_t {
@@ -354,11 +433,29 @@ int main(int argc, char** argv) {
               if (h2d) LaunchTma(pool.p, dev_pool, shi, sdi, n, s);
               else LaunchTma(dev_pool, pool.p, sdi, shi, n, s);
               return cudaGetLastError();
-            default:
+            case 3:
               return RunBatch(batches[l], h2d, s);
+#define VARIANT(U, H)                                                                  \
+  return h2d ? LaunchVariant<U, H>(pool.p, dev_pool, shi, sdi, n, pool.rows, dev_rows, s) \
+             : LaunchVariant<U, H>(dev_pool, pool.p, sdi, shi, n, dev_rows, pool.rows, s)
+            case 4: VARIANT(8, 0);
+            case 5: VARIANT(16, 0);
+            case 6: VARIANT(4, 1);
+            case 7: VARIANT(4, 2);
+            case 8: VARIANT(4, 3);
+#undef VARIANT
+            default:
+              return h2d ? LaunchSm(pool.p, dev_pool, d_seq, d_seq, n, pool.rows, dev_rows, s)
+                         : LaunchSm(dev_pool, pool.p, d_seq, d_seq, n, dev_rows, pool.rows, s);
           }
         };
         std::vector<bool> usable(kPaths, true);
+        for (int path = 1; path < kPaths; ++path) {
+          if (!only.empty() && only.find("," + std::string(paths[path]) + ",") == std::string::npos) {
+            usable[path] = false;
+            ok[path] = "skipped";
+          }
+        }
         std::vector<char> dev_copy;
         if (!h2d) {
           GatherRows<<<1024, 256, 0, s>>>(dev_pool, d_di, d_check, static_cast<int64_t>(di.size()));
@@ -368,6 +465,7 @@ int main(int argc, char** argv) {
         }
         // Check each path once: poison the destination rows, copy every list, compare.
         for (int path = 1; path < kPaths; ++path) {
+          if (!usable[path] || std::string(paths[path]) == "seq") continue;  // seq: a control
           if (h2d) CK(cudaMemsetAsync(dev_pool, 0xAB, dev_rows * kRow, s));
           else
             for (int32_t h : hi) std::memset(pool.p + static_cast<int64_t>(h) * kRow, 0xAB, kRow);
@@ -424,6 +522,7 @@ int main(int argc, char** argv) {
         const double mem_med = Median(times[0]);
         for (int path = 0; path < kPaths; ++path) {
           if (!usable[path]) {
+            if (ok[path] == "skipped") continue;
             std::printf("%-20s %-6s %6d %-6s %10s %10s %9s %9s %s\n", pool.kind.c_str(),
                         h2d ? "fetch" : "evict", n, paths[path], "-", "-", "-", "-", ok[path].c_str());
             continue;
@@ -438,6 +537,7 @@ int main(int argc, char** argv) {
       }
       CK(cudaFree(d_hi));
       CK(cudaFree(d_di));
+      CK(cudaFree(d_seq));
     }
   }
   return 0;
