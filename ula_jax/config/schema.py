@@ -159,6 +159,12 @@ class MemoryConfig(Section):
       "of every layer side by side, so a group's fetch or write-back of one entry reads "
       "or writes one stretch of host memory, not one per layer), layer_major at row "
       "l * Hr + h (a region per layer)")
+  host_alloc: Literal["auto", "huge_pages", "xla"] = Field(
+      "auto", description="how host pools (ula's, hisparse's, far_tier's) are pinned on a "
+      "GPU: huge_pages, regions of 2 MiB pages zeroed by this process's threads and "
+      "registered with the CUDA driver (a 100 GiB pool in seconds); xla, XLA's host "
+      "allocator (4 KiB pages pinned by one thread: 2-3 GB/s); auto, huge_pages on CUDA "
+      "GPUs, else xla")
   layout: Literal["mod", "block", "request", "replicated"] = Field(
       "mod", description="ula TP layout of a request's entries over tp ranks: position mod P, "
       "contiguous blocks, one owner per request, or a full copy per rank")
@@ -773,6 +779,7 @@ MEMORY_FIELD_USERS: dict[str, tuple[str, ...]] = {
     "policy": ("ula",),
     "pb_lru_buckets": ("ula",),
     "host_layout": ("ula",),
+    "host_alloc": ("ula", "hisparse", "far_tier"),
     "layout": ("ula",),
     "local_buffer": ("ula",),
     "index_scoring": ("ula",),

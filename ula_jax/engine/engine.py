@@ -50,13 +50,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax.config.errors import ConfigError
 from ula_jax.config.schema import ExperimentConfig
-from ula_jax.core import compat, digest
+from ula_jax.core import compat, digest, pinned_region
 from ula_jax.core.compilation import CompileLog
 from ula_jax.engine import synthetic_prefill
 from ula_jax.engine.packing import StatePacking, pack_jit, split_jit
 from ula_jax.engine.types import Request, RequestResult, RunResult, StepMetrics
 from ula_jax.memory import (INVALID, MeshInfo, build_memory_system, local_devices,
                              memory_stats)
+from ula_jax.memory.base import memory_kind_of
 from ula_jax.memory.ula.resolve import fast_path_for
 from ula_jax.kernels import byte_offsets_overflow
 from ula_jax.kernels.auto import concrete
@@ -384,6 +385,12 @@ class Engine:
     # 80 GiB H100).
     t_pools = time.perf_counter()
     state = self._init_pools(mesh)
+    # How the host pools were pinned (memory.host_alloc as it applied): 'huge_pages' where
+    # regions of this process hold them, 'xla' where XLA's allocator does, None without one.
+    host = [x for x in jax.tree.leaves(state)
+            if isinstance(x, jax.Array) and memory_kind_of(x) == "pinned_host" and x.size]
+    self.host_alloc = (None if not host else "huge_pages"
+                       if any(pinned_region.holds(x) for x in host) else "xla")
     # Where a run's time before its first step goes (the summary's setup_time_s):
     # allocating and filling the pools, pinned host memory included, dominates at scale.
     self.pools_time_s = time.perf_counter() - t_pools
@@ -418,6 +425,10 @@ class Engine:
     the device cannot allocate it."""
     try:
       return jax.block_until_ready(self.mem.init_state(mesh))
+    except ValueError as e:
+      if not str(e).startswith("memory.host_alloc"):
+        raise
+      raise ConfigError([str(e)]) from e
     except jax.errors.JaxRuntimeError as e:
       if "RESOURCE_EXHAUSTED" not in str(e):
         raise
@@ -1470,6 +1481,7 @@ class Engine:
         "wall_time_s": wall,
         "setup_time_s": self.setup_time_s,
         "pools_time_s": self.pools_time_s,
+        "host_alloc": self.host_alloc,
         "decode_time_s": decode_time,
         "decode_tokens_per_s": dec_tokens / decode_time if decode_time else 0.0,
         # synthetic prefill: time spent waiting for chunks before decode rounds

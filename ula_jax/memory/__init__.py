@@ -108,8 +108,10 @@ def pool_bytes_per_device(system: MemorySystem, mesh: Any) -> dict[str, int] | N
   every layer group, device and host tiers alike). None when the state cannot be traced
   abstractly.
 
-  Pools are made by ``base.device_zeros``; under ``jax.eval_shape`` the arrays lose their
-  shardings and memory kinds, so each call's sharding is recorded as it is made."""
+  Pools are made by ``base._make`` (``device_zeros``, ``host_zeros``); under
+  ``jax.eval_shape`` the arrays lose their shardings and memory kinds, so each call's
+  sharding is recorded as it is made, and each pool is made by XLA's filler, abstractly
+  (never on a pinned region)."""
   import jax
   import numpy as np
   from jax.sharding import NamedSharding
@@ -117,10 +119,11 @@ def pool_bytes_per_device(system: MemorySystem, mesh: Any) -> dict[str, int] | N
   from ula_jax.memory import base
 
   out: dict[str, int] = {}
-  filler = base._filler
+  make = base._make
   geo = system.geo
 
-  def recording(mesh_, shape, dtype, memory_kind, fill, spec):
+  def recording(mesh_, shape, dtype, memory_kind, fill, spec, host_alloc):
+    del host_alloc
     per_device = NamedSharding(mesh_, spec).shard_shape(tuple(shape))
     nbytes = int(np.prod(per_device, dtype=object)) * np.dtype(dtype).itemsize
     out[memory_kind] = out.get(memory_kind, 0) + nbytes
@@ -128,15 +131,15 @@ def pool_bytes_per_device(system: MemorySystem, mesh: Any) -> dict[str, int] | N
         and np.dtype(dtype) == np.dtype(geo.index_dtype)):
       # An indexer-key table (rows of index_dim keys), counted in 'device' as well.
       out[KEYS] = out.get(KEYS, 0) + nbytes
-    return filler(mesh_, shape, dtype, memory_kind, fill, spec)
+    return base._filler(mesh_, shape, dtype, memory_kind, fill, spec)()
 
-  base._filler = recording
+  base._make = recording
   try:
     jax.eval_shape(lambda: system.init_state(mesh))
   except Exception:  # a state built outside jax's tracing: no estimate, no check
     return None
   finally:
-    base._filler = filler
+    base._make = make
   return out
 
 

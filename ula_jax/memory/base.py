@@ -56,6 +56,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import logging
 from typing import Any, ClassVar
 
 import jax
@@ -65,7 +66,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ula_jax.config.schema import MemoryConfig
-from ula_jax.core import compat
+from ula_jax.core import compat, pinned_region
 from ula_jax.core.scatter import set_where
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
 
@@ -509,7 +510,49 @@ def device_zeros(mesh: Mesh, shape: tuple[int, ...], dtype: Any, memory_kind: st
                  fill: Any = 0, spec: P = P("dp")) -> jax.Array:
   """A global array of ``shape`` sharded by ``spec`` (default: leading axis over dp),
   created in place on the devices (no host staging), in the given memory kind."""
-  return _filler(mesh, tuple(shape), jnp.dtype(dtype).name, memory_kind, fill, spec)()
+  return _make(mesh, tuple(shape), jnp.dtype(dtype).name, memory_kind, fill, spec, "xla")
+
+
+def host_zeros(mesh: Mesh, shape: tuple[int, ...], dtype: Any, host_alloc: str = "auto",
+               spec: P = P("dp")) -> jax.Array:
+  """A zero-filled global ``pinned_host`` array of ``shape`` sharded by ``spec``, made as
+  ``memory.host_alloc`` says: ``huge_pages``, every local shard on a region of 2 MiB pages
+  pinned by this process's threads (``core.pinned_region``; CUDA GPUs only); ``xla``,
+  by XLA's host allocator (as ``device_zeros``); ``auto``, the first where the devices
+  allow it, else the second (a region that fails on the way is logged, and XLA's
+  allocator makes the array)."""
+  if host_alloc not in ("auto", "huge_pages", "xla"):
+    raise ValueError(f"memory.host_alloc={host_alloc!r}: expected auto, huge_pages or xla")
+  return _make(mesh, tuple(shape), jnp.dtype(dtype).name, "pinned_host", 0, spec, host_alloc)
+
+
+def _make(mesh: Mesh, shape: tuple[int, ...], dtype: str, memory_kind: str, fill: Any,
+          spec: P, host_alloc: str) -> jax.Array:
+  # Every pool is made here: ``memory.pool_bytes_per_device`` replaces this function to
+  # count the pools of a state traced abstractly, without making any.
+  if memory_kind != "pinned_host" or host_alloc == "xla" or 0 in shape:
+    return _filler(mesh, shape, dtype, memory_kind, fill, spec)()
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  if not all(pinned_region.available(d) for d in local):
+    if host_alloc == "huge_pages":
+      raise ValueError(
+          f"memory.host_alloc='huge_pages': host pools on pinned regions of this process "
+          f"need CUDA GPUs and the CUDA driver library (devices: "
+          f"{sorted({d.platform for d in local})}); use 'auto' or 'xla'")
+    return _filler(mesh, shape, dtype, memory_kind, fill, spec)()
+  sharding = NamedSharding(mesh, spec, memory_kind="pinned_host")
+  try:
+    shards = [pinned_region.zeros(d, tuple(len(range(*i.indices(n)))
+                                           for i, n in zip(idx, shape)), dtype)
+              for d, idx in sharding.addressable_devices_indices_map(shape).items()]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+  except pinned_region.PinnedRegionError as e:
+    if host_alloc == "huge_pages":
+      raise
+    logging.getLogger(__name__).warning(
+        "warning: a pinned region for a host pool of %s failed (%s); XLA's allocator makes "
+        "it (memory.host_alloc=xla skips the attempt)", shape, e)
+    return _filler(mesh, shape, dtype, memory_kind, fill, spec)()
 
 
 @functools.lru_cache(maxsize=256)

@@ -59,7 +59,7 @@ from ula_jax.core.scatter import set_every_group, set_where
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last_many, device_zeros,
-                                 layer_rows, set_rows, tp_replicated)
+                                 host_zeros, layer_rows, set_rows, tp_replicated)
 
 _BIG = np.iinfo(np.int32).max
 
@@ -156,7 +156,7 @@ class HiSparse(MemorySystem):
     G, L = self.geo.num_groups, self.geo.num_layers
     ints = lambda shape, fill: device_zeros(mesh, (dp, *shape), jnp.int32, "device", fill)
     return HiSparseState(
-        host_pool=device_zeros(mesh, (dp, L * N, W), self.geo.kv_dtype, "pinned_host"),
+        host_pool=host_zeros(mesh, (dp, L * N, W), self.geo.kv_dtype, self.cfg.host_alloc),
         dev_pool=device_zeros(mesh, (dp, L * S, W), self.geo.kv_dtype, "device"),
         slot_of=ints((G, N), INVALID),
         slot_addr=ints((G, S), INVALID),

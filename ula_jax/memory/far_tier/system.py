@@ -46,7 +46,8 @@ from jax.sharding import Mesh
 from ula_jax.core.scatter import set_every_group, set_where
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
-from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros, layer_rows)
+from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last, device_zeros,
+                                 host_zeros, layer_rows)
 from ula_jax.memory.far_tier.link_model import (COUNTER_KEYS, FarTopology, LinkSpec, link_preset,
                                        modeled_run)
 
@@ -138,7 +139,7 @@ class FarTier(MemorySystem):
     dp, N, W, L = self.mesh_info.dp, self.num_logical, self.geo.entry_width, self.geo.num_layers
     G, R = self.geo.num_groups, self.device_slots
     return FarTierState(
-        far_pools=device_zeros(mesh, (dp, L * N, W), self.geo.kv_dtype, "pinned_host"),
+        far_pools=host_zeros(mesh, (dp, L * N, W), self.geo.kv_dtype, self.cfg.host_alloc),
         dev_pools=device_zeros(mesh, (dp, L * R, W), self.geo.kv_dtype, "device"),
         live=device_zeros(mesh, (dp, G, N), jnp.bool_, "device"),
         staged=device_zeros(mesh, (dp, G), jnp.int32, "device"),

@@ -63,7 +63,7 @@ from ula_jax.memory.ula.resolve.fastpath import resolve_speculative
 from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, count_last_many, device_zeros,
-                                 group_slice, group_update, layer_rows, set_rows,
+                                 group_slice, group_update, host_zeros, layer_rows, set_rows,
                                  tp_replicated)
 from ula_jax.memory.ula.policies import bitmap, make_policy, policy_fields
 from ula_jax.memory.ula.state import GroupMeta, UlaPlan, UlaState, _compact, stage_selection
@@ -180,7 +180,7 @@ class Ula(MemorySystem):
     sharding = NamedSharding(mesh, P("dp"), memory_kind="device")
     return UlaState(
         dev_pool=device_zeros(mesh, (dp, L * self.device_slots, W), dt, "device"),
-        host_pool=device_zeros(mesh, (dp, L * self.host_rows, W), dt, "pinned_host"),
+        host_pool=host_zeros(mesh, (dp, L * self.host_rows, W), dt, self.cfg.host_alloc),
         meta=jax.jit(meta, out_shardings=sharding)(),
         index_keys=self.init_index_keys(mesh),
     )

@@ -82,7 +82,7 @@ from ula_jax.core.sizes import parse_size
 from ula_jax.core.types import INVALID, KVGeometry, MeshInfo, Resolution
 from ula_jax.memory.base import (CapacityReport, MemorySystem, check_key_rows, count_last,
                                  count_last_many, device_zeros, group_slice, group_update,
-                                 layer_rows, set_rows)
+                                 host_zeros, layer_rows, set_rows)
 from ula_jax.memory.ula.layouts import LAYOUTS, Layout, make_layout
 from ula_jax.memory.ula.policies import make_policy, policy_fields
 from ula_jax.memory.ula.dp import Ula
@@ -359,8 +359,8 @@ class TieredStore:
 
     return UlaState(
         dev_pool=device_zeros(mesh, (dp, tp, Lk * u.device_slots, W), kv, "device", spec=spec),
-        host_pool=device_zeros(mesh, (dp, tp, Lk * u.host_rows, W), kv, "pinned_host",
-                               spec=spec),
+        host_pool=host_zeros(mesh, (dp, tp, Lk * u.host_rows, W), kv, u.cfg.host_alloc,
+                             spec=spec),
         meta=jax.jit(meta, out_shardings=NamedSharding(mesh, spec, memory_kind="device"))(),
         index_keys=device_zeros(mesh, (dp, tp, G, u.num_logical, geo.index_dim),
                                 geo.index_dtype, "device", spec=spec))
