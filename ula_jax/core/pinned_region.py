@@ -6,9 +6,10 @@ that ran at 2.5-2.9 GB/s (a 32 GiB region in 11.9-13.9 s), so a 100 GiB host poo
 run over a minute before its first step. The same bytes as anonymous memory advised to
 transparent huge pages (``madvise(MADV_HUGEPAGE)``), zeroed by 16 threads and then
 registered with the CUDA driver (``cuMemHostRegister``) were ready at 22.7 GB/s
-(``benchmarks/probes/gpu_host_pin.cu``): 16 GiB zeroed in 0.44 s, registered in 0.35-0.44 s
-(``benchmarks/probes/gpu_pinned_region.py``). Faulting the pages with
-``MADV_POPULATE_WRITE`` instead took 1.6-2.1 s for the same 16 GiB, so they are written.
+(``benchmarks/probes/gpu_host_pin.cu``); here a 100 GiB pool took 6.4 s against XLA's
+66.2 s (16 GiB: zeroed in 0.54 s, registered in 0.56 s; faulting the pages with
+``MADV_POPULATE_WRITE`` instead took 1.58 s, so they are written;
+``benchmarks/probes/gpu_pinned_region.py``, RESULTS.md "Pinning host pools").
 
 ``zeros(device, shape, dtype)`` makes such a region and hands it to jax through DLPack as
 pinned host memory of ``device`` (``kDLCUDAHost``): jax views it in place, as an array of
