@@ -174,6 +174,26 @@ def test_every_systems_state_round_trips_bit_for_bit(system, tmp_path, seed):
   assert kinds == ({"device"} if system == "resident" else {"device", "pinned_host"})
 
 
+def test_host_pool_regions_are_given_back_before_the_restore(tmp_path, monkeypatch):
+  """The restore pins memory of its own for the host pool: a pool on a region of this
+  process (memory.host_alloc) is given back first, once its arrays are deleted, so the
+  host never holds the pool twice."""
+  from ula_jax.core import pinned_region
+
+  cfg = _cfg("ula")
+  saved = Engine(cfg, _mesh())
+  requests = build_requests(cfg)
+  saved.run_state = RunState.start(requests, 2, 1, saved.mem.num_logical // 16)
+  path = checkpoint.save(saved, tmp_path / "checkpoint")
+  restored = Engine(cfg, _mesh())
+  pools = [x for x in jax.tree.leaves(restored.state) if x.sharding.memory_kind == "pinned_host"]
+  seen = []
+  monkeypatch.setattr(pinned_region, "release_unused",
+                      lambda *a: seen.append(all(x.is_deleted() for x in pools)) or 0)
+  checkpoint.restore(restored, path, requests)
+  assert pools and seen == [True]
+
+
 def test_sigterm_then_resume_from_the_command_line(tmp_path, monkeypatch, capsys,
                                                    references):
   out = tmp_path / "run"

@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from ula_jax.config.schema import ExperimentConfig
+from ula_jax.core import pinned_region
 from ula_jax.core.serialize import dumps
 from ula_jax.core.addressing import PageAllocator
 from ula_jax.engine.engine import Engine, RunState, _Live
@@ -277,6 +278,9 @@ def restore(engine: Engine, path: str | Path, requests: Sequence[Request]) -> Ru
   for x in [*leaves, *jax.tree.leaves(engine.carry)]:
     if not x.is_deleted():
       x.delete()
+  # Host pools on regions of this process (memory.host_alloc) are given back now, not when
+  # the next pool is made: the restore below pins its own memory for them.
+  pinned_region.release_unused()
   saved = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
       path / STATE_DIR, args=ocp.args.StandardRestore(abstract))
   tree = jax.tree.unflatten(treedef, [saved[n] for n in names])
