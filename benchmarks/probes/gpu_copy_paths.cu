@@ -20,7 +20,8 @@
 //          (not checked; a control)
 //
 // Pools: "small" (--pool-rows rows, the same rows every copy, as `ula-jax bench fetch`'s
-// judged form) and, with --big-gib G, a G GiB host pool made by cudaHostAlloc and one made
+// judged form; with --small-thp 1 also "small_thp", the same on 2 MiB pages registered
+// with cudaHostRegister, as memory.host_alloc's regions) and, with --big-gib G, a G GiB host pool made by cudaHostAlloc and one made
 // by mmap + madvise(MADV_HUGEPAGE) + cudaHostRegister, each copy with its own rows
 // (rows the GPU has not just touched, as a serving step's misses).
 //
@@ -299,6 +300,7 @@ int main(int argc, char** argv) {
   int64_t pool_rows = 262144;
   int big_gib = 0;
   std::string only;  // --paths a,b: run only these (and memcpy)
+  bool small_thp = false;  // --small-thp 1: the small pool again on 2 MiB pages
   for (int a = 1; a + 1 < argc; a += 2) {
     std::string k = argv[a], v = argv[a + 1];
     if (k == "--rows") {
@@ -314,6 +316,7 @@ int main(int argc, char** argv) {
     else if (k == "--big-gib") big_gib = std::stoi(v);
     else if (k == "--tma-blocks-per-sm") g_tma_blocks_per_sm = std::stoi(v);
     else if (k == "--paths") only = "," + v + ",";
+    else if (k == "--small-thp") small_thp = std::stoi(v) != 0;
     else { std::fprintf(stderr, "unknown argument %s\n", k.c_str()); return 2; }
   }
   CK(cudaSetDevice(0));
@@ -348,6 +351,22 @@ int main(int argc, char** argv) {
     small.kind = "small";
     FillRows(small.p, small.rows, 11);
     pools.push_back(small);
+  }
+  if (small_thp) {
+    // The same pool on 2 MiB pages, registered (as memory.host_alloc's regions are).
+    Pool t;
+    t.rows = pool_rows;
+    t.kind = "small_thp";
+    const size_t len = ((t.rows * kRow + (4 << 20) - 1) >> 21) << 21;
+    void* m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) { std::perror("mmap"); return 1; }
+    char* a = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(m) + (2 << 20) - 1) &
+                                      ~static_cast<uintptr_t>((2 << 20) - 1));
+    madvise(a, t.rows * kRow, MADV_HUGEPAGE);
+    t.p = a;
+    FillRows(t.p, t.rows, 11);
+    CK(cudaHostRegister(t.p, t.rows * kRow, cudaHostRegisterDefault));
+    pools.push_back(t);
   }
   if (big_gib > 0) {
     const int64_t bytes = static_cast<int64_t>(big_gib) << 30;
@@ -384,7 +403,7 @@ int main(int argc, char** argv) {
               "GB/s", "memcpy", "fraction", "median", "ok");
   std::mt19937_64 rng(1234);
   for (const Pool& pool : pools) {
-    const bool fresh = pool.kind != "small";
+    const bool fresh = pool.kind.rfind("small", 0) != 0;
     for (int n : counts) {
       const int lists = fresh ? copies : 1;
       // Host rows (distinct over all lists), device rows distinct over all lists.
