@@ -94,7 +94,9 @@ def _cuda() -> ctypes.CDLL:
     raise PinnedRegionError(f"the CUDA driver library is not loadable ({e})") from e
   lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
   lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+  lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
   lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+  lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
   lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
   lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
   lib.cuCtxSynchronize.argtypes = []
@@ -183,14 +185,22 @@ class _Current:
 
   def __enter__(self) -> ctypes.CDLL:
     cu = _cuda()
-    ctx = ctypes.c_void_p()
-    _check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), self.local_id),
+    self.device, ctx = ctypes.c_int(), ctypes.c_void_p()
+    _check(cu.cuDeviceGet(ctypes.byref(self.device), self.local_id), "cuDeviceGet")
+    _check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), self.device),
            "cuDevicePrimaryCtxRetain")
-    _check(cu.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+    try:
+      _check(cu.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
+    except PinnedRegionError:
+      cu.cuDevicePrimaryCtxRelease_v2(self.device)
+      raise
     return cu
 
   def __exit__(self, *exc: Any) -> None:
-    _check(_cuda().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+    cu = _cuda()
+    popped = cu.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    cu.cuDevicePrimaryCtxRelease_v2(self.device)  # XLA holds the context too: stays alive
+    _check(popped, "cuCtxPopCurrent")
 
 
 def _register(region: _Region, device: Any) -> None:

@@ -547,8 +547,11 @@ def _make(mesh: Mesh, shape: tuple[int, ...], dtype: str, memory_kind: str, fill
               for d, idx in sharding.addressable_devices_indices_map(shape).items()]
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)
   except pinned_region.PinnedRegionError as e:
+    pinned_region.release_unused()  # shards made before the one that failed
     if host_alloc == "huge_pages":
-      raise
+      raise ValueError(f"memory.host_alloc='huge_pages': a pinned region for a host pool of "
+                       f"{shape} failed ({e}); use 'auto' (XLA's allocator makes it then) "
+                       "or 'xla'") from e
     logging.getLogger(__name__).warning(
         "warning: a pinned region for a host pool of %s failed (%s); XLA's allocator makes "
         "it (memory.host_alloc=xla skips the attempt)", shape, e)
