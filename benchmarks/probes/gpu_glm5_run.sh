@@ -41,8 +41,9 @@ collect() {
   for f in "$2"/*.png "$2"/*.csv; do [ -f "$f" ] && cp "$f" "$WORK/${1}_$(basename "$f")"; done
 }
 if [ -n "${SWEEP:-}" ]; then
-  # One process serves every system in turn (ula-jax sweep): the backend starts once and
-  # the pinned host region made for the first host pool is reused by the next ones. The
+  # One process serves every system in turn (ula-jax sweep): the backend starts once (with
+  # memory.host_alloc=xla, XLA's pinned host region made for the first host pool is
+  # reused by the next ones; regions of 2 MiB pages are made per pool in seconds). The
   # systems share the first item's tag (its CONFIG_TAG and EXTRA_TAG); RUN_LIMIT_S is
   # the whole sweep's limit.
   # shellcheck disable=SC2206
