@@ -11,6 +11,9 @@
   lowers under it).
 * A ``scan`` equation counts its constants and carries in params ``num_consts`` /
   ``num_carry`` in 0.10 and in a flat tree ``ft_in`` in 0.11: ``scan_operand_counts``.
+* jax's DLPack import takes pinned host memory (``kDLCUDAHost``) from jaxlib's extension
+  version 467 on (0.10.2 and 0.11 have it; the check reads the private version number):
+  ``dlpack_takes_pinned_host``.
 """
 
 from __future__ import annotations
@@ -110,3 +113,10 @@ def scan_operand_counts(params: dict) -> tuple[int, int]:
     return params["num_consts"], params["num_carry"]
   consts, carry, _ = params["ft_in"].unpack()
   return len(list(consts)), len(list(carry))
+
+
+def dlpack_takes_pinned_host() -> bool:
+  """Whether ``jax.dlpack.from_dlpack`` views pinned host memory (``kDLCUDAHost``) as a
+  ``pinned_host`` array of a GPU (jaxlib's extension version 467 and later)."""
+  from jax._src.lib import jaxlib_extension_version
+  return jaxlib_extension_version >= 467

@@ -36,6 +36,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ula_jax.core import compat
+
 _HUGE = 2 << 20  # transparent huge page size on x86-64 and arm64 (4 KiB base pages)
 _PROT_RW = 0x1 | 0x2
 _MAP_PRIVATE_ANON = 0x02 | 0x20
@@ -128,8 +130,7 @@ def available(device: Any) -> bool:
   if getattr(device, "platform", None) != "gpu" or "cuda" not in str(
       getattr(device.client, "platform_version", "")).lower():
     return False
-  from jax._src.lib import jaxlib_extension_version
-  if jaxlib_extension_version < 467 or not hasattr(os, "sched_getaffinity"):
+  if not compat.dlpack_takes_pinned_host() or not hasattr(os, "sched_getaffinity"):
     return False
   try:
     _cuda()
