@@ -61,7 +61,9 @@ def test_jax_views_an_exported_region_in_place(region, dtype):
 
 
 def test_a_region_larger_than_the_free_ram_is_refused(monkeypatch):
-  monkeypatch.setattr(pinned_region, "_free_ram", lambda: 64 << 20)
+  from ula_jax.core import host_memory
+
+  monkeypatch.setattr(host_memory, "free_ram", lambda: 64 << 20)
   with pytest.raises(pinned_region.PinnedRegionError, match=r"67108864 bytes of RAM available"):
     pinned_region._map(64 << 20, threads=1)
 

@@ -34,6 +34,8 @@
 #include <cuda_runtime.h>
 #include <sys/mman.h>
 
+#include "cuda_check.h"
+
 #include "cuda_kernels.h"
 
 #include <algorithm>
@@ -47,15 +49,6 @@
 #include <string>
 #include <vector>
 
-#define CK(x)                                                                    \
-  do {                                                                           \
-    cudaError_t e_ = (x);                                                        \
-    if (e_ != cudaSuccess) {                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,             \
-                   cudaGetErrorString(e_));                                      \
-      std::exit(1);                                                              \
-    }                                                                            \
-  } while (0)
 
 constexpr int kRow = 656;
 
@@ -289,6 +282,24 @@ struct Pool {
   std::string kind;
 };
 
+// rows rows as anonymous memory on 2 MiB pages (the start on a 2 MiB boundary,
+// madvise(MADV_HUGEPAGE)), filled, then registered: as memory.host_alloc's regions are.
+// *adv: madvise's return value.
+Pool ThpPool(int64_t rows, const char* kind, int* adv) {
+  Pool t;
+  t.rows = rows;
+  t.kind = kind;
+  const size_t len = ((rows * kRow + (4 << 20) - 1) >> 21) << 21;
+  void* m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) { std::perror("mmap"); std::exit(1); }
+  t.p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(m) + (2 << 20) - 1) &
+                                ~static_cast<uintptr_t>((2 << 20) - 1));
+  *adv = madvise(t.p, rows * kRow, MADV_HUGEPAGE);
+  FillRows(t.p, rows, 11);
+  CK(cudaHostRegister(t.p, rows * kRow, cudaHostRegisterDefault));
+  return t;
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -352,21 +363,9 @@ int main(int argc, char** argv) {
     FillRows(small.p, small.rows, 11);
     pools.push_back(small);
   }
-  if (small_thp) {
-    // The same pool on 2 MiB pages, registered (as memory.host_alloc's regions are).
-    Pool t;
-    t.rows = pool_rows;
-    t.kind = "small_thp";
-    const size_t len = ((t.rows * kRow + (4 << 20) - 1) >> 21) << 21;
-    void* m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) { std::perror("mmap"); return 1; }
-    char* a = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(m) + (2 << 20) - 1) &
-                                      ~static_cast<uintptr_t>((2 << 20) - 1));
-    madvise(a, t.rows * kRow, MADV_HUGEPAGE);
-    t.p = a;
-    FillRows(t.p, t.rows, 11);
-    CK(cudaHostRegister(t.p, t.rows * kRow, cudaHostRegisterDefault));
-    pools.push_back(t);
+  if (small_thp) {  // the same pool on 2 MiB pages
+    int adv;
+    pools.push_back(ThpPool(pool_rows, "small_thp", &adv));
   }
   if (big_gib > 0) {
     const int64_t bytes = static_cast<int64_t>(big_gib) << 30;
@@ -377,17 +376,8 @@ int main(int argc, char** argv) {
     CK(cudaHostAlloc(&a.p, a.rows * kRow, cudaHostAllocDefault));
     FillRows(a.p, a.rows, 11);
     pools.push_back(a);
-    Pool h;
-    h.rows = bytes / kRow;
-    h.kind = "big_thp_registered";
-    const size_t len = ((h.rows * kRow + (2 << 20) - 1) >> 21) << 21;
-    void* m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (m == MAP_FAILED) { std::perror("mmap"); return 1; }
-    int adv = madvise(m, len, MADV_HUGEPAGE);
-    h.p = static_cast<char*>(m);
-    FillRows(h.p, h.rows, 11);
-    CK(cudaHostRegister(h.p, len, cudaHostRegisterDefault));
-    pools.push_back(h);
+    int adv;
+    pools.push_back(ThpPool(bytes / kRow, "big_thp_registered", &adv));
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("big pools: 2 x %d GiB in %.1f s; madvise(MADV_HUGEPAGE) -> %d\n", big_gib,
                 secs, adv);

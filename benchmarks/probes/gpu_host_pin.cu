@@ -16,6 +16,8 @@
 #include <cuda_runtime.h>
 #include <sys/mman.h>
 
+#include "cuda_check.h"
+
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -25,15 +27,6 @@
 #include <thread>
 #include <vector>
 
-#define CK(x)                                                                    \
-  do {                                                                           \
-    cudaError_t e_ = (x);                                                        \
-    if (e_ != cudaSuccess) {                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,             \
-                   cudaGetErrorString(e_));                                      \
-      std::exit(1);                                                              \
-    }                                                                            \
-  } while (0)
 
 __global__ void Touch(uint64_t* p, int64_t words_per_mib, int64_t mibs, uint64_t salt) {
   for (int64_t m = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; m < mibs;

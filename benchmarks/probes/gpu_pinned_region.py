@@ -41,14 +41,14 @@ def _breakdown(gib: int, dev) -> list[dict]:
     if how == "memset":
       r = pinned_region._map(nbytes, 16)
     else:  # the same mapping, pages faulted by the kernel without a write
-      libc = pinned_region._libc()
-      length = nbytes + pinned_region._HUGE
-      base = libc.mmap(None, length, 3, 0x22, -1, 0)
-      addr = -(-base // pinned_region._HUGE) * pinned_region._HUGE
-      libc.madvise(addr, length - (addr - base), 14)
+      pr, libc = pinned_region, pinned_region._libc()
+      length = nbytes + pr._HUGE
+      base = libc.mmap(None, length, pr._PROT_RW, pr._MAP_PRIVATE_ANON, -1, 0)
+      addr = -(-base // pr._HUGE) * pr._HUGE
+      libc.madvise(addr, length - (addr - base), pr._MADV_HUGEPAGE)
       chunk = nbytes // 16
       with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        codes = list(pool.map(lambda s: libc.madvise(addr + s, chunk, 23),
+        codes = list(pool.map(lambda s: libc.madvise(addr + s, chunk, 23),  # POPULATE_WRITE
                               range(0, nbytes, chunk)))
       r = pinned_region._Region(base, length, addr, nbytes)
     t1 = time.perf_counter()

@@ -27,6 +27,18 @@ def host_ram() -> int | None:
     return None
 
 
+def free_ram() -> int | None:
+  """Bytes of RAM available now (``MemAvailable`` of /proc/meminfo; None where unreadable)."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) << 10
+  except OSError:
+    return None
+  return None
+
+
 def default_pinned_limit_gib(ram_bytes: int) -> int:
   """The pinned-host cap set when none is: the RAM in whole GiB less max(8, RAM / 8)."""
   gib = ram_bytes >> 30
@@ -44,5 +56,5 @@ def pinned_host_limit() -> int | None:
   return None if ram is None else default_pinned_limit_gib(ram) << 30
 
 
-__all__ = ["HOST_LIMIT_ENV", "MIN_RESERVE_GIB", "default_pinned_limit_gib", "host_ram",
-           "pinned_host_limit"]
+__all__ = ["HOST_LIMIT_ENV", "MIN_RESERVE_GIB", "default_pinned_limit_gib", "free_ram",
+           "host_ram", "pinned_host_limit"]

@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ula_jax.core import compat
+from ula_jax.core import compat, host_memory
 
 _HUGE = 2 << 20  # transparent huge page size on x86-64 and arm64 (4 KiB base pages)
 _PROT_RW = 0x1 | 0x2
@@ -119,6 +119,9 @@ class _Region:
     self.base, self.length, self.addr, self.nbytes = base, length, addr, nbytes
     self.registered = False
 
+  def contains(self, pointer: int) -> bool:
+    return self.addr <= pointer < self.addr + max(self.nbytes, 1)
+
 
 _LOCK = threading.Lock()
 _REGIONS: dict[int, _Region] = {}  # by addr
@@ -139,22 +142,10 @@ def available(device: Any) -> bool:
   return True
 
 
-def _free_ram() -> int | None:
-  """MemAvailable of /proc/meminfo in bytes (None where unreadable)."""
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) << 10
-  except OSError:
-    return None
-  return None
-
-
 def _map(nbytes: int, threads: int) -> _Region:
   # Writing pages the host does not have ends in the kernel's OOM killer, not in an
   # error; XLA's allocator fails such a request with one, so it is refused here first.
-  free = _free_ram()
+  free = host_memory.free_ram()
   if free is not None and nbytes + _HUGE > free:
     raise PinnedRegionError(f"{nbytes} bytes asked for, {free} bytes of RAM available")
   libc = _libc()
@@ -266,16 +257,16 @@ def _dl_code(dtype: np.dtype) -> int:
   return _DL_CODES[dtype.kind]
 
 
-def _live_pointers(devices: set[Any]) -> set[int]:
-  ptrs = set()
-  for x in jax.live_arrays():
-    for shard in x.addressable_shards:
-      if shard.device in devices:
-        try:
-          ptrs.add(shard.data.unsafe_buffer_pointer())
-        except Exception:  # deleted meanwhile, or no pointer for this memory kind
-          continue
-  return ptrs
+def _pointers(x: jax.Array, devices: set[Any] | None = None) -> list[int]:
+  """The buffer addresses of ``x``'s addressable shards (on ``devices``, when given)."""
+  out = []
+  for shard in x.addressable_shards:
+    if devices is None or shard.device in devices:
+      try:
+        out.append(shard.data.unsafe_buffer_pointer())
+      except Exception:  # deleted meanwhile, or no pointer for this memory kind
+        continue
+  return out
 
 
 def release_unused(devices: list[Any] | None = None) -> int:
@@ -288,9 +279,8 @@ def release_unused(devices: list[Any] | None = None) -> int:
       return 0
     devices = [d for d in jax.local_devices() if d.platform == "gpu"] if devices is None \
         else devices
-    live = _live_pointers(set(devices))
-    gone = [r for r in _REGIONS.values()
-            if not any(r.addr <= p < r.addr + max(r.nbytes, 1) for p in live)]
+    live = [p for x in jax.live_arrays() for p in _pointers(x, set(devices))]
+    gone = [r for r in _REGIONS.values() if not any(r.contains(p) for p in live)]
     if gone:
       for d in devices:
         if d.platform == "gpu":
@@ -305,15 +295,8 @@ def release_unused(devices: list[Any] | None = None) -> int:
 def holds(x: jax.Array) -> bool:
   """Whether a shard of ``x`` lies in a region made here."""
   with _LOCK:
-    spans = [(r.addr, r.addr + r.nbytes) for r in _REGIONS.values()]
-  for shard in x.addressable_shards:
-    try:
-      p = shard.data.unsafe_buffer_pointer()
-    except Exception:  # no pointer for this array (deleted, or none in this memory kind)
-      continue
-    if any(a <= p < b for a, b in spans):
-      return True
-  return False
+    regions = list(_REGIONS.values())
+  return any(r.contains(p) for p in _pointers(x) for r in regions)
 
 
 def held_bytes() -> int:

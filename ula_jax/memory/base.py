@@ -530,8 +530,17 @@ def _make(mesh: Mesh, shape: tuple[int, ...], dtype: str, memory_kind: str, fill
           spec: P, host_alloc: str) -> jax.Array:
   # Every pool is made here: ``memory.pool_bytes_per_device`` replaces this function to
   # count the pools of a state traced abstractly, without making any.
-  if memory_kind != "pinned_host" or host_alloc == "xla" or 0 in shape:
-    return _filler(mesh, shape, dtype, memory_kind, fill, spec)()
+  if memory_kind == "pinned_host" and host_alloc != "xla" and 0 not in shape:
+    made = _on_regions(mesh, shape, dtype, spec, host_alloc)
+    if made is not None:
+      return made
+  return _filler(mesh, shape, dtype, memory_kind, fill, spec)()
+
+
+def _on_regions(mesh: Mesh, shape: tuple[int, ...], dtype: str, spec: P,
+                host_alloc: str) -> jax.Array | None:
+  """A zero-filled ``pinned_host`` array with every local shard on a pinned region, or
+  None where ``host_alloc='auto'`` falls back to XLA's allocator."""
   local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
   if not all(pinned_region.available(d) for d in local):
     if host_alloc == "huge_pages":
@@ -539,12 +548,11 @@ def _make(mesh: Mesh, shape: tuple[int, ...], dtype: str, memory_kind: str, fill
           f"memory.host_alloc='huge_pages': host pools on pinned regions of this process "
           f"need CUDA GPUs and the CUDA driver library (devices: "
           f"{sorted({d.platform for d in local})}); use 'auto' or 'xla'")
-    return _filler(mesh, shape, dtype, memory_kind, fill, spec)()
+    return None
   sharding = NamedSharding(mesh, spec, memory_kind="pinned_host")
   try:
-    shards = [pinned_region.zeros(d, tuple(len(range(*i.indices(n)))
-                                           for i, n in zip(idx, shape)), dtype)
-              for d, idx in sharding.addressable_devices_indices_map(shape).items()]
+    shards = [pinned_region.zeros(d, sharding.shard_shape(shape), dtype)
+              for d in sharding.addressable_devices]
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)
   except pinned_region.PinnedRegionError as e:
     pinned_region.release_unused()  # shards made before the one that failed
@@ -555,7 +563,7 @@ def _make(mesh: Mesh, shape: tuple[int, ...], dtype: str, memory_kind: str, fill
     logging.getLogger(__name__).warning(
         "warning: a pinned region for a host pool of %s failed (%s); XLA's allocator makes "
         "it (memory.host_alloc=xla skips the attempt)", shape, e)
-    return _filler(mesh, shape, dtype, memory_kind, fill, spec)()
+    return None
 
 
 @functools.lru_cache(maxsize=256)
