@@ -139,11 +139,23 @@ def test_restored_ula_engine_continues_token_for_token(tmp_path, monkeypatch, re
       "_steps"]]
 
 
-@pytest.mark.parametrize("system", sorted(SYSTEMS))
-def test_every_systems_state_round_trips_bit_for_bit(system, tmp_path, seed):
+@pytest.mark.parametrize("system,stored,pack", [
+    *[(s, stored, False) for s in sorted(SYSTEMS)
+      for stored in ("default", "all_files", "all_orbax")],
+    ("ula", "default", True)])
+def test_every_systems_state_round_trips_bit_for_bit(system, stored, pack, tmp_path, seed,
+                                                     monkeypatch):
   """Every leaf of the memory system's state and the prefill workspace (random values)
-  comes back bit for bit, in its sharding and memory kind (pinned_host pools too)."""
-  cfg = _cfg(system)
+  comes back bit for bit, in its sharding and memory kind (pinned_host pools too),
+  whether written as shard files (host pools always; ``all_files``: device leaves too,
+  made anew on restore) or through orbax (``all_orbax``: as format 1 wrote every leaf);
+  with ``engine.pack_state`` too, whose steps' carry holds the pools beside packed
+  copies of the small leaves."""
+  if stored == "all_files":
+    monkeypatch.setattr(checkpoint, "STREAMED_BYTES", 0)
+  elif stored == "all_orbax":
+    monkeypatch.setattr(checkpoint, "_streamed", lambda x: False)
+  cfg = _cfg(system, f"engine.pack_state={str(pack).lower()}")
   rng = np.random.default_rng(seed)
 
   def random_like(x):
@@ -161,6 +173,10 @@ def test_every_systems_state_round_trips_bit_for_bit(system, tmp_path, seed):
   requests = build_requests(cfg)
   saved.run_state = RunState.start(requests, 2, 1, saved.mem.num_logical // 16)
   path = checkpoint.save(saved, tmp_path / "checkpoint")
+  files = checkpoint.read_host(path)["pool_files"]
+  kinds = [x.sharding.memory_kind for x in jax.tree.leaves((saved.state, saved.workspace))]
+  assert len(files) == {"default": kinds.count("pinned_host"), "all_files": len(kinds),
+                        "all_orbax": 0}[stored]
 
   restored = Engine(cfg, _mesh())
   checkpoint.restore(restored, path, requests)
@@ -174,24 +190,48 @@ def test_every_systems_state_round_trips_bit_for_bit(system, tmp_path, seed):
   assert kinds == ({"device"} if system == "resident" else {"device", "pinned_host"})
 
 
-def test_host_pool_regions_are_given_back_before_the_restore(tmp_path, monkeypatch):
-  """The restore pins memory of its own for the host pool: a pool on a region of this
-  process (memory.host_alloc) is given back first, once its arrays are deleted, so the
-  host never holds the pool twice."""
+def test_host_pools_are_restored_in_place(tmp_path, monkeypatch):
+  """A host pool written as shard files is read back into the live pool's own bytes:
+  the restore pins no second pool, and no region is given back for it."""
   from ula_jax.core import pinned_region
 
   cfg = _cfg("ula")
   saved = Engine(cfg, _mesh())
+  saved.state = jax.tree.map(lambda x: x + 1 if x.dtype != bool else x, saved.state)
   requests = build_requests(cfg)
   saved.run_state = RunState.start(requests, 2, 1, saved.mem.num_logical // 16)
   path = checkpoint.save(saved, tmp_path / "checkpoint")
   restored = Engine(cfg, _mesh())
   pools = [x for x in jax.tree.leaves(restored.state) if x.sharding.memory_kind == "pinned_host"]
-  seen = []
+  before = [s.data.unsafe_buffer_pointer() for x in pools for s in x.addressable_shards]
+  freed = []
   monkeypatch.setattr(pinned_region, "release_unused",
-                      lambda *a: seen.append(all(x.is_deleted() for x in pools)) or 0)
+                      lambda *a: freed.append(any(x.is_deleted() for x in pools)) or 0)
   checkpoint.restore(restored, path, requests)
-  assert pools and seen == [True]
+  after = [x for x in jax.tree.leaves(restored.state) if x.sharding.memory_kind == "pinned_host"]
+  assert pools and all(x is y for x, y in zip(pools, after)) and freed == [False]
+  assert [s.data.unsafe_buffer_pointer() for x in after for s in x.addressable_shards] == before
+  for x, y in zip(jax.tree.leaves(saved.state), jax.tree.leaves(restored.state)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_broken_pool_files_are_refused_before_anything_is_deleted(tmp_path):
+  cfg = _cfg("ula")
+  saved = Engine(cfg, _mesh())
+  requests = build_requests(cfg)
+  saved.run_state = RunState.start(requests, 2, 1, saved.mem.num_logical // 16)
+  path = checkpoint.save(saved, tmp_path / "checkpoint")
+  shard = next((path / checkpoint.POOLS_DIR).glob("*/shard-00001.bin"))
+  with open(shard, "r+b") as f:
+    f.truncate(shard.stat().st_size - 1)
+  restored = Engine(cfg, _mesh())
+  with pytest.raises(checkpoint.CheckpointError, match=rf"{shard}: \d+ bytes \(description: "
+                     r"\d+\), the shard at index \[\[1, 2\]"):
+    checkpoint.restore(restored, path, requests)
+  assert not any(x.is_deleted() for x in jax.tree.leaves((restored.state, restored.workspace)))
+  shard.unlink()
+  with pytest.raises(checkpoint.CheckpointError, match=rf"{shard}: unreadable"):
+    checkpoint.restore(restored, path, requests)
 
 
 def test_sigterm_then_resume_from_the_command_line(tmp_path, monkeypatch, capsys,
@@ -350,7 +390,7 @@ def test_latest_checkpoint_ignores_unfinished_writes(tmp_path):
   # step 11 has no engine.json (not written by save), the .tmp folder is not renamed yet
   assert checkpoint.latest(root) == root / "step-00000010"
   with pytest.raises(checkpoint.CheckpointError, match=r"engine.json: format=None, this "
-                     r"version reads format=1"):
+                     r"version reads format 1 or 2"):
     checkpoint.read_host(root / "step-00000010")
   with pytest.raises(checkpoint.CheckpointError, match=r"engine.json: missing"):
     checkpoint.read_host(root / "step-00000011")

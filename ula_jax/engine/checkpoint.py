@@ -5,8 +5,16 @@ directory::
 
     RUN/checkpoint/step-00000123/     the engine as it stood before step 123
         state/                        the memory system's state and the prefill workspace
-                                      (orbax); each leaf comes back with the sharding and
-                                      memory kind (device, pinned_host) of the live one
+                                      (orbax): every leaf but the pools below; each comes
+                                      back with the sharding and memory kind (device,
+                                      pinned_host) of the live one
+        pools/leaf_0007/shard-00000.bin  the pools: every leaf in host memory and every
+                                      leaf of STREAMED_BYTES or more, one raw file per
+                                      shard, moved in bounded chunks
+                                      (``core.shard_files``): orbax would copy each shard
+                                      whole into host memory, and a 100 GiB host pool
+                                      would need another 100 GiB of RAM. A host pool is
+                                      restored into the live pool in place
         engine.json                   the host side (``RunState``): queued, running and
                                       finished requests with their tokens, decode rows,
                                       page tables and free pages, the step, the metrics and
@@ -39,7 +47,7 @@ import jax
 import numpy as np
 
 from ula_jax.config.schema import ExperimentConfig
-from ula_jax.core import pinned_region
+from ula_jax.core import pinned_region, shard_files
 from ula_jax.core.serialize import dumps
 from ula_jax.core.addressing import PageAllocator
 from ula_jax.engine.engine import Engine, RunState, _Live
@@ -48,8 +56,13 @@ from ula_jax.memory.base import CapacityReport
 
 CHECKPOINT_DIR = "checkpoint"  # in the run directory
 STATE_DIR = "state"
+POOLS_DIR = "pools"
 HOST_FILE = "engine.json"
-FORMAT = 1
+FORMAT = 2
+READS_FORMATS = (1, 2)  # 1: every leaf through orbax
+STREAMED_BYTES = 256 << 20
+"""Device-memory leaves of at least this many bytes are written as shard files, not
+through orbax (leaves in host memory always are)."""
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 RESUMABLE_FIELDS = ("engine.max_steps", "engine.progress", "engine.report_every",
@@ -110,11 +123,17 @@ def save(engine: Engine, root: str | Path) -> Path:
       import orbax.checkpoint as ocp  # (only runs that checkpoint import it)
 
       names, leaves, paths, _ = _flat_device_state(engine)
-      ocp.Checkpointer(ocp.StandardCheckpointHandler()).save(
-          tmp / STATE_DIR, args=ocp.args.StandardSave(dict(zip(names, leaves))))
+      streamed = [_streamed(x) for x in leaves]
+      files = {n: shard_files.save(x, tmp / POOLS_DIR / n)
+               for n, x, s in zip(names, leaves, streamed) if s}
+      rest = {n: x for n, x, s in zip(names, leaves, streamed) if not s}
+      if rest:
+        ocp.Checkpointer(ocp.StandardCheckpointHandler()).save(
+            tmp / STATE_DIR, args=ocp.args.StandardSave(rest))
       doc = _host_doc(engine, rs)
       doc["device_leaves"] = [{"path": p, "shape": list(x.shape), "dtype": str(x.dtype)}
                               for p, x in zip(paths, leaves)]
+      doc["pool_files"] = files
       (tmp / HOST_FILE).write_text(dumps(doc) + "\n")
       shutil.rmtree(final, ignore_errors=True)  # (a folder of that name left incomplete)
       os.rename(tmp, final)
@@ -126,6 +145,12 @@ def save(engine: Engine, root: str | Path) -> Path:
     if (m and int(m.group(1)) != rs.step) or old.name.startswith(".tmp-"):
       shutil.rmtree(old, ignore_errors=True)
   return final
+
+
+def _streamed(x: jax.Array) -> bool:
+  """Whether leaf ``x`` is written as shard files (else through orbax)."""
+  return x.sharding.memory_kind in shard_files.HOST_KINDS or \
+      x.size * x.dtype.itemsize >= STREAMED_BYTES
 
 
 def _flat_device_state(engine: Engine) -> tuple[list[str], list[jax.Array], list[str], Any]:
@@ -204,9 +229,10 @@ def read_host(path: str | Path) -> dict:
     raise CheckpointError(f"{file}: missing; not a checkpoint") from None
   except (OSError, json.JSONDecodeError) as e:
     raise CheckpointError(f"{file}: unreadable ({e})") from None
-  if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+  if not isinstance(doc, dict) or doc.get("format") not in READS_FORMATS:
     got = doc.get("format") if isinstance(doc, dict) else None
-    raise CheckpointError(f"{file}: format={got!r}, this version reads format={FORMAT}")
+    raise CheckpointError(f"{file}: format={got!r}, this version reads format "
+                          f"{' or '.join(map(str, READS_FORMATS))}")
   return doc
 
 
@@ -249,8 +275,9 @@ def restore(engine: Engine, path: str | Path, requests: Sequence[Request]) -> Ru
 
   ``requests`` must be the checkpointed run's (ids, prompts, lengths, arrivals) and
   the engine's state must have the checkpoint's leaves (CheckpointError otherwise).
-  Each leaf is read into the sharding and memory kind of the live one, whose buffers
-  are freed first (a pool is never held twice).
+  Each leaf is read into the sharding and memory kind of the live one: a leaf in host
+  memory written as shard files is filled in place; every other leaf's buffers are
+  freed first. A pool is never held twice.
   """
   path = Path(path)
   doc = read_host(path)
@@ -261,6 +288,7 @@ def restore(engine: Engine, path: str | Path, requests: Sequence[Request]) -> Ru
   try:
     run_state = _run_state(doc, requests)
     saved_leaves = doc["device_leaves"]
+    files = doc.get("pool_files", {})  # (none in format 1)
   except (KeyError, TypeError, ValueError) as e:
     raise CheckpointError(f"{path / HOST_FILE}: unreadable ({type(e).__name__}: {e})") from None
   names, leaves, paths, treedef = _flat_device_state(engine)
@@ -271,22 +299,54 @@ def restore(engine: Engine, path: str | Path, requests: Sequence[Request]) -> Ru
                 f"{len(want)} leaves vs {len(saved_leaves)}")
     raise CheckpointError(f"{path}: the memory system's state is laid out unlike the "
                           f"checkpoint's (live vs saved: {diff})")
+  in_place = [n in files and x.sharding.memory_kind in shard_files.HOST_KINDS
+              for n, x in zip(names, leaves)]
+  # The carry (the state as the steps take it) holds the state's own leaves, and with
+  # engine.pack_state packed copies of the others.
+  from_files = {id(x) for n, x in zip(names, leaves) if n in files}
+  carry = [x for x in jax.tree.leaves(engine.carry) if id(x) not in from_files]
+  # A pool filled in place must own its buffers: no other array may share them, or
+  # filling it would change that one too.
+  owned = [p for x, keep in zip(leaves, in_place) if keep for p in _buffers(x)]
+  others = {p for x, keep in zip(leaves, in_place) if not keep for p in _buffers(x)}
+  others.update(p for x in carry for p in _buffers(x))
+  if len(set(owned)) != len(owned) or others & set(owned):
+    raise CheckpointError(f"{path}: the live state's host pools share buffers with other "
+                          "leaves; they cannot be restored in place")
+  try:  # every pool's files, before anything is deleted
+    for n, x in zip(names, leaves):
+      if n in files:
+        shard_files.check(x, path / POOLS_DIR / n, files[n])
+  except shard_files.ShardFileError as e:
+    raise CheckpointError(str(e)) from None
   abstract = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-              for n, x in zip(names, leaves)}
+              for n, x in zip(names, leaves) if n not in files}
   import orbax.checkpoint as ocp  # (only runs that checkpoint import it)
 
-  for x in [*leaves, *jax.tree.leaves(engine.carry)]:
+  # Leaves read back from shard files are deleted by the restore, one at a time (or
+  # filled in place); every other buffer goes now.
+  for x in [*carry, *(x for n, x in zip(names, leaves) if n not in files)]:
     if not x.is_deleted():
       x.delete()
-  # Host pools on regions of this process (memory.host_alloc) are given back now, not when
-  # the next pool is made: the restore below pins its own memory for them.
+  # Host pools on regions of this process (memory.host_alloc) that the deleted leaves
+  # held are given back now, not when the next pool is made.
   pinned_region.release_unused()
-  saved = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
-      path / STATE_DIR, args=ocp.args.StandardRestore(abstract))
-  tree = jax.tree.unflatten(treedef, [saved[n] for n in names])
+  restored = {n: shard_files.restore(x, path / POOLS_DIR / n, files[n])
+              for n, x in zip(names, leaves) if n in files}
+  if abstract:
+    restored.update(ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
+        path / STATE_DIR, args=ocp.args.StandardRestore(abstract)))
+  tree = jax.tree.unflatten(treedef, [restored[n] for n in names])
   engine.state, engine.workspace = tree["memory"], tree["workspace"]
   engine._try_speculate = bool(doc.get("try_speculate", True))
   return run_state
+
+
+def _buffers(x: jax.Array) -> list[int]:
+  try:
+    return [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+  except Exception:  # a deleted leaf, or a memory kind without pointers
+    return []
 
 
 def _run_state(doc: dict, requests: Sequence[Request]) -> RunState:
