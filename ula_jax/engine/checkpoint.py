@@ -182,6 +182,7 @@ def _host_doc(engine: Engine, rs: RunState) -> dict:
       "peak_report": _report_doc(rs.peak["report"]),
       "last_report": _report_doc(rs.last_report),
       "elapsed_s": rs.elapsed_s,
+      "callback_s": rs.callback_s,
       "resumed_at": list(rs.resumed_at),
       "try_speculate": engine._try_speculate,
   }
@@ -380,6 +381,7 @@ def _run_state(doc: dict, requests: Sequence[Request]) -> RunState:
       peak={"device_used": doc["peak_device_used"],
             "report": _report_of(doc["peak_report"])},
       last_report=_report_of(doc["last_report"]), elapsed_s=doc["elapsed_s"],
+      callback_s=doc.get("callback_s", 0.0),  # (not in format 1)
       resumed_at=[*doc["resumed_at"], doc["step"]])
 
 

@@ -275,6 +275,7 @@ class RunState:
   peak: dict = dataclasses.field(default_factory=lambda: {"device_used": -1, "report": None})
   last_report: Any = None  # CapacityReport of the last report step
   elapsed_s: float = 0.0  # wall time already run (before a resume)
+  callback_s: float = 0.0  # time spent in the step callback, not counted in elapsed_s
   resumed_at: list[int] = dataclasses.field(default_factory=list)  # steps resumed from
   # True between steps (the fields above agree with the device state), False within one.
   at_boundary: bool = True
@@ -952,6 +953,9 @@ class Engine:
 
     ``self.run_state`` is the run's ``RunState`` while it runs and after it returns;
     ``on_step`` is called between steps (``at_boundary``), where a checkpoint may be taken.
+    The time it takes (metrics, progress, checkpoints) counts neither in the run's wall
+    time nor in a request's time to first token; the summary gives it as
+    ``callback_time_s``.
     """
     dp, B = self.dp, self.max_batch
     self.compile_log.start()
@@ -1066,7 +1070,16 @@ class Engine:
         rs.elapsed_s = time.perf_counter() - t_run
         rs.at_boundary = True
         if on_step is not None:
-          on_step(m)
+          t_cb = time.perf_counter()
+          try:
+            on_step(m)
+          finally:
+            # The pause is left out of the wall time and of the waits of admitted rows.
+            paused = time.perf_counter() - t_cb
+            t_run += paused
+            rs.callback_s += paused
+            for l in (l for rank in rows for l in rank if l is not None):
+              l.admitted_time += paused
     except jax.errors.JaxRuntimeError as e:
       if "RESOURCE_EXHAUSTED" not in str(e):
         raise
@@ -1100,6 +1113,7 @@ class Engine:
     ordered = [results[r.id] for r in requests]
     wall = time.perf_counter() - t_run
     summary = self._summary(steps, ordered, totals, wall)
+    summary["callback_time_s"] = rs.callback_s
     if rs.resumed_at:
       summary["resumed_at_steps"] = list(rs.resumed_at)
     if interrupted:
