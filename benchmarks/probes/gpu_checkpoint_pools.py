@@ -30,7 +30,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from ula_jax.core import pinned_region, shard_files
 from ula_jax.memory.base import device_zeros, host_zeros
@@ -68,7 +68,7 @@ def _digest_host(x):
   view = shard_files._bytes_view(x.addressable_shards[0].data).reshape(-1, W)
   acc = np.zeros(2, np.uint64)
   for lo in range(0, view.shape[0], 1 << 20):
-    a, b = _digest(jax.device_put(view[lo:lo + (1 << 20)][::1], dev))
+    a, b = _digest(jax.device_put(view[lo:lo + (1 << 20)], dev))
     acc += np.array([int(a), int(b)], np.uint64)
   return tuple(int(v) for v in acc)
 
