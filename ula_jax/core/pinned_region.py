@@ -257,7 +257,7 @@ def _dl_code(dtype: np.dtype) -> int:
   return _DL_CODES[dtype.kind]
 
 
-def _pointers(x: jax.Array, devices: set[Any] | None = None) -> list[int]:
+def buffer_pointers(x: jax.Array, devices: set[Any] | None = None) -> list[int]:
   """The buffer addresses of ``x``'s addressable shards (on ``devices``, when given)."""
   out = []
   for shard in x.addressable_shards:
@@ -279,7 +279,7 @@ def release_unused(devices: list[Any] | None = None) -> int:
       return 0
     devices = [d for d in jax.local_devices() if d.platform == "gpu"] if devices is None \
         else devices
-    live = [p for x in jax.live_arrays() for p in _pointers(x, set(devices))]
+    live = [p for x in jax.live_arrays() for p in buffer_pointers(x, set(devices))]
     gone = [r for r in _REGIONS.values() if not any(r.contains(p) for p in live)]
     if gone:
       for d in devices:
@@ -296,7 +296,7 @@ def holds(x: jax.Array) -> bool:
   """Whether a shard of ``x`` lies in a region made here."""
   with _LOCK:
     regions = list(_REGIONS.values())
-  return any(r.contains(p) for p in _pointers(x) for r in regions)
+  return any(r.contains(p) for p in buffer_pointers(x) for r in regions)
 
 
 def held_bytes() -> int:
@@ -337,4 +337,5 @@ def zeros(device: Any, shape: tuple[int, ...], dtype: Any,
   return x
 
 
-__all__ = ["PinnedRegionError", "available", "held_bytes", "holds", "release_unused", "zeros"]
+__all__ = ["PinnedRegionError", "available", "buffer_pointers", "held_bytes", "holds",
+           "release_unused", "zeros"]

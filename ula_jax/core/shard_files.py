@@ -49,7 +49,7 @@ class ShardFileError(ValueError):
   """Files that do not hold the array asked for (the message names the file)."""
 
 
-def _in_host_memory(x: jax.Array) -> bool:
+def in_host_memory(x: jax.Array) -> bool:
   """Whether ``x`` lives in host memory (a memory kind of the host's)."""
   return x.sharding.memory_kind in HOST_KINDS
 
@@ -57,7 +57,7 @@ def _in_host_memory(x: jax.Array) -> bool:
 def _host_addressable(x: jax.Array) -> bool:
   """Whether this process reads ``x``'s shards' bytes directly (host memory, or any
   memory of a CPU backend)."""
-  return _in_host_memory(x) or all(d.platform == "cpu" for d in x.sharding.device_set)
+  return in_host_memory(x) or all(d.platform == "cpu" for d in x.sharding.device_set)
 
 
 def _index_doc(index: tuple, shape: tuple[int, ...]) -> list[list[int]]:
@@ -231,16 +231,22 @@ def restore(x: jax.Array, folder: str | Path, doc: dict,
   folder = Path(folder)
   saved = check(x, folder, doc)
   groups = _distinct_shards(x)
-  if _in_host_memory(x):
+  if in_host_memory(x):
     jax.block_until_ready(x)
     for idx, shards in groups:
       path, nbytes = saved[repr(idx)]
-      views = [_bytes_view(s.data) for s in shards]
+      first, *replicas = [_bytes_view(s.data) for s in shards]
+
+      def read(span: tuple[int, int]) -> None:  # into the first copy, then its replicas
+        lo, hi = span
+        _pread_all(fd, first[lo:hi], lo, path)
+        for v in replicas:
+          v[lo:hi] = first[lo:hi]
+
       fd = os.open(path, os.O_RDONLY)
       try:
         with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
-          list(pool.map(lambda s: [_pread_all(fd, v[s[0]:s[1]], s[0], path) for v in views],
-                        _spans(nbytes, chunk_bytes)))
+          list(pool.map(read, _spans(nbytes, chunk_bytes)))
       finally:
         os.close(fd)
     return x
@@ -281,4 +287,5 @@ def _restore_device_shard(path: Path, device: Any, shape: tuple[int, ...], dtype
   return buf
 
 
-__all__ = ["CHUNK_BYTES", "HOST_KINDS", "THREADS", "ShardFileError", "check", "restore", "save"]
+__all__ = ["CHUNK_BYTES", "HOST_KINDS", "THREADS", "ShardFileError", "check", "in_host_memory",
+           "restore", "save"]

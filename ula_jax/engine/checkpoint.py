@@ -149,8 +149,7 @@ def save(engine: Engine, root: str | Path) -> Path:
 
 def _streamed(x: jax.Array) -> bool:
   """Whether leaf ``x`` is written as shard files (else through orbax)."""
-  return x.sharding.memory_kind in shard_files.HOST_KINDS or \
-      x.size * x.dtype.itemsize >= STREAMED_BYTES
+  return shard_files.in_host_memory(x) or x.size * x.dtype.itemsize >= STREAMED_BYTES
 
 
 def _flat_device_state(engine: Engine) -> tuple[list[str], list[jax.Array], list[str], Any]:
@@ -300,17 +299,17 @@ def restore(engine: Engine, path: str | Path, requests: Sequence[Request]) -> Ru
                 f"{len(want)} leaves vs {len(saved_leaves)}")
     raise CheckpointError(f"{path}: the memory system's state is laid out unlike the "
                           f"checkpoint's (live vs saved: {diff})")
-  in_place = [n in files and x.sharding.memory_kind in shard_files.HOST_KINDS
-              for n, x in zip(names, leaves)]
+  in_place = [n in files and shard_files.in_host_memory(x) for n, x in zip(names, leaves)]
   # The carry (the state as the steps take it) holds the state's own leaves, and with
   # engine.pack_state packed copies of the others.
   from_files = {id(x) for n, x in zip(names, leaves) if n in files}
   carry = [x for x in jax.tree.leaves(engine.carry) if id(x) not in from_files]
   # A pool filled in place must own its buffers: no other array may share them, or
   # filling it would change that one too.
-  owned = [p for x, keep in zip(leaves, in_place) if keep for p in _buffers(x)]
-  others = {p for x, keep in zip(leaves, in_place) if not keep for p in _buffers(x)}
-  others.update(p for x in carry for p in _buffers(x))
+  pointers = pinned_region.buffer_pointers
+  owned = [p for x, keep in zip(leaves, in_place) if keep for p in pointers(x)]
+  others = {p for x, keep in zip(leaves, in_place) if not keep for p in pointers(x)}
+  others.update(p for x in carry for p in pointers(x))
   if len(set(owned)) != len(owned) or others & set(owned):
     raise CheckpointError(f"{path}: the live state's host pools share buffers with other "
                           "leaves; they cannot be restored in place")
@@ -341,13 +340,6 @@ def restore(engine: Engine, path: str | Path, requests: Sequence[Request]) -> Ru
   engine.state, engine.workspace = tree["memory"], tree["workspace"]
   engine._try_speculate = bool(doc.get("try_speculate", True))
   return run_state
-
-
-def _buffers(x: jax.Array) -> list[int]:
-  try:
-    return [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
-  except Exception:  # a deleted leaf, or a memory kind without pointers
-    return []
 
 
 def _run_state(doc: dict, requests: Sequence[Request]) -> RunState:
