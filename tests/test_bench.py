@@ -198,7 +198,7 @@ def test_attention_benchmark_reports_read_rate_against_a_device_copy(tmp_path, c
   assert rc == 0
   result = json.loads(out.read_text())
   assert result["geometry"] == {"heads": 4, "k": 40, "latent": 32, "rope": 16,
-                                "pool_rows": 256, "dtype": "bfloat16"}
+                                "pool_rows": 256, "dtype": "bfloat16", "kv_layout": "bf16"}
   assert (result["loop"], result["reps"]) == (2, 2)
   rows = result["rows"]
   assert [(r["batch"], r["impl"]) for r in rows] == [
@@ -218,6 +218,29 @@ def test_attention_benchmark_reports_read_rate_against_a_device_copy(tmp_path, c
   assert [(r["block_h"], r["splits"], r["programs"]) for r in split] == [(16, 2, 2), (16, 2, 6)]
   assert all(r["partial_bytes"] == 2 * r["batch"] * 2 * 4 * 33 * 4 for r in split)
   assert "sparse MLA decode attention" in capsys.readouterr().out
+
+
+def test_attention_benchmark_reads_fp8_rows(tmp_path, capsys):
+  """--kv-layout fp8: the pool holds 164-byte fp8 rows (latent 128 + 4 + 2 x 16); xla
+  and pallas read them, within the fp8 kernel's tolerance of the reference."""
+  out = tmp_path / "attention.json"
+  rc = attention.main(["--quick", "--kv-layout", "fp8", "--latent", "128", "--out", str(out)])
+  assert rc == 0
+  result = json.loads(out.read_text())
+  assert result["geometry"]["kv_layout"] == "fp8"
+  rows = result["rows"]
+  assert [(r["batch"], r["impl"]) for r in rows] == [
+      (b, impl) for b in (1, 3) for impl in ("device copy", "xla", "pallas")]
+  for r in rows:
+    assert r["error"] is None
+    assert r["bytes_read"] == r["batch"] * (40 * 164 + 4 * 144 * 2)
+    if r["impl"] != "device copy":
+      assert r["max_err"] < 2e-2
+  assert "fp8 rows" in capsys.readouterr().out
+  with pytest.raises(ValueError, match=r"--impls='xla,mosaic' with --kv-layout='fp8': "
+                     r"'mosaic' reads bf16 rows only"):
+    attention.main(["--quick", "--kv-layout", "fp8", "--latent", "128", "--impls",
+                    "xla,mosaic", "--out", str(out)])
 
 
 def test_attention_configs_parse():

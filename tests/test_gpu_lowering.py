@@ -50,7 +50,7 @@ def test_every_program_lowers_for_a_gpu(system, batch, monkeypatch):
   texts = lowered_steps(monkeypatch, [f"memory.system={system}", f"engine.max_batch={batch}",
                                       "engine.prefill_chunk=100", *SYSTEMS[system](batch)])
   step = texts["decode"]
-  assert "ula_stacked_matmul" in step and "__gpu$xla.gpu.triton" in step
+  assert "ula_stacked_matmul" in step and "ula_sparse_mla_attention" in step
   assert "__gpu$xla.gpu.triton" in texts["prefill"]
 
 
@@ -76,10 +76,13 @@ def test_tensor_parallel_step_lowers_for_a_gpu(monkeypatch):
   assert "ula_stacked_matmul" in texts["decode"]
 
 
-def test_fp8_entries_lower_for_a_gpu(monkeypatch):
-  """FP8 entries (656-byte rows: XLA attention, the Pallas fetch, indexer and resolve)."""
+@pytest.mark.parametrize("attention", ["xla", "pallas"])
+def test_fp8_entries_lower_for_a_gpu(monkeypatch, attention):
+  """FP8 entries (fp8 rows: XLA or Pallas attention, the Pallas fetch, indexer and
+  resolve)."""
   texts = lowered_steps(monkeypatch, [
       "memory.system=ula", "engine.max_batch=36", "engine.prefill_chunk=100",
-      "model.kv_layout=fp8", "model.kv_lora_rank=128", "kernels.attention=xla",
+      "model.kv_layout=fp8", "model.kv_lora_rank=128", f"kernels.attention={attention}",
       *SYSTEMS["ula"](36)])
   assert "ula_stacked_matmul" in texts["decode"] and "__gpu$xla.gpu.triton" in texts["prefill"]
+  assert ("ula_sparse_mla_attention_fp8" in texts["decode"]) == (attention == "pallas")

@@ -77,11 +77,12 @@ def test_an_explicit_value_keeps_its_error():
 
   with pytest.raises(ConfigError, match=r"kernels.attention=mosaic on cpu"):
     check_kernels(cfg_of(model=GLM5, kernels={"attention": "mosaic"}), "cpu")
-  with pytest.raises(ConfigError, match=r"kernels.attention='pallas' reads "
+  with pytest.raises(ConfigError, match=r"kernels.attention='mosaic' reads "
                      r"model.kv_layout='bf16' rows only"):
     cfg_of(model={"kv_layout": "fp8", "preset": "glm5", "max_position": 1 << 20},
-           kernels={"attention": "pallas"})
-  # 'auto' with fp8 rows is valid: it takes the one implementation that reads them.
+           kernels={"attention": "mosaic"})
+  # 'auto' with fp8 rows is valid: what the table measured on fp8 rows (the shipped one
+  # has none: the reference), never mosaic.
   cfg = cfg_of(model={**GLM5, "kv_layout": "fp8"})
   assert auto_kernels(cfg, fake_gpu()).attention == "xla"
 
@@ -388,3 +389,34 @@ def test_auto_fetch_skips_pallas_where_a_byte_pool_is_2_to_4_gib(monkeypatch):
                                        "mesh.tp=2", "memory.host_pool=1024"]))
   tp.set_fetch_impl("ffi")
   assert tp.fetch_impl == tp.store.ula.fetch_impl == "ffi"
+
+
+def test_attention_rankings_by_row_layout(monkeypatch):
+  """A table's fp8 entries (from ``bench attention --kv-layout fp8``) rank fp8 rows'
+  launches; bf16 entries rank bf16 rows' only. The builder keeps the layouts apart and
+  names the layout in a geometry only for fp8 rows."""
+  from ula_jax.bench.kernels_table import attention_entries, latest, measurements
+
+  env = {"backend": "gpu", "device": "G", "date": "2026-01-01T00:00:00+00:00"}
+  geo = {"heads": 64, "k": 2048, "latent": 512, "rope": 64, "dtype": "bfloat16"}
+  runs = [{"benchmark": "attention", "environment": env, "geometry": g, "rows": [
+      {"batch": 8, "impl": "xla", "seconds": x}, {"batch": 8, "impl": "pallas", "seconds": p}]}
+      for g, x, p in ((geo, 3.0, 1.0), ({**geo, "kv_layout": "fp8"}, 1.0, 2.0))]
+  found = latest([m for i, r in enumerate(runs) for m in measurements(r, f"{i}.json")])
+  entries = attention_entries(found, "G")
+  assert [(e["geometry"].get("kv_layout"), e["rows"][0]["ranking"]) for e in entries] == [
+      (None, ["pallas", "xla"]), ("fp8", ["xla", "pallas"])]
+  table = {"format": auto.TABLE_FORMAT, "devices": {"G": {"attention": entries}}}
+  gpu = Device("gpu", "G", "9.0")
+  assert auto.choose(gpu, LaunchShape(rows=8), table=table, ffi=False)["attention"] == "pallas"
+  fp8 = LaunchShape(rows=8, kv_layout="fp8")
+  assert auto.choose(gpu, fp8, table=table, ffi=False)["attention"] == "xla"
+  # Measured faster on fp8 rows, the Pallas kernel is taken for them.
+  entries[1]["rows"][0]["ranking"] = ["pallas", "xla"]
+  assert auto.choose(gpu, fp8, table=table, ffi=False)["attention"] == "pallas"
+  # With no fp8 entry, fp8 rows take the reference, even where bf16 rows rank pallas.
+  bf16_only = {"format": auto.TABLE_FORMAT, "devices": {"G": {"attention": entries[:1]}}}
+  assert auto.choose(gpu, fp8, table=bf16_only, ffi=False)["attention"] == "xla"
+  monkeypatch.setattr(auto, "_logged", set())  # the unknown GPU's line, logged here
+  assert auto.choose(Device("gpu", "Unknown GPU", "9.0"), fp8, table=bf16_only,
+                     ffi=False)["attention"] == "xla"

@@ -158,16 +158,16 @@ def test_errors_name_the_fields():
   with pytest.raises(ValueError, match=r"model.kv_layout='fp4': expected one of \['bf16', "
                      r"'fp8'\]"):
     EntryLayout("fp4", 128, 16)
-  with pytest.raises(ConfigError, match=r"kernels.attention='pallas' reads "
+  with pytest.raises(ConfigError, match=r"kernels.attention='mosaic' reads "
                      r"model.kv_layout='bf16' rows only; with model.kv_layout='fp8' use "
-                     r"kernels.attention='xla'"):
-    load_config(BASE, ["model.preset=tiny", "kernels.attention=pallas"] + FP8)
+                     r"kernels.attention='pallas' or 'xla'"):
+    load_config(BASE, ["model.preset=tiny", "kernels.attention=mosaic"] + FP8)
   q_lat, q_rope = jnp.zeros((1, 2, 128)), jnp.zeros((1, 2, 16))
   slots, valid = jnp.zeros((1, 3), jnp.int32), jnp.ones((1, 3), bool)
-  with pytest.raises(ValueError, match=r"kernels.attention='pallas' reads "
+  with pytest.raises(ValueError, match=r"kernels.attention='mosaic' reads "
                      r"model.kv_layout='bf16' rows only"):
     sparse_mla_attention(q_lat, q_rope, jnp.zeros((4, 164), jnp.uint8), slots, valid,
-                         scale=1.0, impl="pallas", kv_layout="fp8")
+                         scale=1.0, impl="mosaic", kv_layout="fp8")
   with pytest.raises(ValueError, match=r"pool: got float32\[4, 144\], expected uint8 "
                      r"\[S, Dl \+ 4 Dl/128 \+ 2 Dr\] = \[S, 164\]"):
     sparse_mla_attention(q_lat, q_rope, jnp.zeros((4, 144)), slots, valid, scale=1.0,
@@ -348,23 +348,26 @@ def _requests():
   return make_requests(num=4, seed=5, prompt=(9, 40), output=(3, 7))
 
 
-@pytest.mark.parametrize("prefill", ["compute", "synthetic"])
-def test_tokens_equal_across_systems_fp8(prefill):
+@pytest.mark.parametrize("prefill, attention", [("compute", "xla"), ("synthetic", "xla"),
+                                                ("compute", "pallas")])
+def test_tokens_equal_across_systems_fp8(prefill, attention):
   """Greedy tokens with kv_layout fp8: every system decodes resident's tokens (with
   most steps missing and evicting; ula's TP mode with computed prefill); with computed
   prefill they are also the memory-free reference's (``generate_reference``: prefill
-  and dense decode over the same fp8 rows)."""
+  and dense decode over the same fp8 rows). With the Pallas attention (fp8 rows decoded
+  in the kernel; interpreted here) resident, ula and hisparse decode the same tokens."""
   # The all-hit fast path changes no token (tests/test_exactness.py); leaving it out
   # saves compile time.
   base = [f"model.{k}={v}" for k, v in SMALL.items()] + [
       f"workload.prefill={prefill}", "mesh.dp=2", f"engine.max_batch={ROWS}",
-      "kernels.resolve_fast_path=false"]
+      "kernels.resolve_fast_path=false", f"kernels.attention={attention}"]
   tokens = {}
   # far_tier reads the rows its pool holds, which come back bit for bit
   # (test_fp8_rows_round_trip_through_pools); with synthetic prefill, resident against
   # ula (every system's synthetic tokens: tests/test_synthetic_prefill.py).
   systems = [n for n in ENGINE_SYSTEMS if n != "far_tier"
-             and (prefill == "compute" or n in ("resident", "ula"))]
+             and (prefill == "compute" or n in ("resident", "ula"))
+             and (attention == "xla" or n in ("resident", "ula", "hisparse"))]
   for name in systems:
     result = run_engine(base + ENGINE_SYSTEMS[name], _requests())
     assert [r.status for r in result.requests] == ["finished"] * len(_requests())
@@ -377,7 +380,7 @@ def test_tokens_equal_across_systems_fp8(prefill):
   assert len({tuple(v) for v in tokens["resident"].values()}) > 1
   for name in systems:
     assert tokens[name] == tokens["resident"], name
-  if prefill == "compute":
+  if prefill == "compute" and attention == "xla":
     model = tfm.Transformer(ModelConfig(preset="tiny", **SMALL))
     for r in _requests():
       ref = tfm.generate_reference(model, r.prompt, r.max_new_tokens)

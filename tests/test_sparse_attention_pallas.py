@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ula_jax.core import kv_layout as kv_layout_lib
 from ula_jax.core.compat import lower_for
 from ula_jax.kernels.sparse_attention import sparse_mla_attention
 from ula_jax.kernels.sparse_attention.pallas import (AttentionConfig, attention_cost,
@@ -43,14 +44,26 @@ def make_inputs(rng, B, H, Dl, Dr, S, k, dtype, *, p_valid=0.7, empty_row=True):
   return q_lat, q_rope, pool, jnp.asarray(slots), jnp.asarray(valid)
 
 
+def make_fp8_inputs(rng, B, H, Dl, Dr, S, k, **kw):
+  """``make_inputs`` with the pool stored as fp8 rows (``model.kv_layout='fp8'``): entries
+  of magnitudes spread over three octaves by row, so the rows' scales differ (wider
+  spreads put the kernel's bf16 softmax weights times the largest entries past
+  ``TOL``)."""
+  q_lat, q_rope, pool, slots, valid = make_inputs(rng, B, H, Dl, Dr, S, k, jnp.float32, **kw)
+  spread = jnp.asarray(np.exp2(rng.integers(-1, 2, (S, 1))).astype(np.float32))
+  rows = kv_layout_lib.quantize(pool * spread, Dl)
+  return q_lat.astype(jnp.bfloat16), q_rope.astype(jnp.bfloat16), rows, slots, valid
+
+
 @functools.cache
-def _reference(scale: float):
-  return jax.jit(functools.partial(sparse_mla_attention_reference, scale=scale))
+def _reference(scale: float, kv_layout: str = "bf16"):
+  extra = {} if kv_layout == "bf16" else {"kv_layout": kv_layout}
+  return jax.jit(functools.partial(sparse_mla_attention_reference, scale=scale, **extra))
 
 
-def reference(*args, scale):
+def reference(*args, scale, kv_layout="bf16"):
   """The jnp reference, jitted (op-by-op it would compile every operation)."""
-  return _reference(float(scale))(*args)
+  return _reference(float(scale), kv_layout)(*args)
 
 
 def assert_close(got, want, dtype):
@@ -65,10 +78,45 @@ class SparseAttentionPallasCases:
 
   INTERPRET = False
 
-  def run(self, *args, scale, config=None):
+  def run(self, *args, scale, config=None, **kw):
     f = functools.partial(sparse_mla_attention_pallas, scale=scale, config=config,
-                          interpret=self.INTERPRET)
+                          interpret=self.INTERPRET, **kw)
     return jax.jit(f)(*args)
+
+  @pytest.mark.parametrize("B, H, Dl, Dr, S, k, config", [
+      # two fp8 blocks, k not a multiple of block_k, H not a multiple of block_h
+      (3, 20, 256, 16, 100, 45, AttentionConfig(num_splits=1, block_k=16)),
+      # several splits (blocks 2, 2, 1)
+      (2, 8, 128, 32, 60, 70, AttentionConfig(num_splits=3, block_k=16)),
+      # each step's slots loaded in the loop, four blocks
+      (2, 16, 512, 16, 60, 40, AttentionConfig(num_splits=2, block_k=16, preload_slots=0)),
+  ])
+  def test_fp8_rows_match_reference(self, rng, B, H, Dl, Dr, S, k, config):
+    """fp8 rows decoded in the kernel: the reference's outputs (dequantised in float32)
+    up to the kernel's bf16 queries and softmax weights."""
+    args = make_fp8_inputs(rng, B, H, Dl, Dr, S, k)
+    scale = 1.0 / math.sqrt(Dl + Dr)
+    got = self.run(*args, scale=scale, config=config, kv_layout="fp8")
+    want = reference(*args, scale=scale, kv_layout="fp8")
+    assert_close(got, want, jnp.bfloat16)
+    assert not np.asarray(got[1]).any()  # the second row selects nothing
+
+  def test_fp8_rows_behind_invalid_slots_never_leak(self, rng):
+    """Unused fp8 rows hold 0xFF bytes: NaN fp8 values and a NaN scale."""
+    B, H, Dl, Dr, S, k = 2, 16, 128, 16, 24, 40
+    q_lat, q_rope, rows, slots, valid = make_fp8_inputs(rng, B, H, Dl, Dr, S, k,
+                                                        empty_row=False)
+    slots, valid, rows = np.asarray(slots), np.asarray(valid), np.asarray(rows)
+    used = np.zeros(S, bool)
+    used[slots[valid]] = True
+    garbage = jnp.asarray(np.where(used[:, None], rows, 0xFF).astype(np.uint8))
+    slots = jnp.asarray(np.where(valid, slots, np.argmax(~used)).astype(np.int32))
+    valid = jnp.asarray(valid)
+    got = self.run(q_lat, q_rope, garbage, slots, valid, scale=0.1, kv_layout="fp8",
+                   config=AttentionConfig(num_splits=2, block_k=16))
+    want = reference(q_lat, q_rope, jnp.asarray(rows), slots, valid, scale=0.1,
+                     kv_layout="fp8")
+    assert_close(got, want, jnp.bfloat16)
 
   @pytest.mark.parametrize(
       "B, H, Dl, Dr, S, k, config, dtype",
@@ -147,6 +195,19 @@ class TestSparseAttentionPallasGpu(SparseAttentionPallasCases):
     got = self.run(*args, scale=scale, config=config)
     assert_close(got, reference(*args, scale=scale), jnp.bfloat16)
 
+  @pytest.mark.parametrize("B, config", [
+      (4, AttentionConfig()),
+      (1, AttentionConfig()),  # split along k
+      (32, AttentionConfig(block_h=16, block_k=32, num_warps=4, num_stages=3)),
+  ])
+  def test_model_geometry_fp8(self, rng, B, config):
+    """GLM-5 geometry with DeepSeek-V3.2's 656-byte fp8 rows, 64 heads, k = 2048."""
+    H, Dl, Dr, S, k = 64, 512, 64, 8192, 2048
+    args = make_fp8_inputs(rng, B, H, Dl, Dr, S, k)
+    scale = 1.0 / math.sqrt(Dl + Dr)
+    got = self.run(*args, scale=scale, config=config, kv_layout="fp8")
+    assert_close(got, reference(*args, scale=scale, kv_layout="fp8"), jnp.bfloat16)
+
 
 class TestSparseAttentionPallasInterpret(SparseAttentionPallasCases):
   INTERPRET = True
@@ -200,6 +261,21 @@ def test_lowers_to_triton_for_the_model_geometry():
     assert "triton" in text
 
 
+def test_fp8_rows_lower_to_triton_for_the_model_geometry():
+  """The fp8 form's byte gathers, bitcasts and float8 casts lower to Triton IR (656-byte
+  rows, 64 heads, k = 2048), with and without splits."""
+  B, H, Dl, Dr, S, k = 2, 64, 512, 64, 1000, 2048
+  shapes = [jax.ShapeDtypeStruct((B, H, Dl), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B, H, Dr), jnp.bfloat16),
+            jax.ShapeDtypeStruct((S, 656), jnp.uint8),
+            jax.ShapeDtypeStruct((B, k), jnp.int32), jax.ShapeDtypeStruct((B, k), jnp.bool_)]
+  for config in (AttentionConfig(num_splits=1), AttentionConfig(num_splits=4, block_h=64)):
+    f = functools.partial(sparse_mla_attention_pallas, scale=0.04, config=config,
+                          interpret=False, kv_layout="fp8")
+    text = lower_for(jax.jit(f).trace(*shapes)).as_text()
+    assert "ula_sparse_mla_attention_fp8" in text
+
+
 def test_arguments_and_config_are_validated():
   q = jnp.zeros((1, 2, 24))
   with pytest.raises(ValueError, match=r"q_lat.shape\[-1\]=24, q_rope.shape\[-1\]=8: the Pallas "
@@ -210,6 +286,15 @@ def test_arguments_and_config_are_validated():
                      r"\[S, 48\]"):
     sparse_mla_attention_pallas(jnp.zeros((1, 2, 32)), jnp.zeros((1, 2, 16)), jnp.zeros((4, 40)),
                                 jnp.zeros((1, 3), jnp.int32), jnp.ones((1, 3), bool), scale=1.0)
+  with pytest.raises(ValueError, match=r"pool: got uint8\[4, 48\], expected uint8 \[S, Dl \+ "
+                     r"4 Dl/128 \+ 2 Dr\] = \[S, 164\] \(kv_layout='fp8'\)"):
+    sparse_mla_attention_pallas(jnp.zeros((1, 2, 128)), jnp.zeros((1, 2, 16)),
+                                jnp.zeros((4, 48), jnp.uint8), jnp.zeros((1, 3), jnp.int32),
+                                jnp.ones((1, 3), bool), scale=1.0, kv_layout="fp8")
+  with pytest.raises(ValueError, match=r"kv_layout"):
+    sparse_mla_attention_pallas(jnp.zeros((1, 2, 128)), jnp.zeros((1, 2, 16)),
+                                jnp.zeros((4, 144)), jnp.zeros((1, 3), jnp.int32),
+                                jnp.ones((1, 3), bool), scale=1.0, kv_layout="int4")
   with pytest.raises(ValueError, match=r"block_k=24: expected a power of 2 >= 16"):
     AttentionConfig(block_k=24)
   with pytest.raises(ValueError, match=r"block_h=8: expected a power of 2 >= 16"):

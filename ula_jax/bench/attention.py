@@ -36,6 +36,7 @@ import numpy as np
 from ula_jax.bench import common
 from ula_jax.bench.common import (add_timing_args, best_and_median, environment, fmt,
                                   parse_list, parse_sizes, time_calls, write_json)
+from ula_jax.core import kv_layout as kv_layout_lib
 from ula_jax.kernels.sparse_attention.pallas import (AttentionConfig, attention_cost,
                                                      bytes_read, sparse_mla_attention_pallas)
 from ula_jax.kernels.sparse_attention.mosaic import (MosaicAttentionConfig,
@@ -122,6 +123,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--pool-rows", type=int, default=None,
                  help="rows of the device pool (default: 2 x largest batch x k)")
   p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+  p.add_argument("--kv-layout", default="bf16", choices=kv_layout_lib.KINDS,
+                 help="how the pool stores entries (model.kv_layout): 'fp8' rows of "
+                 "Dl + 4 Dl/128 + 2 Dr bytes, read by 'xla' and 'pallas' ('mosaic' reads "
+                 "bf16 rows only); --dtype is then the queries'")
   p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
                  help=f"of {list(IMPLS)} ('mosaic' needs a Hopper GPU)")
   p.add_argument("--configs", default="auto",
@@ -190,12 +195,21 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
     raise ValueError(f"--loop={args.loop}, --reps={args.reps}: expected both >= 1")
   dtype = DTYPES[args.dtype]
   H, k, Dl, Dr = args.heads, args.k, args.latent, args.rope
+  layout = args.kv_layout
+  if layout != "bf16" and "mosaic" in names:
+    raise ValueError(f"--impls={args.impls!r} with --kv-layout={layout!r}: 'mosaic' reads "
+                     "bf16 rows only (use xla,pallas)")
+  if layout == "fp8":
+    kv_layout_lib.check_fp8_latent(Dl)
   S = args.pool_rows or max(2 * max(batches, default=1) * k, 1)
   scale = 1.0 / math.sqrt(Dl + Dr)
   steps = args.loop
   timing = dict(min_iters=args.min_iters, max_iters=args.max_iters,
                 target_s=args.target_ms / 1e3, warmup=args.warmup)
-  reference = jax.jit(functools.partial(sparse_mla_attention_reference, scale=scale))
+  # Layout keyword only for fp8 rows: the bf16 calls stay as they were.
+  by_layout = {} if layout == "bf16" else {"kv_layout": layout}
+  reference = jax.jit(functools.partial(sparse_mla_attention_reference, scale=scale,
+                                        **by_layout))
   impls: list[tuple[str, AttentionConfig | None, Any]] = []
   mosaic_configs = [(t.strip(), parse_mosaic_config(t))
                     for t in args.mosaic_configs.split(",") if t.strip()]
@@ -208,7 +222,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
     kernel, launches = kernels[name]
     for token, cfg in launches:
       label = f"{name}[{token}]" if len(launches) > 1 else name
-      fn = functools.partial(kernel, scale=scale, config=cfg)
+      fn = functools.partial(kernel, scale=scale, config=cfg, **by_layout)
       # The launch's cost model is the Triton kernel's (attention_cost).
       impls.append((label, cfg if name == "pallas" else None, looped(fn, steps)))
   copy = copy_loop(steps)
@@ -217,12 +231,16 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   rng = np.random.default_rng(args.seed)
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))
   pool = normal(S, Dl + Dr)
+  if layout == "fp8":
+    pool = kv_layout_lib.quantize(pool.astype(jnp.float32), Dl)
+  row_bytes = kv_layout_lib.row_width(layout, Dl, Dr) * (1 if layout == "fp8" else
+                                                          jnp.dtype(dtype).itemsize)
   rows: list[Row] = []
 
   def result() -> dict[str, Any]:
     return {"benchmark": "attention", "environment": environment(),
             "geometry": {"heads": H, "k": k, "latent": Dl, "rope": Dr, "pool_rows": S,
-                         "dtype": args.dtype},
+                         "dtype": args.dtype, "kv_layout": layout},
             "loop": steps, "reps": args.reps,
             "rows": [dataclasses.asdict(r) for r in rows]}
 
@@ -231,7 +249,8 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
     slots = jnp.asarray(rng.integers(0, S, (B, k), dtype=np.int32))
     valid = jnp.asarray(np.ones((B, k), bool))
     args_b = (q_lat, q_rope, pool, slots, valid)
-    nbytes = bytes_read(B, H, k, Dl, Dr, dtype, dtype)
+    nbytes = (bytes_read(B, H, k, Dl, Dr, dtype, dtype) if layout == "bf16" else
+              B * k * row_bytes + B * H * (Dl + Dr) * jnp.dtype(dtype).itemsize)
     measured: list[_Measured] = []
 
     copy_row = Row(B, COPY, nbytes)
@@ -316,7 +335,9 @@ def print_table(result: dict) -> None:
                   "ERROR" if r["error"] else fmt(r["max_err"], 4)])
   common.print_table(
       f"sparse MLA decode attention on {env['device']} ({env['backend']}, jax {env['jax']}): "
-      f"H={g['heads']} k={g['k']} Dl+Dr={g['latent']}+{g['rope']} {g['dtype']}; "
+      f"H={g['heads']} k={g['k']} Dl+Dr={g['latent']}+{g['rope']} {g['dtype']}"
+      + (f" queries, {g['kv_layout']} rows" if g.get("kv_layout", "bf16") != "bf16" else "")
+      + "; "
       f"{result['loop']} steps per loop, best of {result['reps']}",
       ("batch", "impl", "launch", "MB read", "MB partials", "us/step", "model us", "read GB/s",
        "copy GB/s (r+w)", "fraction", "median frac", "TFLOP/s", "max err"), cells,

@@ -18,7 +18,7 @@ operation's implementations ranked by measured time, fastest first:
   name, so pass runs of the production launches only (the command below lists them for
   the H200);
 * rows are compared only with rows of the same settings: attention the geometry (heads,
-  top-k, latent, rope, dtype) and batch; fetch the direction, row layout and entries per
+  top-k, latent, rope, dtype, row layout) and batch; fetch the direction, row layout and entries per
   call; resolve the policy, pool, batch, top-k and the stream's loop, steps, cache
   flush and PB-LRU ring size; the indexer the model's indexer, the chunk and the prefix.
   Of several runs of one implementation there the latest (``environment.date``) counts:
@@ -137,7 +137,7 @@ def measurements(run: dict, source: str) -> list[Measurement]:
   bench = run.get("benchmark")
   if bench == "attention":
     g = run["geometry"]
-    geo = (g["heads"], g["k"], g["latent"], g["rope"], g["dtype"])
+    geo = (g["heads"], g["k"], g["latent"], g["rope"], g["dtype"], g.get("kv_layout", "bf16"))
     labels = _production_labels()["attention"]
     for r in run["rows"]:
       if r["impl"] in labels and not r.get("error"):
@@ -198,9 +198,9 @@ def attention_entries(found: dict[tuple, Measurement], device: str) -> list[dict
       lambda: collections.defaultdict(dict))
   for (dev, op, group, impl), m in found.items():
     if dev == device and op == "attention":
-      by_geo[group[:5]][group[5]][impl] = m
+      by_geo[group[:6]][group[6]][impl] = m
   entries = []
-  for (heads, k, latent, rope, dtype), batches in sorted(by_geo.items()):
+  for (heads, k, latent, rope, dtype, layout), batches in sorted(by_geo.items()):
     order = sorted(batches)
     rows = []
     for i, b in enumerate(order):
@@ -210,8 +210,10 @@ def attention_entries(found: dict[tuple, Measurement], device: str) -> list[dict
                    "batch": b, "ranking": [m.impl for m in ms],
                    "seconds": {m.impl: _sig(m.seconds) for m in ms},
                    "sources": {m.impl: _cite(m) for m in ms}})
-    entries.append({"geometry": {"heads": heads, "latent": latent, "rope": rope, "top_k": k,
-                                 "dtype": dtype}, "rows": rows})
+    geometry = {"heads": heads, "latent": latent, "rope": rope, "top_k": k, "dtype": dtype}
+    if layout != "bf16":  # rows of values: the key is left out, as in tables before it
+      geometry["kv_layout"] = layout
+    entries.append({"geometry": geometry, "rows": rows})
   return entries
 
 

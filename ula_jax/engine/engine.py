@@ -358,6 +358,7 @@ class Engine:
                                    step_rows=self.rows,
                                    synthetic_selection=self.selections)
     self.attention_impl = kernels.attention
+    self.interpret = interpret  # kernels.interpret as resolved for this platform
     # Prefill chunks: the same attention kernel, the configured indexer, row blocks within
     # engine.prefill_scratch.
     self.prefill_kw = dict(
@@ -654,7 +655,7 @@ class Engine:
     state_specs = self._state_specs
     ws_specs = jax.tree.map(lambda _: P("dp"), self.workspace)
     param_specs = jax.tree.map(lambda _: P(), self.params)
-    attention = self.attention_impl
+    attention, interpret = self.attention_impl, self.interpret
     prefill_kw = self.prefill_kw
     page_size = self.page_size
     tp_axis = "tp" if self.tp > 1 else None
@@ -666,7 +667,7 @@ class Engine:
       out = tfm.decode_step(
           model, m, state, tokens[0], positions[0], page_table[0], active[0],
           attention=attention, tp_axis=tp_axis, return_selection=record,
-          return_digests=digests)
+          return_digests=digests, interpret=interpret)
       logits, state, stats = out[:3]
       sel = out[3] if record or digests else {}
       return jnp.argmax(logits, axis=-1).astype(jnp.int32), state, stats, sel
@@ -802,7 +803,7 @@ class Engine:
         state, tok, pos, act, left = carry
         logits, state, stats = tfm.decode_step(
             model, mem, state, tok, pos, table, act, attention=attention,
-            tp_axis=tp_axis)[:3]
+            tp_axis=tp_axis, interpret=interpret)[:3]
         nxt = jnp.where(act, jnp.argmax(logits, axis=-1).astype(jnp.int32), tok)
         left = left - act.astype(jnp.int32)
         return (state, nxt, pos + act.astype(jnp.int32), act & (left > 0), left), (nxt, stats)
@@ -850,7 +851,7 @@ class Engine:
       active = active[0]
       logits, hidden, state, stats = tfm.verify_step(
           model, mem, to_local(state), tokens[0], positions[0], page_table[0], active,
-          attention=attention, tp_axis=tp_axis)
+          attention=attention, tp_axis=tp_axis, interpret=interpret)
       greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, R]
       accepted = mtp.accept_greedy(tokens[0], greedy, active)  # [B]
       # The next drafts follow the last token this step emits (row ``accepted``'s).

@@ -13,11 +13,14 @@ systems, the model, the kernels) ever sees ``auto``. ``choose`` is the decision 
   first, and the first one that can run here (``problem``); then ``FALLBACK``:
 
   - attention: the table's entry for the geometry nearest the launch's (heads per device,
-    latent + rope width, top-k, kv dtype), and in it the row range holding the launch's
-    query rows (decode rows per dp rank x (1 + ``speculative.num_draft``));
+    latent + rope width, top-k, kv dtype) among those measured on the launch's row layout
+    (``model.kv_layout``), and in it the row range holding the launch's query rows
+    (decode rows per dp rank x (1 + ``speculative.num_draft``)); fp8 rows where the
+    table has no fp8 entry take ``xla`` (the Pallas kernel's fp8 form only where it was
+    measured faster, ``ula-jax bench attention --kv-layout fp8``, or asked for);
     ``mosaic`` only on a Hopper GPU with 64 heads of 512 + 64 bfloat16 columns in every
-    launch (a computed prefill's too), ``pallas`` and ``mosaic`` only for
-    ``model.kv_layout='bf16'`` rows, ``pallas`` only for power-of-2 widths;
+    launch (a computed prefill's too) and only for ``model.kv_layout='bf16'`` rows,
+    ``pallas`` only for power-of-2 widths;
   - indexer: ``pallas`` only for a power-of-2 ``model.index_head_dim`` >= 16;
   - fetch: the ranking measured at the row size nearest the model's stored entry and,
     at it, the rows per call nearest a decode step's launch (``LaunchShape.fetch_rows``;
@@ -191,7 +194,7 @@ def problem(op: str, impl: str, device: Device, shape: LaunchShape, *,
   if not device.gpu:
     return f"{impl} runs on a GPU only"
   if op == "attention":
-    if shape.kv_layout != "bf16":
+    if shape.kv_layout != "bf16" and impl == "mosaic":
       return f"{impl} reads model.kv_layout='bf16' rows only"
     if impl == "pallas" and not (_pow2(shape.latent) and _pow2(shape.rope)
                                  and min(shape.latent, shape.rope) >= 16):
@@ -310,6 +313,11 @@ def shipped_table() -> dict:
   return read_table(TABLE_PATH)
 
 
+def _layout(entry: dict) -> str:
+  """The row layout an attention entry was measured on (tables name only non-bf16 ones)."""
+  return entry["geometry"].get("kv_layout", "bf16")
+
+
 def _nearest_geometry(entries: list[dict], shape: LaunchShape) -> dict:
   """The attention entry measured at the geometry closest to ``shape``'s (an exact match
   when there is one)."""
@@ -326,7 +334,7 @@ def _nearest_geometry(entries: list[dict], shape: LaunchShape) -> dict:
 def table_ranking(ops: dict, op: str, shape: LaunchShape) -> list[str]:
   """A device's ranking for ``op`` at ``shape`` (empty when the table has none)."""
   if op == "attention":
-    entries = ops.get("attention") or []
+    entries = [e for e in ops.get("attention") or [] if _layout(e) == shape.kv_layout]
     if not entries:
       return []
     rows = _nearest_geometry(entries, shape)["rows"]
@@ -376,7 +384,10 @@ def choose(device: Device, shape: LaunchShape, *, interpret: bool | None = None,
   out = {}
   for op in OPS:
     ranking = table_ranking(ops, op, shape) if ops else []
-    candidates = ranking + list(FALLBACK[op])
+    fallback = FALLBACK[op]
+    if op == "attention" and shape.kv_layout != "bf16":
+      fallback = (REFERENCES[op],)  # fp8 rows: only what was measured on them
+    candidates = ranking + list(fallback)
     if op == "resolve" and shape.policy != "pb_lru":
       # Exact LRU's resolve is four launches in either Pallas form: it takes 'pallas'.
       candidates = ["pallas" if i == "pallas_fused" else i for i in candidates]

@@ -421,15 +421,17 @@ def tp_sum(x: jax.Array, axis: str) -> jax.Array:
 def _absorbed_attention(layer: DecoderLayer, proj: Projection, pool: jax.Array,
                         slots: jax.Array, valid: jax.Array, scale: float,
                         impl: str, heads: HeadRange | None = None,
-                        tp_axis: str | None = None) -> jax.Array:
+                        tp_axis: str | None = None,
+                        interpret: bool | None = None) -> jax.Array:
   """Sparse absorbed-form MLA over ``pool[slots]``: [N, D].
 
   With ``heads`` and ``tp_axis``, ``proj`` holds this rank's heads; their share of the
-  output is accumulated in float32 and summed over the ``tp_axis`` ranks.
+  output is accumulated in float32 and summed over the ``tp_axis`` ranks. interpret: the
+  Pallas kernel's interpret mode (``kernels.interpret``; None: off on a GPU only).
   """
   o_lat = sparse_mla_attention(layer.attn.absorb(proj.q_nope, heads), proj.q_rope, pool,
                                slots, valid, scale=scale, impl=impl,
-                               kv_layout=layer.attn.layout.kind)
+                               kv_layout=layer.attn.layout.kind, interpret=interpret)
   if tp_axis is None:
     return layer.attn.out(o_lat)
   share_nd = layer.attn.out(o_lat, heads, dtype=F32)
@@ -462,7 +464,8 @@ def fence(x: Any) -> Any:
 
 
 def _attend_through(mem: DecodeMemory, active: jax.Array, scale: float, attention: str,
-                    heads: HeadRange | None, tp_axis: str | None):
+                    heads: HeadRange | None, tp_axis: str | None,
+                    interpret: bool | None = None):
   """The ``attend`` of a step whose KV lives in ``mem``: write each row's new entry
   (``active`` [N] rows), then attend over ``read_pool`` at the resolved slots."""
   def attend(l, layer: DecoderLayer, proj: Projection, res: Resolution, c):
@@ -471,7 +474,7 @@ def _attend_through(mem: DecodeMemory, active: jax.Array, scale: float, attentio
     pool, base = mem.read_pool(st, l)
     rows = jnp.where(res.valid, base + res.slots, INVALID)
     out = _absorbed_attention(layer, proj, pool, rows, res.valid, scale, attention, heads,
-                              tp_axis)
+                              tp_axis, interpret)
     return fence(out), {**c, "mem": st}
   return attend
 
@@ -486,7 +489,8 @@ def _add_stats(total: dict, new: dict) -> dict:
 def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Array,
                 positions: jax.Array, page_table: jax.Array, active: jax.Array, *,
                 attention: str = "xla", tp_axis: str | None = None,
-                return_selection: bool = False, return_digests: bool = False):
+                return_selection: bool = False, return_digests: bool = False,
+                interpret: bool | None = None):
   """Decodes one token per row; KV lives in ``mem`` (one device's local state).
 
   tokens:     [B] int32 the token being decoded
@@ -498,6 +502,8 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
               ``model.num_heads`` must be a multiple of its size); None = every head
               here, the numerics of a single device
   return_selection: also return the step's selections, for trace recording
+  interpret:  the Pallas attention's interpret mode (``kernels.interpret``; None: off
+              on a GPU only)
   returns (logits [B, V] float32, mem_state, stats: dict[str, int32 scalar] summed
            over layer groups); with ``tp_axis`` the same on every rank of the axis.
            With ``return_selection``, a fourth value: {"sel_addr": [G, B, k] int32,
@@ -556,7 +562,8 @@ def decode_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
           digest.positions_digest(sel_pos, sel_valid))
     return res, c
 
-  attend = _attend_through(mem, active, cfg.softmax_scale, attention, heads, tp_axis)
+  attend = _attend_through(mem, active, cfg.softmax_scale, attention, heads, tp_axis,
+                           interpret)
   if return_digests:
     attend = _digesting(attend, mem)
 
@@ -617,7 +624,8 @@ def union_rows(sel_addr: jax.Array, sel_valid: jax.Array) -> tuple[jax.Array, ja
 
 def verify_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Array,
                 positions: jax.Array, page_table: jax.Array, active: jax.Array, *,
-                attention: str = "xla", tp_axis: str | None = None):
+                attention: str = "xla", tp_axis: str | None = None,
+                interpret: bool | None = None):
   """One verify step of speculative decoding: ``R`` query rows per request, KV in ``mem``.
 
   tokens:     [B, R] int32 row r's token, at position ``positions[b] + r`` (row 0: the
@@ -625,6 +633,7 @@ def verify_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
   positions:  [B] int32 row 0's position
   page_table: [B, P] int32 logical pages of each request
   active:     [B, R] bool rows to verify (a request's first rows; none for an idle one)
+  interpret:  the Pallas attention's interpret mode, as ``decode_step``'s
   returns (logits [B, R, V] float32, hidden [B, R, D] the final hidden states before the
            final norm (what the MTP block drafts from), mem_state, stats summed over
            layer groups, as ``decode_step``'s)
@@ -672,7 +681,8 @@ def verify_step(model: Transformer, mem: DecodeMemory, mem_state, tokens: jax.Ar
     res = res.replace(slots=jnp.where(sel_valid, slots, INVALID), valid=sel_valid)
     return res, {**c, "mem": st, "stats": _add_stats(c["stats"], res.stats)}
 
-  attend = _attend_through(mem, active_n, cfg.softmax_scale, attention, heads, tp_axis)
+  attend = _attend_through(mem, active_n, cfg.softmax_scale, attention, heads, tp_axis,
+                           interpret)
 
   x, carry = _run_layers(model, model.embed_tokens(tokens.reshape(-1)), pos_n, carry,
                          select=select, attend=attend, heads=heads)

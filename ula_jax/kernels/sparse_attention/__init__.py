@@ -4,8 +4,9 @@ One public entry point, ``sparse_mla_attention``, validates shapes and dispatche
 ``impl`` (a config field, ``kernels.attention``):
 
 * ``'xla'``: ``reference.sparse_mla_attention_reference`` (plain jnp; also the fallback;
-  the only one that reads ``model.kv_layout='fp8'`` rows, dequantised after the gather);
-* ``'pallas'``: ``pallas.sparse_mla_attention_pallas``, same signature;
+  ``model.kv_layout='fp8'`` rows dequantised after the gather);
+* ``'pallas'``: ``pallas.sparse_mla_attention_pallas``, same signature (fp8 rows decoded
+  in the kernel);
 * ``'mosaic'``: ``mosaic.sparse_mla_attention_fastest``, the Pallas Mosaic GPU kernel in
   its fastest launch (Hopper GPUs only; 64 heads, 512 + 64 bf16 columns).
 
@@ -42,11 +43,11 @@ def impl_function(impl: str) -> Callable[..., jax.Array]:
 
 def layout_problem(impl: str, kv_layout: str) -> str | None:
   """Why attention implementation ``impl`` cannot read ``kv_layout`` rows (None when it
-  can): only 'xla' dequantises fp8 rows."""
-  if kv_layout != "bf16" and impl != "xla":
+  can): 'xla' and 'pallas' read fp8 rows, 'mosaic' bf16 rows only."""
+  if kv_layout != "bf16" and impl not in ("xla", "pallas"):
     return (f"kernels.attention={impl!r} reads model.kv_layout='bf16' rows only; with "
-            f"model.kv_layout={kv_layout!r} use kernels.attention='xla' (or set "
-            f"model.kv_layout='bf16')")
+            f"model.kv_layout={kv_layout!r} use kernels.attention='pallas' or 'xla' (or "
+            f"set model.kv_layout='bf16')")
   return None
 
 
@@ -65,7 +66,7 @@ def sparse_mla_attention(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
   scale:  softmax scale; impl: one of ``IMPLS``
   interpret: Pallas interpret mode (None: on everywhere but on GPU); 'xla' ignores it
   kv_layout: how the pool's rows encode entries (``model.kv_layout``); 'fp8' rows are
-          dequantised after the gather, by the 'xla' implementation only
+          read by 'xla' (dequantised after the gather) and 'pallas' (in the kernel)
   returns o_lat: [B, H, Dl] float32
   """
   fn = impl_function(impl)

@@ -19,6 +19,15 @@ extra traffic (``AttentionCost.partial_bytes``), and the merge an extra launch. 
 automatic launch (``AttentionConfig.launch``) weighs them against the SMs a split
 occupies with a roofline model (``launch_seconds``). Rows with no valid entry produce
 zeros.
+
+FP8 rows (``model.kv_layout='fp8'``, ``core.kv_layout``: per entry ``Dl`` float8_e4m3fn
+latent values in blocks of 128 with one float32 scale each, then ``Dr`` bf16 rope values,
+all as bytes) are gathered as bytes and decoded in the program: the fp8 values become
+bf16 exactly (3 mantissa bits of 7), each 128-column block is multiplied with its own
+slice of the queries, and the block's scale multiplies the block's scores, and the
+softmax weights of the block's output product, in float32. So the tensor cores see the
+stored values themselves, no scaled copy rounded to bf16, and a 656-byte row is read
+once for every head of the program.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from ula_jax.core import kv_layout as kv_layout_lib
 
 _LOG2E = math.log2(math.e)
 
@@ -169,21 +180,30 @@ def launch_seconds(config: AttentionConfig, B: int, H: int, k: int, Dl: int, Dr:
 def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: int,
                       k: int, Dl: int, Dr: int, block_h: int, block_k: int,
                       blocks_per_split: int, slot_blocks: int, scale: float,
-                      split_out: bool):
-  # q_lat_ref: [B, H, Dl]; q_rope_ref: [B, H, Dr]; pool_ref: [S, Dl + Dr]
+                      split_out: bool, fp8_blocks: int):
+  # q_lat_ref: [B, H, Dl]; q_rope_ref: [B, H, Dr]; pool_ref: [S, Dl + Dr] values, or
+  # with fp8_blocks > 0 fp8 rows [S, Dl + 4 fp8_blocks + 2 Dr] uint8
   # slots_ref: [B, k] int32, -1 where not valid
   # out_refs: (o [B, H, Dl] f32,) or (o [B, NS, H, Dl] f32, lse [B, NS, H] f32)
   hb, sp, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   h0 = hb * block_h
   head_ok = (h0 + jnp.arange(block_h, dtype=jnp.int32)) < H  # [bh]
-  compute = pool_ref.dtype if jnp.dtype(pool_ref.dtype).itemsize == 2 else jnp.float32
+  if fp8_blocks:
+    compute = jnp.bfloat16
+  else:
+    compute = pool_ref.dtype if jnp.dtype(pool_ref.dtype).itemsize == 2 else jnp.float32
   precision = None if compute != jnp.float32 else jax.lax.Precision.HIGHEST
-  q_lat = plgpu.load(q_lat_ref.at[b, pl.ds(h0, block_h), :], mask=head_ok[:, None],
-                     other=0).astype(compute)  # [bh, Dl]
+  # The latent columns in blocks: one block of Dl for value rows, the fp8 scale blocks
+  # for fp8 rows (each with its own slice of the queries and its own accumulator).
+  nblk = max(fp8_blocks, 1)
+  width = Dl // nblk
+  q_lat = [plgpu.load(q_lat_ref.at[b, pl.ds(h0, block_h), pl.ds(j * width, width)],
+                      mask=head_ok[:, None], other=0).astype(compute)
+           for j in range(nblk)]  # nblk x [bh, width]
   q_rope = plgpu.load(q_rope_ref.at[b, pl.ds(h0, block_h), :], mask=head_ok[:, None],
                       other=0).astype(compute)  # [bh, Dr]
-  lat_cols = jnp.arange(Dl, dtype=jnp.int32)
-  rope_cols = Dl + jnp.arange(Dr, dtype=jnp.int32)
+  blk_cols = jnp.arange(width, dtype=jnp.int32)
+  rope_cols = jnp.arange(Dr, dtype=jnp.int32)
   # Scores in log2 units: exp2 is one instruction, exp a library call.
   scale2 = scale * _LOG2E
 
@@ -199,8 +219,15 @@ def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: 
     split_slots = plgpu.load(slots_ref.at[b, jnp.where(in_split, jj, 0)], mask=in_split,
                              other=-1)  # [slot_blocks, bk]
 
+  def gather(rows, ok, cols):
+    # One gather per row for every head of the block. Masked rows load as 0 so that
+    # garbage (even NaN) in unused slots cannot leak into the output.
+    return plgpu.load(pool_ref.at[rows, cols[None, :]], mask=ok[:, None], other=0)
+
   def tile(i):
-    """Block ``i`` of the split: (valid [bk], latent rows [bk, Dl], rope rows [bk, Dr])."""
+    """Block ``i`` of the split: (valid [bk], latent blocks nblk x [bk, width] in
+    ``compute``, their scales nblk x [bk] float32 (None for value rows), rope rows
+    [bk, Dr] in ``compute``)."""
     if slot_blocks:
       slot = jnp.max(jnp.where(blk == i, split_slots, -1), axis=0)  # [bk]
     else:
@@ -209,18 +236,34 @@ def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: 
       slot = plgpu.load(slots_ref.at[b, pl.ds(j0, block_k)], mask=in_k, other=-1)  # [bk]
     ok = slot >= 0
     rows = jnp.where(ok, slot, 0)[:, None]
-    # One gather per row for every head of the block. Masked rows load as 0 so that
-    # garbage (even NaN) in unused slots cannot leak into the output.
-    c = plgpu.load(pool_ref.at[rows, lat_cols[None, :]], mask=ok[:, None], other=0)
-    kr = plgpu.load(pool_ref.at[rows, rope_cols[None, :]], mask=ok[:, None], other=0)
-    return ok, c, kr
+    if not fp8_blocks:
+      c = gather(rows, ok, blk_cols).astype(compute)
+      kr = gather(rows, ok, Dl + rope_cols).astype(compute)
+      return ok, [c], None, kr
+    # fp8 rows: latent bytes as float8_e4m3fn (exact in bf16); each block's float32
+    # scale from its 4 little-endian bytes; the rope's bf16 values from byte pairs.
+    cs = [jax.lax.bitcast_convert_type(gather(rows, ok, j * width + blk_cols),
+                                       jnp.float8_e4m3fn).astype(compute)
+          for j in range(nblk)]
+    shifts = (8 * jnp.arange(4, dtype=jnp.uint32))[None, :]
+    scales = []
+    for j in range(nblk):
+      word = jnp.sum(gather(rows, ok, Dl + 4 * j + jnp.arange(4, dtype=jnp.int32))
+                     .astype(jnp.uint32) << shifts, axis=1)  # [bk] (bytes do not overlap)
+      scales.append(jax.lax.bitcast_convert_type(word, jnp.float32))
+    r0 = Dl + 4 * nblk + 2 * rope_cols
+    lo = gather(rows, ok, r0).astype(jnp.uint16)
+    hi = gather(rows, ok, r0 + 1).astype(jnp.uint16)
+    kr = jax.lax.bitcast_convert_type(lo | (hi << 8), jnp.bfloat16).astype(compute)
+    return ok, cs, scales, kr
 
   def body(i, carry):
-    m, l, acc = carry  # [bh], [bh], [bh, Dl] float32
-    ok, c, kr = tile(i)
-    c = c.astype(compute)  # [bk, Dl]
-    s = (plgpu.dot(q_lat, c, trans_b=True, precision=precision)
-         + plgpu.dot(q_rope, kr.astype(compute), trans_b=True, precision=precision))
+    m, l, accs = carry  # [bh], [bh], nblk x [bh, width] float32
+    ok, cs, scales, kr = tile(i)
+    s = plgpu.dot(q_rope, kr, trans_b=True, precision=precision)
+    for j, c in enumerate(cs):
+      sj = plgpu.dot(q_lat[j], c, trans_b=True, precision=precision)
+      s = s + (sj if scales is None else sj * scales[j][None, :])
     s = jnp.where(ok[None, :], s * scale2, -jnp.inf)  # [bh, bk]
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     # While a row has seen nothing valid, m is -inf: shift by 0 so exp2() gives 0, not NaN.
@@ -228,22 +271,27 @@ def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: 
     alpha = jnp.exp2(m - m_safe)
     p = jnp.exp2(s - m_safe[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + plgpu.dot(p.astype(compute), c, precision=precision)
-    return m_new, l, acc
+    accs = tuple(
+        acc * alpha[:, None]
+        + plgpu.dot((p if scales is None else p * scales[j][None, :]).astype(compute), c,
+                    precision=precision)
+        for j, (acc, c) in enumerate(zip(accs, cs)))
+    return m_new, l, accs
 
   init = (jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32),
-          jnp.zeros((block_h, Dl), jnp.float32))
-  m, l, acc = jax.lax.fori_loop(0, blocks_per_split, body, init)
-  o = acc / jnp.where(l > 0, l, 1.0)[:, None]
-  if not split_out:
-    (o_ref,) = out_refs
-    plgpu.store(o_ref.at[b, pl.ds(h0, block_h), :], o, mask=head_ok[:, None])
-  else:
-    o_ref, lse_ref = out_refs
+          tuple(jnp.zeros((block_h, width), jnp.float32) for _ in range(nblk)))
+  m, l, accs = jax.lax.fori_loop(0, blocks_per_split, body, init)
+  o_ref = out_refs[0]
+  for j, acc in enumerate(accs):
+    o = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    where = (b, pl.ds(h0, block_h), pl.ds(j * width, width))
+    if split_out:
+      where = (b, sp) + where[1:]
+    plgpu.store(o_ref.at[where], o, mask=head_ok[:, None])
+  if split_out:
     # Natural-log log-sum-exp of the split's scores: ln(2^m * l).
     lse = jnp.where(l > 0, m / _LOG2E + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-    plgpu.store(o_ref.at[b, sp, pl.ds(h0, block_h), :], o, mask=head_ok[:, None])
-    plgpu.store(lse_ref.at[b, sp, pl.ds(h0, block_h)], lse, mask=head_ok)
+    plgpu.store(out_refs[1].at[b, sp, pl.ds(h0, block_h)], lse, mask=head_ok)
 
 
 def merge_splits(o_bshc: jax.Array, lse_bsh: jax.Array) -> jax.Array:
@@ -361,36 +409,55 @@ def attention_cost(B: int, H: int, k: int, Dl: int, Dr: int, pool_dtype, q_dtype
 def sparse_mla_attention_pallas(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
                                 slots: jax.Array, valid: jax.Array, *, scale: float,
                                 config: AttentionConfig | None = None,
-                                interpret: bool | None = None) -> jax.Array:
+                                interpret: bool | None = None,
+                                kv_layout: str = "bf16") -> jax.Array:
   """Attention of every head over the selected pool rows (Pallas).
 
   q_lat:  [B, H, Dl] latent queries; q_rope: [B, H, Dr] rotary queries
-  pool:   [S, Dl + Dr] entries, bf16/f16 (tensor-core dots, f32 accumulation) or f32
+  pool:   [S, Dl + Dr] entries, bf16/f16 (tensor-core dots, f32 accumulation) or f32;
+          with ``kv_layout='fp8'`` their fp8 rows [S, Dl + 4 Dl/128 + 2 Dr] uint8
+          (``core.kv_layout``; bf16 tensor-core dots of the stored fp8 values, each
+          128-column block's scale applied in float32)
   slots:  [B, k] int32 pool rows (ignored where not valid; clamped into [0, S))
   valid:  [B, k] bool
-  scale:  softmax scale; config: tuning (``AttentionConfig``)
+  scale:  softmax scale; config: tuning (``AttentionConfig``; fp8 rows launch as bf16
+          rows of the same shape would)
   interpret: Pallas interpret mode (None: interpret everywhere but on GPU)
+  kv_layout: 'bf16' (rows of values) or 'fp8'
   Dl and Dr must be powers of 2 (Triton block shapes), >= 16 on GPU.
   returns o_lat: [B, H, Dl] float32
   """
   config = config or AttentionConfig()
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
+  kv_layout_lib.check_kind(kv_layout)
   B, H, Dl = q_lat.shape
   Dr = q_rope.shape[-1]
   S, k = pool.shape[0], slots.shape[1]
   if not (_pow2(Dl) and _pow2(Dr)):
     raise ValueError(f"q_lat.shape[-1]={Dl}, q_rope.shape[-1]={Dr}: the Pallas kernel needs "
                      "powers of 2 (use impl='xla' otherwise)")
-  if pool.shape[1] != Dl + Dr:
-    raise ValueError(f"pool.shape={tuple(pool.shape)}: expected [S, Dl + Dr] = [S, {Dl + Dr}]")
+  fp8_blocks = 0
+  if kv_layout == "fp8":
+    kv_layout_lib.check_fp8_latent(Dl)
+    fp8_blocks = Dl // kv_layout_lib.FP8_BLOCK
+    W = kv_layout_lib.row_width(kv_layout, Dl, Dr)
+    if pool.ndim != 2 or pool.shape[1] != W or pool.dtype != jnp.uint8:
+      raise ValueError(f"pool: got {pool.dtype}{list(pool.shape)}, expected uint8 "
+                       f"[S, Dl + 4 Dl/128 + 2 Dr] = [S, {W}] (kv_layout='fp8')")
+    itemsize = 2  # launched as the bf16 rows the values become
+  else:
+    if pool.shape[1] != Dl + Dr:
+      raise ValueError(f"pool.shape={tuple(pool.shape)}: expected [S, Dl + Dr] = "
+                       f"[S, {Dl + Dr}]")
+    itemsize = jnp.dtype(pool.dtype).itemsize
   if B == 0 or H == 0 or k == 0 or S == 0:
     return jnp.zeros((B, H, Dl), jnp.float32)
   # One int32 list for the kernel: -1 where not valid; valid slots are clamped into the
   # pool like the reference does.
   slots = jnp.where(valid, jnp.clip(slots, 0, S - 1), -1).astype(jnp.int32)
 
-  block_h, splits = config.launch(B, H, k, Dl, Dr, jnp.dtype(pool.dtype).itemsize)
+  block_h, splits = config.launch(B, H, k, Dl, Dr, itemsize)
   num_hb = pl.cdiv(H, block_h)
   blocks_per_split = pl.cdiv(pl.cdiv(k, config.block_k), splits)
   split_out = splits > 1
@@ -400,7 +467,7 @@ def sparse_mla_attention_pallas(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   kernel = functools.partial(
       _attention_kernel, H=H, k=k, Dl=Dl, Dr=Dr, block_h=block_h, block_k=config.block_k,
       blocks_per_split=blocks_per_split, slot_blocks=slot_blocks, scale=float(scale),
-      split_out=split_out)
+      split_out=split_out, fp8_blocks=fp8_blocks)
   if split_out:
     out_shape = (jax.ShapeDtypeStruct((B, splits, H, Dl), jnp.float32),
                  jax.ShapeDtypeStruct((B, splits, H), jnp.float32))
@@ -416,7 +483,7 @@ def sparse_mla_attention_pallas(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
       interpret=interpret,
       compiler_params=plgpu.CompilerParams(num_warps=config.warps(block_h),
                                            num_stages=config.num_stages),
-      name="ula_sparse_mla_attention",
+      name="ula_sparse_mla_attention" + ("_fp8" if fp8_blocks else ""),
   )(q_lat, q_rope, pool, slots)
   if split_out:
     return merge_splits_pallas(*outs, interpret=interpret)
