@@ -202,8 +202,18 @@ def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: 
            for j in range(nblk)]  # nblk x [bh, width]
   q_rope = plgpu.load(q_rope_ref.at[b, pl.ds(h0, block_h), :], mask=head_ok[:, None],
                       other=0).astype(compute)  # [bh, Dr]
+  # Column indices of each gather, made once outside the loop: the latent blocks' and the
+  # rope's (bf16 rows); for fp8 rows also each block's 4 scale bytes, and the rope's
+  # low and high bytes.
   blk_cols = jnp.arange(width, dtype=jnp.int32)
-  rope_cols = jnp.arange(Dr, dtype=jnp.int32)
+  lat_cols = [blk_cols] + [j * width + blk_cols for j in range(1, nblk)]
+  if not fp8_blocks:
+    rope_cols = Dl + jnp.arange(Dr, dtype=jnp.int32)
+  else:
+    scale_cols = [Dl + 4 * j + jnp.arange(4, dtype=jnp.int32) for j in range(nblk)]
+    rope_lo = Dl + 4 * nblk + 2 * jnp.arange(Dr, dtype=jnp.int32)
+    rope_hi = rope_lo + 1
+    shifts = (8 * jnp.arange(4, dtype=jnp.uint32))[None, :]
   # Scores in log2 units: exp2 is one instruction, exp a library call.
   scale2 = scale * _LOG2E
 
@@ -237,33 +247,32 @@ def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: 
     ok = slot >= 0
     rows = jnp.where(ok, slot, 0)[:, None]
     if not fp8_blocks:
-      c = gather(rows, ok, blk_cols).astype(compute)
-      kr = gather(rows, ok, Dl + rope_cols).astype(compute)
-      return ok, [c], None, kr
+      c = gather(rows, ok, lat_cols[0])
+      kr = gather(rows, ok, rope_cols)
+      return ok, [c.astype(compute)], None, kr.astype(compute)
     # fp8 rows: latent bytes as float8_e4m3fn (exact in bf16); each block's float32
     # scale from its 4 little-endian bytes; the rope's bf16 values from byte pairs.
-    cs = [jax.lax.bitcast_convert_type(gather(rows, ok, j * width + blk_cols),
-                                       jnp.float8_e4m3fn).astype(compute)
-          for j in range(nblk)]
-    shifts = (8 * jnp.arange(4, dtype=jnp.uint32))[None, :]
+    cs = [jax.lax.bitcast_convert_type(gather(rows, ok, cols), jnp.float8_e4m3fn)
+          .astype(compute) for cols in lat_cols]
     scales = []
-    for j in range(nblk):
-      word = jnp.sum(gather(rows, ok, Dl + 4 * j + jnp.arange(4, dtype=jnp.int32))
-                     .astype(jnp.uint32) << shifts, axis=1)  # [bk] (bytes do not overlap)
+    for cols in scale_cols:
+      word = jnp.sum(gather(rows, ok, cols).astype(jnp.uint32) << shifts,
+                     axis=1)  # [bk] (the bytes do not overlap)
       scales.append(jax.lax.bitcast_convert_type(word, jnp.float32))
-    r0 = Dl + 4 * nblk + 2 * rope_cols
-    lo = gather(rows, ok, r0).astype(jnp.uint16)
-    hi = gather(rows, ok, r0 + 1).astype(jnp.uint16)
+    lo = gather(rows, ok, rope_lo).astype(jnp.uint16)
+    hi = gather(rows, ok, rope_hi).astype(jnp.uint16)
     kr = jax.lax.bitcast_convert_type(lo | (hi << 8), jnp.bfloat16).astype(compute)
     return ok, cs, scales, kr
 
   def body(i, carry):
     m, l, accs = carry  # [bh], [bh], nblk x [bh, width] float32
     ok, cs, scales, kr = tile(i)
-    s = plgpu.dot(q_rope, kr, trans_b=True, precision=precision)
+    s = None
     for j, c in enumerate(cs):
       sj = plgpu.dot(q_lat[j], c, trans_b=True, precision=precision)
-      s = s + (sj if scales is None else sj * scales[j][None, :])
+      sj = sj if scales is None else sj * scales[j][None, :]
+      s = sj if s is None else s + sj
+    s = s + plgpu.dot(q_rope, kr, trans_b=True, precision=precision)
     s = jnp.where(ok[None, :], s * scale2, -jnp.inf)  # [bh, bk]
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     # While a row has seen nothing valid, m is -inf: shift by 0 so exp2() gives 0, not NaN.
@@ -281,16 +290,16 @@ def _attention_kernel(q_lat_ref, q_rope_ref, pool_ref, slots_ref, *out_refs, H: 
   init = (jnp.full((block_h,), -jnp.inf, jnp.float32), jnp.zeros((block_h,), jnp.float32),
           tuple(jnp.zeros((block_h, width), jnp.float32) for _ in range(nblk)))
   m, l, accs = jax.lax.fori_loop(0, blocks_per_split, body, init)
-  o_ref = out_refs[0]
-  for j, acc in enumerate(accs):
-    o = acc / jnp.where(l > 0, l, 1.0)[:, None]
-    where = (b, pl.ds(h0, block_h), pl.ds(j * width, width))
-    if split_out:
-      where = (b, sp) + where[1:]
-    plgpu.store(o_ref.at[where], o, mask=head_ok[:, None])
+  outs = [acc / jnp.where(l > 0, l, 1.0)[:, None] for acc in accs]
   if split_out:
     # Natural-log log-sum-exp of the split's scores: ln(2^m * l).
     lse = jnp.where(l > 0, m / _LOG2E + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+  for j, o in enumerate(outs):
+    where = (b, pl.ds(h0, block_h), pl.ds(j * width, width))
+    if split_out:
+      where = (b, sp) + where[1:]
+    plgpu.store(out_refs[0].at[where], o, mask=head_ok[:, None])
+  if split_out:
     plgpu.store(out_refs[1].at[b, sp, pl.ds(h0, block_h)], lse, mask=head_ok)
 
 
