@@ -391,11 +391,12 @@ def test_auto_fetch_skips_pallas_where_a_byte_pool_is_2_to_4_gib(monkeypatch):
   assert tp.fetch_impl == tp.store.ula.fetch_impl == "ffi"
 
 
-def test_attention_rankings_by_row_layout(monkeypatch):
+def test_attention_rankings_by_row_layout(monkeypatch, capsys):
   """A table's fp8 entries (from ``bench attention --kv-layout fp8``) rank fp8 rows'
   launches; bf16 entries rank bf16 rows' only. The builder keeps the layouts apart and
   names the layout in a geometry only for fp8 rows."""
-  from ula_jax.bench.kernels_table import attention_entries, latest, measurements
+  from ula_jax.bench.kernels_table import (attention_entries, latest, measurements,
+                                           print_rankings)
 
   env = {"backend": "gpu", "device": "G", "date": "2026-01-01T00:00:00+00:00"}
   geo = {"heads": 64, "k": 2048, "latent": 512, "rope": 64, "dtype": "bfloat16"}
@@ -407,6 +408,9 @@ def test_attention_rankings_by_row_layout(monkeypatch):
   assert [(e["geometry"].get("kv_layout"), e["rows"][0]["ranking"]) for e in entries] == [
       (None, ["pallas", "xla"]), ("fp8", ["xla", "pallas"])]
   table = {"format": auto.TABLE_FORMAT, "devices": {"G": {"attention": entries}}}
+  print_rankings(table)
+  printed = capsys.readouterr().out
+  assert "k 2048, fp8 rows, rows 1-" in printed and "k 2048, rows 1-" in printed
   gpu = Device("gpu", "G", "9.0")
   assert auto.choose(gpu, LaunchShape(rows=8), table=table, ffi=False)["attention"] == "pallas"
   fp8 = LaunchShape(rows=8, kv_layout="fp8")

@@ -322,6 +322,8 @@ def print_rankings(table: dict) -> None:
     for geo in ops.get("attention", []):
       g = geo["geometry"]
       shape = f"{g['heads']} heads, {g['latent']}+{g['rope']}, k {g['top_k']}"
+      if g.get("kv_layout", "bf16") != "bf16":
+        shape += f", {g['kv_layout']} rows"
       for row in geo["rows"]:
         rows = f"{row['min']}-{row['max'] if row['max'] is not None else ''}"
         cells.append([device, "attention", f"{shape}, rows {rows}", " > ".join(row["ranking"])])
