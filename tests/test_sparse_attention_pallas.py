@@ -287,7 +287,7 @@ def test_arguments_and_config_are_validated():
     sparse_mla_attention_pallas(jnp.zeros((1, 2, 32)), jnp.zeros((1, 2, 16)), jnp.zeros((4, 40)),
                                 jnp.zeros((1, 3), jnp.int32), jnp.ones((1, 3), bool), scale=1.0)
   with pytest.raises(ValueError, match=r"pool: got uint8\[4, 48\], expected uint8 \[S, Dl \+ "
-                     r"4 Dl/128 \+ 2 Dr\] = \[S, 164\] \(kv_layout='fp8'\)"):
+                     r"4 Dl/128 \+ 2 Dr\] = \[S, 164\] \(model.kv_layout='fp8'\)"):
     sparse_mla_attention_pallas(jnp.zeros((1, 2, 128)), jnp.zeros((1, 2, 16)),
                                 jnp.zeros((4, 48), jnp.uint8), jnp.zeros((1, 3), jnp.int32),
                                 jnp.ones((1, 3), bool), scale=1.0, kv_layout="fp8")

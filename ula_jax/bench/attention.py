@@ -233,8 +233,6 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
   pool = normal(S, Dl + Dr)
   if layout == "fp8":
     pool = kv_layout_lib.quantize(pool.astype(jnp.float32), Dl)
-  row_bytes = kv_layout_lib.row_width(layout, Dl, Dr) * (1 if layout == "fp8" else
-                                                          jnp.dtype(dtype).itemsize)
   rows: list[Row] = []
 
   def result() -> dict[str, Any]:
@@ -249,8 +247,7 @@ def run(args, checkpoint: Callable[[dict], None] | None = None) -> dict[str, Any
     slots = jnp.asarray(rng.integers(0, S, (B, k), dtype=np.int32))
     valid = jnp.asarray(np.ones((B, k), bool))
     args_b = (q_lat, q_rope, pool, slots, valid)
-    nbytes = (bytes_read(B, H, k, Dl, Dr, dtype, dtype) if layout == "bf16" else
-              B * k * row_bytes + B * H * (Dl + Dr) * jnp.dtype(dtype).itemsize)
+    nbytes = bytes_read(B, H, k, Dl, Dr, dtype, dtype, kv_layout=layout)
     measured: list[_Measured] = []
 
     copy_row = Row(B, COPY, nbytes)

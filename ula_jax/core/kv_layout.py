@@ -66,6 +66,14 @@ def check_fp8_latent(latent_dim: int) -> None:
         f"{FP8_BLOCK} (or set model.kv_layout='bf16')")
 
 
+def check_fp8_pool(pool: jax.Array, latent_dim: int, rope_dim: int) -> None:
+  """Raises where ``pool`` is not a pool of fp8 rows [S, C + 4 C/128 + 2 R] uint8."""
+  W = row_width("fp8", latent_dim, rope_dim)
+  if pool.ndim != 2 or pool.shape[1] != W or pool.dtype != _U8:
+    raise ValueError(f"pool: got {pool.dtype}{list(pool.shape)}, expected uint8 "
+                     f"[S, Dl + 4 Dl/128 + 2 Dr] = [S, {W}] (model.kv_layout='fp8')")
+
+
 def row_width(kind: str, latent_dim: int, rope_dim: int) -> int:
   """Elements of one stored row: ``C + R`` values (bf16), ``C + 4 C/128 + 2 R`` bytes (fp8)."""
   check_kind(kind)

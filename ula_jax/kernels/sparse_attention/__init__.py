@@ -22,7 +22,6 @@ import importlib
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 from ula_jax.core import kv_layout as kv_layout_lib
 
@@ -82,10 +81,7 @@ def sparse_mla_attention(q_lat: jax.Array, q_rope: jax.Array, pool: jax.Array,
   if kv_layout == "bf16" and (pool.ndim != 2 or pool.shape[1] != Dl + Dr):
     raise ValueError(f"pool.shape={pool.shape}: expected [S, Dl + Dr] = [S, {Dl + Dr}]")
   if kv_layout == "fp8":
-    W = kv_layout_lib.row_width(kv_layout, Dl, Dr)
-    if pool.ndim != 2 or pool.shape[1] != W or pool.dtype != jnp.uint8:
-      raise ValueError(f"pool: got {pool.dtype}{list(pool.shape)}, expected uint8 "
-                       f"[S, Dl + 4 Dl/128 + 2 Dr] = [S, {W}] (model.kv_layout='fp8')")
+    kv_layout_lib.check_fp8_pool(pool, Dl, Dr)
   if slots.ndim != 2 or slots.shape[0] != B or valid.shape != slots.shape:
     raise ValueError(f"slots.shape={slots.shape}, valid.shape={valid.shape}: expected "
                      f"both [B, k] with B={B}")

@@ -448,12 +448,8 @@ def sparse_mla_attention_pallas(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
                      "powers of 2 (use impl='xla' otherwise)")
   fp8_blocks = 0
   if kv_layout == "fp8":
-    kv_layout_lib.check_fp8_latent(Dl)
+    kv_layout_lib.check_fp8_pool(pool, Dl, Dr)
     fp8_blocks = Dl // kv_layout_lib.FP8_BLOCK
-    W = kv_layout_lib.row_width(kv_layout, Dl, Dr)
-    if pool.ndim != 2 or pool.shape[1] != W or pool.dtype != jnp.uint8:
-      raise ValueError(f"pool: got {pool.dtype}{list(pool.shape)}, expected uint8 "
-                       f"[S, Dl + 4 Dl/128 + 2 Dr] = [S, {W}] (kv_layout='fp8')")
     itemsize = 2  # launched as the bf16 rows the values become
   else:
     if pool.shape[1] != Dl + Dr:
@@ -499,10 +495,13 @@ def sparse_mla_attention_pallas(q_lat: jax.Array, q_rope: jax.Array, pool: jax.A
   return outs[0]
 
 
-def bytes_read(B: int, H: int, k: int, Dl: int, Dr: int, pool_dtype, q_dtype) -> int:
+def bytes_read(B: int, H: int, k: int, Dl: int, Dr: int, pool_dtype, q_dtype,
+               kv_layout: str = "bf16") -> int:
   """Bytes a sparse decode step must read: the k selected rows of every request and the
-  queries (what the attention benchmark divides by time)."""
-  row = (Dl + Dr) * jnp.dtype(pool_dtype).itemsize
+  queries (what the attention benchmark divides by time). With ``kv_layout='fp8'`` a
+  row is its fp8 bytes (``pool_dtype`` is then ignored)."""
+  row = kv_layout_lib.row_width(kv_layout, Dl, Dr)
+  row *= jnp.dtype(pool_dtype).itemsize if kv_layout == "bf16" else 1
   return B * k * row + B * H * (Dl + Dr) * jnp.dtype(q_dtype).itemsize
 
 
