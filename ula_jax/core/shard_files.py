@@ -96,6 +96,12 @@ def _spans(total: int, step: int) -> Iterator[tuple[int, int]]:
     yield lo, min(total, lo + step)
 
 
+def _each_chunk(fn, nbytes: int, chunk_bytes: int) -> None:
+  """``fn((lo, hi))`` for each chunk of ``nbytes`` bytes, on ``THREADS`` threads."""
+  with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+    list(pool.map(fn, _spans(nbytes, chunk_bytes)))
+
+
 def _pwrite_all(fd: int, view: np.ndarray, offset: int) -> None:
   mv = memoryview(view)
   while mv:
@@ -157,9 +163,7 @@ def save(x: jax.Array, folder: str | Path, chunk_bytes: int | None = None) -> di
     try:
       if _host_addressable(x):
         view = _bytes_view(data)
-        with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
-          list(pool.map(lambda s: _pwrite_all(fd, view[s[0]:s[1]], s[0]),
-                        _spans(nbytes, chunk_bytes)))
+        _each_chunk(lambda s: _pwrite_all(fd, view[s[0]:s[1]], s[0]), nbytes, chunk_bytes)
       else:
         _save_device_shard(data, fd, chunk_bytes)
       os.fsync(fd)
@@ -245,8 +249,7 @@ def restore(x: jax.Array, folder: str | Path, doc: dict,
 
       fd = os.open(path, os.O_RDONLY)
       try:
-        with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
-          list(pool.map(read, _spans(nbytes, chunk_bytes)))
+        _each_chunk(read, nbytes, chunk_bytes)
       finally:
         os.close(fd)
     return x
